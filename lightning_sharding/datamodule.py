@@ -1,0 +1,283 @@
+"""``ShardedDataModule``: the LightningDataModule users subclass or configure.
+
+It takes the topology from the trainer at ``setup()``, owns the manifest and the ledger, builds
+the sharded loaders, and adds the :class:`~lightning_sharding.callbacks.ShardingCallback` that
+keeps the ledger in step with training and in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Checkpoint
+from typing_extensions import override
+
+from lightning_sharding.ledger import CheckpointMismatchError, Ledger
+from lightning_sharding.loader import PlannedBatches, PlanSampler, ShardedLoader, Transform, default_collate
+from lightning_sharding.manifest import Manifest
+from lightning_sharding.plan import EVEN_BATCH_POLICIES, EvenBatches
+from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.world import World
+
+CHECKPOINT_KEY = "lightning_sharding"
+
+
+class ShardedDataModule(pl.LightningDataModule):
+    """Exactly-once, two-level sharded data for Lightning.
+
+    Ranks take contiguous runs of the epoch order (whole items where possible); each rank's
+    DataLoader workers take contiguous runs of its batches. Every sample is served once per epoch
+    across all ranks and workers, also after a mid-epoch resume on another number of ranks or
+    workers, because the checkpoint holds a topology-free ledger of consumed samples.
+
+    Give it a :class:`~lightning_sharding.readers.Reader` (or override :meth:`make_reader`), and
+    optionally a per-sample ``transform(sample, ctx)`` run inside workers. Validation and test
+    readers are sharded the same way without a ledger; batches that are dicts carry a boolean
+    ``padding_key`` entry so metrics can leave padding out.
+
+    Args:
+        reader: the training data.
+        batch_size: samples per batch on each rank.
+        num_workers: DataLoader worker processes per rank (0 loads in the training process).
+        seed: the shuffle seed shared by all ranks; ``None`` draws one on rank 0 and broadcasts it.
+        shuffle: permute items and samples every epoch.
+        even_batches: ``"pad"`` repeats at most one flagged sample per rank, ``"drop"`` leaves at
+            most one sample per rank unserved (reported); either way every rank yields the same
+            number of batches, so DDP never hangs at an epoch's end.
+        persistent_workers, prefetch_factor, pin_memory, multiprocessing_context, timeout: passed
+            to the DataLoader.
+        transform: ``transform(sample, SampleContext) -> sample``, run per sample in the worker.
+        collate_fn: turns a list of samples into a batch (PyTorch's default collate).
+        val_reader, test_reader: evaluation data, sharded without a ledger and never shuffled.
+        padding_key: the key of the padding flags added to dict batches; ``None`` adds none.
+        allow_data_change: resume even when the data's fingerprint changed (the epoch restarts
+            with a warning) instead of failing.
+    """
+
+    def __init__(
+        self,
+        reader: Reader | None = None,
+        *,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        seed: int | None = None,
+        shuffle: bool = True,
+        even_batches: EvenBatches = "pad",
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        multiprocessing_context: str | None = None,
+        timeout: float = 0,
+        transform: Transform | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        val_reader: Reader | None = None,
+        test_reader: Reader | None = None,
+        padding_key: str | None = "is_padding",
+        allow_data_change: bool = False,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`{name}(batch_size={batch_size!r})` must be a positive integer")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"`{name}(num_workers={num_workers!r})` must be an integer >= 0 (0 loads in-process)")
+        if even_batches not in EVEN_BATCH_POLICIES:
+            raise ValueError(f"`{name}(even_batches={even_batches!r})` must be one of {list(EVEN_BATCH_POLICIES)}")
+        if persistent_workers and num_workers == 0:
+            raise ValueError(f"`{name}(persistent_workers=True)` needs num_workers > 0")
+        if prefetch_factor is not None and (num_workers == 0 or prefetch_factor < 1):
+            raise ValueError(f"`{name}(prefetch_factor={prefetch_factor})` needs num_workers > 0 and a value >= 1")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"`{name}(seed={seed!r})` must be a non-negative integer or None")
+        self._reader = reader
+        self._val_reader, self._test_reader = val_reader, test_reader
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.seed, self.shuffle, self.even_batches = seed, shuffle, even_batches
+        self.persistent_workers, self.prefetch_factor = persistent_workers, prefetch_factor
+        self.pin_memory, self.multiprocessing_context, self.timeout = pin_memory, multiprocessing_context, timeout
+        self.transform = transform
+        self.collate_fn = collate_fn or default_collate
+        self.padding_key = padding_key
+        self.allow_data_change = allow_data_change
+        self.world = World()
+        self.manifest: Manifest | None = None
+        self.ledger: Ledger | None = None
+        self.train_loader: ShardedLoader | None = None
+
+    def make_reader(self) -> Reader:
+        """The training reader; override it to build the reader from your own arguments."""
+        if self._reader is None:
+            raise TypeError(f"{type(self).__name__} has no reader: pass `reader=...` or override `make_reader()`")
+        return self._reader
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Read the topology from the trainer, build the manifest and the ledger, add the callback."""
+        if self.trainer is not None:
+            self.world = World.from_trainer(self.trainer)
+        if stage != "fit" or self.manifest is not None:
+            return
+        reader = self.make_reader()
+        self.manifest = Manifest.from_items(reader.items())
+        self.ledger = Ledger(seed=self._shared_seed(), total=self.manifest.total, manifest=self.manifest.summary())
+        if self.trainer is not None:
+            _ensure_callback(self.trainer)
+
+    def _shared_seed(self) -> int:
+        if self.seed is not None:
+            return self.seed
+        seed = int(np.random.SeedSequence().generate_state(1, dtype=np.uint32)[0])
+        if self.trainer is not None and self.world.world_size > 1:
+            seed = int(self.trainer.strategy.broadcast(seed, src=0))
+        self.seed = seed
+        return seed
+
+    @override
+    def train_dataloader(self) -> ShardedLoader:
+        """This rank's training loader; it yields the same number of batches on every rank."""
+        if self.ledger is None or self.manifest is None:
+            raise RuntimeError(f"{type(self).__name__}.train_dataloader() called before setup('fit')")
+        if self.trainer is not None:
+            # Lightning creates the epoch's iterator before calling set_epoch when it restarts, so
+            # the ledger must already be on the epoch Lightning is about to run.
+            current = self.trainer.fit_loop.epoch_progress.current
+            self.ledger.start_epoch(int(getattr(current, "processed", self.trainer.current_epoch)))
+        self.train_loader = self._loader(self.make_reader(), self.manifest, self.ledger, self.shuffle, track=True)
+        return self.train_loader
+
+    # Exposed as properties so that Lightning sees an evaluation loader only when a reader was given
+    # (it checks whether the method is overridden); a subclass may still define its own method.
+    @property
+    def val_dataloader(self) -> Callable[[], Any]:
+        """The validation loader: sharded like training, never shuffled, padding flagged."""
+        if self._val_reader is None:
+            return super().val_dataloader
+        return lambda: self._eval_loader(self._val_reader)
+
+    @property
+    def test_dataloader(self) -> Callable[[], Any]:
+        """The test loader: sharded like training, never shuffled, padding flagged."""
+        if self._test_reader is None:
+            return super().test_dataloader
+        return lambda: self._eval_loader(self._test_reader)
+
+    def _eval_loader(self, reader: Reader | None) -> ShardedLoader:
+        assert reader is not None
+        if self.trainer is not None:
+            self.world = World.from_trainer(self.trainer)
+        manifest = Manifest.from_items(reader.items())
+        ledger = Ledger(seed=self.seed or 0, total=manifest.total, manifest=manifest.summary())
+        return self._loader(reader, manifest, ledger, shuffle=False, track=False)
+
+    def _loader(self, reader: Reader, manifest: Manifest, ledger: Ledger, shuffle: bool, track: bool) -> ShardedLoader:
+        dataset = PlannedBatches(
+            reader,
+            manifest.items,
+            seed=ledger.seed,
+            shuffle=shuffle,
+            world=self.world,
+            num_workers=self.num_workers,
+            transform=self.transform,
+            collate_fn=self.collate_fn,
+        )
+        sampler = PlanSampler(
+            ledger,
+            world=self.world,
+            num_workers=self.num_workers,
+            batch_size=self.batch_size,
+            even_batches=self.even_batches,
+        )
+        return ShardedLoader(
+            dataset,
+            sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            multiprocessing_context=self.multiprocessing_context,
+            timeout=self.timeout,
+            padding_key=self.padding_key,
+            track=track,
+        )
+
+    # -- ledger bookkeeping, driven by ShardingCallback ------------------------------------------
+
+    def account_step(self, optimizer_stepped: bool) -> int:
+        """Record the batch whose training step just completed; returns its real sample count."""
+        if self.train_loader is None or self.ledger is None:
+            raise RuntimeError("a training step ended before the sharded train loader was created")
+        provenance = self.train_loader.pop_delivered()
+        real = provenance.real_positions
+        self.ledger.record(real)
+        if optimizer_stepped:
+            self.ledger.commit()
+        return len(real)
+
+    def gather_consumed(self) -> None:
+        """Union every rank's consumed positions into every rank's ledger (a collective call)."""
+        assert self.ledger is not None
+        if self.world.world_size > 1 and dist.is_available() and dist.is_initialized():
+            gathered: list[Any] = [None] * self.world.world_size
+            dist.all_gather_object(gathered, self.ledger.consumed.to_state())
+            for state in gathered:
+                self.ledger.merge(RangeSet.from_state(state))
+
+    def ledger_state(self) -> dict[str, Any]:
+        """The checkpoint entry: the union of all ranks' ledgers (a collective call)."""
+        assert self.ledger is not None
+        self.gather_consumed()
+        state = self.ledger.state_dict()
+        state["writer"] = {
+            "world_size": self.world.world_size,
+            "num_workers": self.num_workers,
+            "batch_size": self.batch_size,
+        }
+        return state
+
+    def restore_ledger(self, state: dict[str, Any] | None) -> None:
+        """Restore a checkpoint's ledger; a checkpoint of other data is a clear error."""
+        assert self.ledger is not None and self.manifest is not None
+        if state is None:
+            warnings.warn(
+                "the checkpoint holds no lightning_sharding data ledger (it was written without "
+                "ShardedDataModule): the interrupted epoch restarts from its beginning",
+                stacklevel=2,
+            )
+            return
+        restored = Ledger.from_state_dict(state)
+        if restored.fingerprint != self.manifest.fingerprint:
+            change = self.manifest.explain_mismatch(restored.manifest)
+            if not self.allow_data_change:
+                raise CheckpointMismatchError(
+                    f"the checkpoint was written for other data: {change}. Resume with the same data, "
+                    f"or pass `allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
+                )
+            warnings.warn(
+                f"the data changed since the checkpoint ({change}); epoch {restored.epoch} restarts "
+                "with a fresh order because allow_data_change=True",
+                stacklevel=2,
+            )
+            self.ledger = Ledger(
+                seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
+            )
+            return
+        self.ledger = restored
+        self.seed = restored.seed
+
+
+def _ensure_callback(trainer: pl.Trainer) -> None:
+    """Add ShardingCallback unless present, before any checkpoint callback so that a step is
+    accounted before a checkpoint taken at the same step is written."""
+    from lightning_sharding.callbacks import ShardingCallback
+
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    if any(isinstance(cb, ShardingCallback) for cb in callbacks):
+        return
+    first_checkpoint = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
+    callbacks.insert(first_checkpoint, ShardingCallback())

@@ -1,0 +1,108 @@
+"""The ledger: the only data state that is checkpointed.
+
+``{version, seed, epoch, manifest summary, consumed}``, where ``consumed`` is a range set of epoch
+positions whose training step completed and whose gradients are in an applied optimizer step.
+Positions of a completed step still waiting for an optimizer step (gradient accumulation) are
+``pending``: they are never written to a checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.rangeset import RangeSet
+
+LEDGER_VERSION = 1
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's data ledger does not fit the data or this version of lightning_sharding."""
+
+
+class Ledger:
+    """Consumed epoch positions for one ``(seed, epoch)`` of one manifest."""
+
+    VERSION = LEDGER_VERSION
+    KEYS = ("version", "seed", "epoch", "total", "manifest", "consumed")
+
+    def __init__(self, *, seed: int, total: int, manifest: Mapping[str, Any], epoch: int = 0) -> None:
+        self.seed = int(seed)
+        self.total = int(total)
+        self.manifest: dict[str, Any] = dict(manifest)
+        self.epoch = int(epoch)
+        self.consumed = RangeSet()
+        self.pending = RangeSet()
+
+    @property
+    def fingerprint(self) -> str:
+        """The manifest fingerprint this ledger belongs to."""
+        return str(self.manifest["fingerprint"])
+
+    def start_epoch(self, epoch: int) -> None:
+        """Move to ``epoch`` with nothing consumed (no-op when already there)."""
+        if epoch != self.epoch:
+            self.epoch = int(epoch)
+            self.consumed = RangeSet()
+            self.pending = RangeSet()
+
+    def record(self, positions: npt.ArrayLike) -> None:
+        """Mark positions (shape ``(n,)``) of a completed training step as pending."""
+        self.pending = self.pending | RangeSet.from_positions(positions)
+
+    def commit(self) -> None:
+        """An optimizer step has applied every pending position's gradient: they are consumed."""
+        if self.pending:
+            self.consumed = self.consumed | self.pending
+            self.pending = RangeSet()
+
+    def merge(self, consumed: RangeSet) -> None:
+        """Add positions other ranks consumed (after a gather)."""
+        self.consumed = self.consumed | consumed
+
+    @property
+    def done(self) -> RangeSet:
+        """Positions not to serve again in this run: consumed or pending."""
+        return self.consumed | self.pending
+
+    @property
+    def remaining(self) -> int:
+        """How many positions of the epoch are not consumed."""
+        return self.total - len(self.consumed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpointed state; pending positions are left out on purpose."""
+        return {
+            "version": self.VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "total": self.total,
+            "manifest": dict(self.manifest),
+            "consumed": self.consumed.to_state(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Ledger:
+        """Rebuild a ledger; a missing key or an unknown version is a :class:`CheckpointMismatchError`."""
+        if not isinstance(state, Mapping):
+            raise CheckpointMismatchError(f"malformed ledger state: expected a mapping, got {type(state).__name__}")
+        missing = [k for k in cls.KEYS if k not in state]
+        if missing:
+            raise CheckpointMismatchError(f"malformed ledger state: missing key(s) {missing}")
+        version = state["version"]
+        if version != cls.VERSION:
+            raise CheckpointMismatchError(
+                f"the checkpoint's data ledger has version {version!r}; this lightning_sharding reads version "
+                f"{cls.VERSION}. Resume with the lightning_sharding release that wrote it."
+            )
+        ledger = cls(seed=state["seed"], total=state["total"], manifest=state["manifest"], epoch=state["epoch"])
+        ledger.consumed = RangeSet.from_state(np.asarray(state["consumed"]))
+        if ledger.consumed and int(ledger.consumed.ends[-1]) > ledger.total:
+            raise CheckpointMismatchError(
+                f"malformed ledger state: consumed position {int(ledger.consumed.ends[-1]) - 1} "
+                f"is outside an epoch of {ledger.total} samples"
+            )
+        return ledger

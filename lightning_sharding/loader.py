@@ -1,0 +1,273 @@
+"""The sharded loader of one rank: the plan in the main process, batch reads in the workers.
+
+Why a plain ``torch.utils.data.DataLoader`` and not torchdata's ``StatefulDataLoader``: the data
+state that matters is the ledger, which is topology-free and lives in the main process. A
+StatefulDataLoader's own state is per rank and per worker, counts batches a worker produced rather
+than steps that completed, and its ``load_state_dict`` asserts the same ``num_workers`` (checked
+with torchdata 0.11: Lightning restores it and resuming on another worker count crashes). We keep
+no loader state at all, so there is nothing for it to save.
+
+Why map-style tasks instead of an ``IterableDataset``: the main process deals each worker a
+:class:`~lightning_sharding.plan.BatchTask` through the DataLoader's own index queues. A new epoch
+is then a new plan in the main process; persistent workers need no message, and the DataLoader
+itself discards every task still in flight when a new iterator starts. Workers return whole
+batches with their provenance (epoch positions), which this loader strips before Lightning sees
+the batch and keeps in order for the ledger.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import default_collate as torch_default_collate
+
+from lightning_sharding.ledger import Ledger
+from lightning_sharding.manifest import Item
+from lightning_sharding.order import EpochOrder
+from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, plan_epoch
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.world import SampleContext, ShardContext, World
+
+Transform = Callable[[Any, SampleContext], Any]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a delivered batch came from: epoch positions (int64, shape ``(n,)``), the last
+    ``num_padding`` of which are padding."""
+
+    epoch: int
+    positions: npt.NDArray[np.int64]
+    num_padding: int
+
+    @property
+    def real_positions(self) -> npt.NDArray[np.int64]:
+        """Positions that count as consumed once the step completes, shape ``(n - num_padding,)``."""
+        return self.positions[: len(self.positions) - self.num_padding]
+
+
+def _pass_through(data: Any) -> Any:
+    return data
+
+
+class PlannedBatches(Dataset[tuple[Any, int, npt.NDArray[np.int64], int]]):
+    """Map-style dataset indexed by :class:`BatchTask`: reads, transforms and collates one batch.
+
+    Runs inside workers. Returns ``(batch, epoch, positions, num_padding)``.
+    """
+
+    def __init__(
+        self,
+        reader: Reader,
+        items: Sequence[Item],
+        *,
+        seed: int,
+        shuffle: bool,
+        world: World,
+        num_workers: int,
+        transform: Transform | None,
+        collate_fn: Callable[[list[Any]], Any],
+    ) -> None:
+        self.reader = reader
+        self.items = tuple(items)
+        self.counts = np.array([it.num_samples for it in self.items], dtype=np.int64)
+        self.seed, self.shuffle, self.world, self.num_workers = seed, shuffle, world, num_workers
+        self.transform, self.collate_fn = transform, collate_fn
+        self._order: EpochOrder | None = None
+        self._context: ShardContext | None = None
+
+    def __len__(self) -> int:
+        raise TypeError("PlannedBatches is indexed by BatchTask and has no length")
+
+    def context(self, epoch: int) -> ShardContext:
+        """The :class:`ShardContext` of this worker for ``epoch``; seeds the worker's RNGs once per epoch."""
+        if self._context is None or self._context.epoch != epoch:
+            info = get_worker_info()
+            self._context = ShardContext(
+                rank=self.world.rank,
+                world_size=self.world.world_size,
+                worker_id=info.id if info is not None else 0,
+                num_workers=self.num_workers,
+                epoch=epoch,
+                seed=self.seed,
+            )
+            if info is not None:  # never reseed the training process itself
+                s = self._context.worker_seed
+                torch.manual_seed(s)
+                np.random.seed(s % 2**32)
+                random.seed(s)
+        return self._context
+
+    def _epoch_order(self, epoch: int) -> EpochOrder:
+        if self._order is None or self._order.epoch != epoch:
+            self._order = EpochOrder(self.counts, self.seed, epoch, shuffle=self.shuffle)
+        return self._order
+
+    def __getitem__(self, task: BatchTask) -> tuple[Any, int, npt.NDArray[np.int64], int]:
+        ctx = self.context(task.epoch)
+        item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
+        # Read runs of consecutive positions that fall in the same item with one call.
+        cuts = np.flatnonzero(np.diff(item_ids)) + 1
+        samples: list[Any] = []
+        for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(item_ids)])), strict=True):
+            item = self.items[int(item_ids[lo])]
+            got = self.reader.read_batch(item, indices[lo:hi], ctx)
+            if len(got) != hi - lo:
+                raise RuntimeError(
+                    f"{type(self.reader).__name__}.read_batch returned {len(got)} samples for "
+                    f"{hi - lo} indices of item {item.key!r}; it must return one sample per index"
+                )
+            samples.extend(got)
+        if self.transform is not None:
+            samples = [
+                self.transform(s, SampleContext(ctx, int(p), int(i), int(j)))
+                for s, p, i, j in zip(samples, task.positions, item_ids, indices, strict=True)
+            ]
+        return self.collate_fn(samples), task.epoch, task.positions, task.num_padding
+
+
+class PlanSampler(Sampler[BatchTask]):
+    """Yields this rank's :class:`BatchTask` s for the ledger's current epoch.
+
+    It deliberately has no ``__len__``: after an elastic resume an epoch's batch count differs
+    from the next epoch's, and Lightning caches a loader's length for the whole run.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        world: World,
+        num_workers: int,
+        batch_size: int,
+        even_batches: EvenBatches,
+    ) -> None:
+        self.ledger = ledger
+        self.world, self.num_workers = world, num_workers
+        self.batch_size, self.even_batches = batch_size, even_batches
+        self.epoch_plan: EpochPlan | None = None
+        self.rank_plan: RankPlan | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being served."""
+        return self.ledger.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at every epoch start: a new epoch starts with nothing consumed."""
+        self.ledger.start_epoch(epoch)
+
+    def plan(self) -> EpochPlan:
+        """Plan what is left of the current epoch (every rank computes the same plan)."""
+        return plan_epoch(
+            self.ledger.total,
+            self.ledger.done,
+            epoch=self.ledger.epoch,
+            world_size=self.world.world_size,
+            num_workers=self.num_workers,
+            batch_size=self.batch_size,
+            even_batches=self.even_batches,
+        )
+
+    def __iter__(self) -> Iterator[BatchTask]:
+        self.epoch_plan = self.plan()
+        self.rank_plan = self.epoch_plan.rank(self.world.rank)
+        return self.rank_plan.tasks()
+
+
+class ShardedLoader:
+    """The iterable Lightning gets for one rank: batches with provenance stripped.
+
+    It is not a ``DataLoader`` subclass on purpose: Lightning then leaves it alone (no sampler
+    injection, no re-instantiation). ``sampler`` is exposed so that Lightning's ``set_epoch``
+    reaches the plan. When ``track`` is set, the provenance of every delivered batch is queued in
+    ``delivered`` for the ledger, oldest first.
+    """
+
+    def __init__(
+        self,
+        dataset: PlannedBatches,
+        sampler: PlanSampler,
+        *,
+        num_workers: int = 0,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        multiprocessing_context: str | None = None,
+        timeout: float = 0,
+        padding_key: str | None = "is_padding",
+        track: bool = False,
+    ) -> None:
+        self.sampler = sampler
+        self.padding_key = padding_key
+        self.track = track
+        self.delivered: deque[Provenance] = deque()
+        self.num_workers = num_workers
+        if num_workers > 0 and multiprocessing_context in (None, "spawn", "forkserver"):
+            _check_picklable(dataset)
+        self._loader = DataLoader(
+            dataset,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=_pass_through,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            pin_memory=pin_memory,
+            multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+            timeout=timeout,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        self.delivered.clear()
+        for batch, epoch, positions, num_padding in self._loader:
+            if epoch != self.sampler.epoch:
+                raise RuntimeError(
+                    f"a batch planned for epoch {epoch} arrived in epoch {self.sampler.epoch}; "
+                    "this is a bug in lightning_sharding, please report it"
+                )
+            if self.track:
+                self.delivered.append(Provenance(epoch, positions, num_padding))
+            yield self._flag_padding(batch, len(positions), num_padding)
+
+    def _flag_padding(self, batch: Any, size: int, num_padding: int) -> Any:
+        if self.padding_key is None or not isinstance(batch, Mapping):
+            return batch
+        flags = torch.zeros(size, dtype=torch.bool)
+        if num_padding:
+            flags[size - num_padding :] = True
+        return {**batch, self.padding_key: flags}
+
+    def pop_delivered(self) -> Provenance:
+        """Provenance of the oldest delivered batch whose step has not been accounted yet."""
+        if not self.delivered:
+            raise RuntimeError(
+                "a training step ended but no batch of the sharded loader is waiting to be accounted; "
+                "was the batch produced by another loader?"
+            )
+        return self.delivered.popleft()
+
+
+def default_collate(samples: list[Any]) -> Any:
+    """PyTorch's ``default_collate``: stacks tensors, arrays and numbers, recursing into dicts and tuples."""
+    return torch_default_collate(samples)
+
+
+def _check_picklable(dataset: PlannedBatches) -> None:
+    for name, obj in (("reader", dataset.reader), ("transform", dataset.transform), ("collate_fn", dataset.collate_fn)):
+        try:
+            pickle.dumps(obj)
+        except Exception as err:  # noqa: BLE001 - any pickling failure means the same thing here
+            raise TypeError(
+                f"the {name} {obj!r} cannot be pickled into DataLoader workers started with spawn ({err}). "
+                "Define it at module level (not inside a function or as a lambda), or use num_workers=0."
+            ) from err

@@ -1,0 +1,111 @@
+"""The manifest: the items a reader opens, their sample counts, and a fingerprint of the whole.
+
+The fingerprint goes into every checkpoint, so resuming against changed data is a clear error
+instead of silently wrong positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass(frozen=True)
+class Item:
+    """One unit of storage: a file, a tar shard, a row group, a month.
+
+    ``key`` names it (a path or URL), ``num_samples`` is how many samples it holds, and
+    ``fingerprint`` is anything that changes when its content changes (size and mtime, an ETag).
+    """
+
+    key: str
+    num_samples: int
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An ordered, non-empty tuple of items with their sample counts.
+
+    ``counts`` is an int64 array of shape ``(num_items,)``; ``offsets`` of shape
+    ``(num_items + 1,)`` holds the prefix sums, so item ``i`` owns ids ``[offsets[i], offsets[i+1])``
+    in manifest order.
+    """
+
+    items: tuple[Item, ...]
+
+    def __post_init__(self) -> None:
+        if not self.items:
+            raise ValueError(
+                "the manifest is empty: the reader returned no items. "
+                "Check the data path or glob, or the reader's items() method."
+            )
+        seen: set[str] = set()
+        for item in self.items:
+            if (
+                isinstance(item.num_samples, bool)
+                or not isinstance(item.num_samples, (int, np.integer))
+                or item.num_samples < 0
+            ):
+                raise ValueError(f"item {item.key!r} has num_samples={item.num_samples!r}; it must be an integer >= 0")
+            if item.key in seen:
+                raise ValueError(f"item {item.key!r} appears twice in the manifest; item keys must be unique")
+            seen.add(item.key)
+        if self.total == 0:
+            raise ValueError(
+                f"the dataset is empty: all {len(self.items)} items hold 0 samples "
+                f"(first item: {self.items[0].key!r}). Check the data or the reader's sample counts."
+            )
+
+    @classmethod
+    def from_items(cls, items: Iterable[Item]) -> Manifest:
+        """Build a manifest from any iterable of :class:`Item`."""
+        return cls(tuple(items))
+
+    @cached_property
+    def counts(self) -> npt.NDArray[np.int64]:
+        """Sample count per item, shape ``(num_items,)``."""
+        counts = np.fromiter((it.num_samples for it in self.items), dtype=np.int64, count=len(self.items))
+        counts.flags.writeable = False
+        return counts
+
+    @cached_property
+    def total(self) -> int:
+        """Total number of samples."""
+        return int(self.counts.sum())
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A SHA-256 over every item's key, count and fingerprint, in order."""
+        h = hashlib.sha256()
+        for it in self.items:
+            h.update(f"{it.key}\t{it.num_samples}\t{it.fingerprint}\n".encode())
+        return h.hexdigest()
+
+    def summary(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the manifest to explain a later mismatch."""
+        return {
+            "fingerprint": self.fingerprint,
+            "num_items": len(self.items),
+            "total": self.total,
+            "first_key": self.items[0].key,
+            "last_key": self.items[-1].key,
+        }
+
+    def explain_mismatch(self, saved: Mapping[str, Any]) -> str:
+        """Say, in one sentence, how this manifest differs from a saved :meth:`summary`."""
+        now = self.summary()
+        diffs = [
+            f"{name} was {saved.get(name)!r}, now {now[name]!r}"
+            for name in ("num_items", "total", "first_key", "last_key")
+            if saved.get(name) != now[name]
+        ]
+        if not diffs:
+            diffs = ["the item list has the same size and ends, but an item's key, count or fingerprint changed"]
+        return "; ".join(diffs)

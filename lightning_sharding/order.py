@@ -1,0 +1,91 @@
+"""The epoch order: a pure function of (item counts, seed, epoch), never of the topology.
+
+Items are permuted, then samples inside each item. Epoch position ``g`` in ``[0, N)`` maps to
+``(item, index inside the item)`` through prefix sums, so no array of size N is ever built. Ranks
+and workers take contiguous runs of positions, which keeps each reader on one item at a time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import numpy.typing as npt
+
+Int64Array = npt.NDArray[np.int64]
+
+_ITEM_STREAM = 0
+_SAMPLE_STREAM = 1
+_MASK64 = (1 << 64) - 1
+
+
+def _rng(*words: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([w & _MASK64 for w in words])))
+
+
+def derive_seed(seed: int, *words: int) -> int:
+    """A 63-bit seed derived from ``seed`` and further integers (epoch, rank, worker, position...).
+
+    Equal inputs give equal outputs on every platform; nearby inputs give unrelated outputs.
+    """
+    ss = np.random.SeedSequence([seed & _MASK64, *(w & _MASK64 for w in words)])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+class EpochOrder:
+    """Maps epoch positions to ``(item, index)`` for one ``(seed, epoch)``.
+
+    ``counts`` is the manifest's int64 sample count per item, shape ``(num_items,)``. With
+    ``shuffle=False`` the order is the manifest order.
+    """
+
+    def __init__(
+        self, counts: npt.ArrayLike, seed: int, epoch: int, *, shuffle: bool = True, cache_items: int = 8
+    ) -> None:
+        self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
+        if self.counts.ndim != 1 or self.counts.size == 0:
+            raise ValueError(f"EpochOrder needs a non-empty 1-d array of counts, got shape {self.counts.shape}")
+        self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)
+        n = self.counts.size
+        self.item_order: Int64Array = (
+            _rng(self.seed, self.epoch, _ITEM_STREAM).permutation(n).astype(np.int64)
+            if self.shuffle
+            else np.arange(n, dtype=np.int64)
+        )
+        self.starts: Int64Array = np.concatenate(([0], np.cumsum(self.counts[self.item_order]))).astype(np.int64)
+        self.total = int(self.starts[-1])
+        self._cache: OrderedDict[int, Int64Array] = OrderedDict()
+        self._cache_items = cache_items
+
+    def _inner(self, item: int) -> Int64Array:
+        """The permutation of an item's sample indices, shape ``(counts[item],)``."""
+        perm = self._cache.get(item)
+        if perm is None:
+            perm = _rng(self.seed, self.epoch, _SAMPLE_STREAM, item).permutation(int(self.counts[item]))
+            self._cache[item] = perm
+            if len(self._cache) > self._cache_items:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(item)
+        return perm
+
+    def locate(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Item ids and sample indices for epoch positions.
+
+        ``positions`` has shape ``(n,)`` with values in ``[0, total)``; both results have shape ``(n,)``.
+        """
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= self.total):
+            bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
+            raise ValueError(f"epoch position {bad} is outside [0, {self.total})")
+        slots = np.searchsorted(self.starts, pos, side="right") - 1
+        items = self.item_order[slots]
+        local = pos - self.starts[slots]
+        if not self.shuffle:
+            return items, local
+        index = np.empty_like(local)
+        for slot in np.unique(slots):
+            mask = slots == slot
+            item = int(self.item_order[slot])
+            index[mask] = self._inner(item)[local[mask]]
+        return items, index

@@ -1,0 +1,207 @@
+"""The plan: which epoch positions each (rank, worker) produces, in which batches.
+
+The whole sharding scheme, in four steps, all pure functions of integers:
+
+1. Remaining work is the complement of the ledger's consumed set in ``[0, N)`` (epoch positions,
+   see ``order.py``). It never depends on who consumed what.
+2. Ranks take contiguous, near-equal runs of the remaining positions: rank ``r`` gets the
+   elements ranked ``[r*R//W + min(r, R%W), ...)``, so counts differ by at most one.
+3. Each rank cuts its run into batches of ``batch_size``. Every rank must yield the same number of
+   batches or DDP hangs at the epoch's end, so the even-batches policy adds at most one padding
+   sample (``pad``) or leaves at most one sample for later (``drop``) per rank.
+4. Workers take contiguous runs of the rank's batches, so each worker reads its items in
+   sequence. Tasks are interleaved round-robin, the order in which the DataLoader deals them.
+
+Every rank can compute every other rank's plan without communicating, so batch counts agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.rangeset import RangeSet
+
+EvenBatches = Literal["pad", "drop"]
+EVEN_BATCH_POLICIES: tuple[str, ...] = ("pad", "drop")
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class BatchTask:
+    """One batch to produce: ``positions`` (int64, shape ``(n,)``) of which the last ``num_padding``
+    repeat a real position and must never count as consumed. ``worker`` is the worker it is planned for."""
+
+    epoch: int
+    index: int
+    worker: int
+    positions: Int64Array
+    num_padding: int
+
+
+def _split(total: int, parts: int, part: int) -> tuple[int, int]:
+    """The ``[start, end)`` of ``part`` when ``total`` is cut into ``parts`` near-equal runs."""
+    base, extra = divmod(total, parts)
+    start = part * base + min(part, extra)
+    return start, start + base + (1 if part < extra else 0)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank produces in an epoch.
+
+    ``positions`` are the rank's real positions; ``num_batches`` is the same on every rank;
+    ``num_padding`` (0 or 1) samples are appended to the last batch; ``num_dropped`` (0 or 1)
+    real positions are left unserved (they stay in the ledger's remaining set).
+    """
+
+    rank: int
+    epoch: int
+    positions: RangeSet
+    batch_size: int
+    num_batches: int
+    num_workers: int
+    num_padding: int
+    num_dropped: int
+    pad_position: int
+
+    @property
+    def num_served(self) -> int:
+        """Real (non-padding) samples this rank yields."""
+        return len(self.positions) - self.num_dropped
+
+    def worker_batches(self, worker: int) -> range:
+        """Batch indices planned for ``worker`` (a contiguous run)."""
+        start, end = _split(self.num_batches, max(1, self.num_workers), worker)
+        return range(start, end)
+
+    def batch(self, index: int, worker: int = 0) -> BatchTask:
+        """Batch ``index`` of this rank as a :class:`BatchTask`."""
+        if not 0 <= index < self.num_batches:
+            raise IndexError(f"rank {self.rank} has {self.num_batches} batches, asked for batch {index}")
+        lo = index * self.batch_size
+        hi = min(lo + self.batch_size, self.num_served)
+        positions = self.positions.select(lo, hi).to_array()
+        pad = self.num_padding if index == self.num_batches - 1 else 0
+        if pad:
+            positions = np.concatenate((positions, np.full(pad, self.pad_position, dtype=np.int64)))
+        return BatchTask(self.epoch, index, worker, positions, pad)
+
+    def tasks(self) -> Iterator[BatchTask]:
+        """All batches, interleaved round-robin over workers (the DataLoader's dealing order)."""
+        runs = [self.worker_batches(w) for w in range(max(1, self.num_workers))]
+        for step in range(max((len(r) for r in runs), default=0)):
+            for worker, run in enumerate(runs):
+                if step < len(run):
+                    yield self.batch(run[step], worker)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The plan of one epoch for a whole world: remaining positions and every rank's share.
+
+    ``rank_counts`` is an int64 array of shape ``(world_size,)``: remaining positions per rank.
+    """
+
+    epoch: int
+    total: int
+    remaining: RangeSet
+    world_size: int
+    num_workers: int
+    batch_size: int
+    even_batches: EvenBatches
+    rank_counts: Int64Array
+    num_batches: int
+
+    def rank(self, rank: int) -> RankPlan:
+        """The plan of one rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of size {self.world_size}")
+        start, end = _split(len(self.remaining), self.world_size, rank)
+        count = end - start
+        positions = self.remaining.select(start, end)
+        # A rank with nothing left pads with any remaining position; it is flagged, never counted.
+        source = positions if positions else self.remaining
+        pad_position = int(source.starts[0]) if source else 0
+        padding = dropped = 0
+        natural = _ceil_div(count, self.batch_size)
+        if natural < self.num_batches:
+            padding = 1
+        elif natural > self.num_batches:
+            dropped = count - self.num_batches * self.batch_size
+        return RankPlan(
+            rank=rank,
+            epoch=self.epoch,
+            positions=positions,
+            batch_size=self.batch_size,
+            num_batches=self.num_batches,
+            num_workers=self.num_workers,
+            num_padding=padding,
+            num_dropped=dropped,
+            pad_position=pad_position,
+        )
+
+    @property
+    def padding_per_rank(self) -> Int64Array:
+        """Padding samples per rank, shape ``(world_size,)``."""
+        natural = -(-self.rank_counts // self.batch_size)
+        return (natural < self.num_batches).astype(np.int64)
+
+    @property
+    def dropped_per_rank(self) -> Int64Array:
+        """Positions left unserved per rank by the ``drop`` policy, shape ``(world_size,)``."""
+        return np.maximum(self.rank_counts - self.num_batches * self.batch_size, 0).astype(np.int64)
+
+
+def plan_epoch(
+    total: int,
+    consumed: RangeSet,
+    *,
+    epoch: int,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    even_batches: EvenBatches = "pad",
+) -> EpochPlan:
+    """Plan the rest of an epoch of ``total`` positions, of which ``consumed`` are done.
+
+    Raises ``ValueError`` naming the argument when a size is impossible.
+    """
+    if total <= 0:
+        raise ValueError(f"plan_epoch(total={total}): the epoch must hold at least one sample")
+    if world_size < 1:
+        raise ValueError(f"plan_epoch(world_size={world_size}) must be at least 1")
+    if num_workers < 0:
+        raise ValueError(f"plan_epoch(num_workers={num_workers}) must be 0 or more")
+    if batch_size < 1:
+        raise ValueError(f"plan_epoch(batch_size={batch_size}) must be positive")
+    if even_batches not in EVEN_BATCH_POLICIES:
+        raise ValueError(f"plan_epoch(even_batches={even_batches!r}) must be one of {EVEN_BATCH_POLICIES}")
+    if consumed and int(consumed.ends[-1]) > total:
+        raise ValueError(f"the ledger holds position {int(consumed.ends[-1]) - 1}, outside an epoch of {total} samples")
+    remaining = consumed.complement(total)
+    left = len(remaining)
+    base, extra = divmod(left, world_size)
+    counts = base + (np.arange(world_size) < extra).astype(np.int64)
+    longest = _ceil_div(int(counts.max()), batch_size)
+    shortest = _ceil_div(int(counts.min()), batch_size)
+    num_batches = longest if even_batches == "pad" else shortest
+    return EpochPlan(
+        epoch=epoch,
+        total=total,
+        remaining=remaining,
+        world_size=world_size,
+        num_workers=num_workers,
+        batch_size=batch_size,
+        even_batches=even_batches,
+        rank_counts=counts.astype(np.int64),
+        num_batches=num_batches,
+    )
