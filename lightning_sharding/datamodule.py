@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
@@ -233,6 +234,8 @@ class ShardedDataModule(pl.LightningDataModule):
         assert self.ledger is not None
         self.gather_consumed()
         state = self.ledger.state_dict()
+        # A tensor, not a NumPy array: checkpoints must load with torch.load(weights_only=True).
+        state["consumed"] = torch.from_numpy(state["consumed"])
         state["writer"] = {
             "world_size": self.world.world_size,
             "num_workers": self.num_workers,

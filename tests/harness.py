@@ -1,0 +1,167 @@
+"""Shared helpers for process tests: run a training segment for real and audit what it served.
+
+``check_resume`` is the one save/kill/resume check every strategy and topology reuses: train with
+periodic checkpoints, SIGKILL the job a few steps after one, resume from that checkpoint (possibly
+on other topologies, several times), and return what every epoch served, counting only the steps
+that a checkpoint or the final run kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "jobs" / "train_job.py"
+SEGMENT_TIMEOUT = 240
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, for one test's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training segment: data, topology and what to do (checkpoint, die, resume)."""
+
+    sizes: tuple[int, ...] = (37, 41, 29, 53, 40)
+    batch_size: int = 8
+    world_size: int = 2
+    num_workers: int = 2
+    seed: int = 1234
+    epochs: int = 1
+    even_batches: str = "pad"
+    persistent_workers: bool = False
+    accumulate: int = 1
+    checkpoint_every: int | None = None
+    die_at_step: int | None = None
+    resume_from: str | None = None
+
+
+@dataclass
+class Segment:
+    """What one segment did: per-rank batch records, the rank-0 report, and its checkpoints."""
+
+    name: str
+    returncode: int
+    records: dict[int, list[dict[str, Any]]]
+    report: dict[str, Any] | None
+    output: str
+    checkpoints: list[Path] = field(default_factory=list)
+
+
+def run_segment(out: Path, name: str, job: Job, *, expect_death: bool = False) -> Segment:
+    """Run ``job`` in a fresh process group with a timeout; fail loudly unless it ends as expected."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**asdict(job), "out": str(out), "segment": name}
+    path = out / f"config-{name}.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    before = set((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else set()
+    proc = subprocess.run(
+        [sys.executable, str(JOB), str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SEGMENT_TIMEOUT,
+        start_new_session=True,
+    )
+    output = proc.stdout + proc.stderr
+    if expect_death:
+        assert proc.returncode != 0, f"segment {name} was meant to die but finished:\n{output[-3000:]}"
+    else:
+        assert proc.returncode == 0, f"segment {name} failed with {proc.returncode}:\n{output[-5000:]}"
+    records = {}
+    for rank in range(job.world_size):
+        log = out / f"seen-{name}-rank{rank}.jsonl"
+        records[rank] = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    result = out / f"result-{name}.json"
+    report = json.loads(result.read_text()) if result.exists() else None
+    after = set((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else set()
+    return Segment(name, proc.returncode, records, report, output, sorted(after - before))
+
+
+def checkpoint_step(path: Path) -> int:
+    """The global step in a checkpoint file name written by the job (``...-step=K.ckpt``)."""
+    return int(path.stem.rsplit("step=", 1)[1])
+
+
+def kept_records(segment: Segment, until_step: int | None) -> list[dict[str, Any]]:
+    """Records of all ranks up to the checkpoint at ``until_step`` (all when None).
+
+    Each rank keeps its batches up to and including the first one whose step reached the
+    checkpoint's step: those are the batches whose effect the checkpoint holds.
+    """
+    kept: list[dict[str, Any]] = []
+    for records in segment.records.values():
+        for record in records:
+            if until_step is not None and record["gs"] > until_step:
+                break
+            kept.append(record)
+            if until_step is not None and record["gs"] == until_step:
+                break
+    return kept
+
+
+def served_per_epoch(records: list[dict[str, Any]]) -> dict[int, Counter[int]]:
+    """How often each sample id was trained on, per epoch."""
+    seen: dict[int, Counter[int]] = {}
+    for record in records:
+        seen.setdefault(record["epoch"], Counter()).update(record["ids"])
+    return seen
+
+
+def assert_exactly_once(seen: dict[int, Counter[int]], total: int, epochs: int, missing_ok: int = 0) -> None:
+    """Every epoch served every id in ``range(total)`` once (``missing_ok`` ids may be dropped)."""
+    assert sorted(seen) == list(range(epochs)), f"epochs served: {sorted(seen)}, expected 0..{epochs - 1}"
+    for epoch, counts in seen.items():
+        dup = {i: c for i, c in counts.items() if c > 1}
+        missing = set(range(total)) - set(counts)
+        foreign = set(counts) - set(range(total))
+        assert not dup, f"epoch {epoch}: {len(dup)} ids served more than once, e.g. {list(dup.items())[:5]}"
+        assert not foreign, f"epoch {epoch}: unknown ids {sorted(foreign)[:5]}"
+        assert len(missing) <= missing_ok, f"epoch {epoch}: {len(missing)} ids never served, e.g. {sorted(missing)[:5]}"
+
+
+def check_resume(
+    out: Path, first: Job, then: list[Job], *, checkpoint_every: int, die_after: int = 3
+) -> tuple[dict[int, Counter[int]], list[Segment]]:
+    """Train ``first`` with checkpoints, kill it ``die_after`` steps after its first checkpoint,
+    then resume from the newest checkpoint with each job of ``then`` in turn (every job but the
+    last is killed the same way after its own first checkpoint). Returns the per-epoch counts of
+    every sample over the kept steps of all segments, and the segments."""
+    jobs = [first, *then]
+    segments: list[Segment] = []
+    kept: list[dict[str, Any]] = []
+    resume: Path | None = None
+    for i, job in enumerate(jobs):
+        last = i == len(jobs) - 1
+        start_step = checkpoint_step(resume) if resume is not None else 0
+        ckpt_at = (start_step // checkpoint_every + 1) * checkpoint_every
+        job = replace(
+            job,
+            checkpoint_every=checkpoint_every,
+            die_at_step=None if last else ckpt_at + die_after,
+            resume_from=str(resume) if resume is not None else None,
+        )
+        segment = run_segment(out, f"seg{i}", job, expect_death=not last)
+        segments.append(segment)
+        if last:
+            kept += kept_records(segment, None)
+            break
+        written = [p for p in segment.checkpoints if checkpoint_step(p) == ckpt_at]
+        assert written, f"segment {i} wrote no checkpoint at step {ckpt_at}: {segment.checkpoints}"
+        resume = written[0]
+        kept += kept_records(segment, ckpt_at)
+    return served_per_epoch(kept), segments
