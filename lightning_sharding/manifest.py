@@ -7,6 +7,7 @@ instead of silently wrong positions.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,9 +34,8 @@ class Item:
 class Manifest:
     """An ordered, non-empty tuple of items with their sample counts.
 
-    ``counts`` is an int64 array of shape ``(num_items,)``; ``offsets`` of shape
-    ``(num_items + 1,)`` holds the prefix sums, so item ``i`` owns ids ``[offsets[i], offsets[i+1])``
-    in manifest order.
+    ``counts`` is an int64 array of shape ``(num_items,)``; ``total`` its sum; ``fingerprint`` a
+    SHA-256 of every item's key, count and fingerprint, in order.
     """
 
     items: tuple[Item, ...]
@@ -85,7 +85,9 @@ class Manifest:
         """A SHA-256 over every item's key, count and fingerprint, in order."""
         h = hashlib.sha256()
         for it in self.items:
-            h.update(f"{it.key}\t{it.num_samples}\t{it.fingerprint}\n".encode())
+            # JSON-encoded, so a tab or newline inside a key or an ETag cannot forge another item list.
+            h.update(json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode())
+            h.update(b"\n")
         return h.hexdigest()
 
     def summary(self) -> dict[str, Any]:

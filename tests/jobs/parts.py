@@ -1,0 +1,65 @@
+"""The model and callbacks of the process-test training job (imported by the rank processes only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_sharding import ShardingCallback
+
+
+class RecordingModel(pl.LightningModule):
+    """A tiny regression model that writes down every sample id its training steps used."""
+
+    def __init__(self, log_path: str) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.log_path = log_path
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._last = batch
+        return torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        pad = batch["is_padding"]
+        record = {
+            "epoch": self.trainer.current_epoch,
+            "gs": self.trainer.global_step,
+            "ids": batch["id"][~pad].tolist(),
+            "pad": int(pad.sum()),
+        }
+        path = f"{self.log_path}-rank{self.trainer.global_rank}.jsonl"
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class DieAtStep(pl.Callback):
+    """SIGKILL this rank when the given global step has completed (after checkpoints of that step)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class WriteResult(pl.Callback):
+    """Rank 0 writes the ShardingCallback's epoch reports (inside the rank process, also under ddp_spawn)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            sharding = next(cb for cb in trainer.callbacks if isinstance(cb, ShardingCallback))
+            self.path.write_text(json.dumps({"epochs": sharding.summary()}))
