@@ -208,6 +208,8 @@ class ShardedLoader:
         track: bool = False,
     ) -> None:
         self.sampler = sampler
+        # Lightning's evaluation loop reads `batch_sampler` off any loader that has a `sampler`.
+        self.batch_sampler = None
         self.padding_key = padding_key
         self.track = track
         self.delivered: deque[Provenance] = deque()

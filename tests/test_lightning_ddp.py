@@ -49,9 +49,7 @@ def test_mid_epoch_checkpoint_kill_and_resume_is_exactly_once(tmp_path: Path, pe
     assert max(r["gs"] for r in segments[0].records[0]) > 4
 
 
-@pytest.mark.parametrize(
-    ("policy", "padding", "dropped"), [("pad", 1, 0), ("drop", 0, 1)], ids=["pad", "drop"]
-)
+@pytest.mark.parametrize(("policy", "padding", "dropped"), [("pad", 1, 0), ("drop", 0, 1)], ids=["pad", "drop"])
 def test_uneven_sample_count_reports_padding_or_drop(tmp_path: Path, policy: str, padding: int, dropped: int) -> None:
     """Case (e): 33 samples over 2 ranks in batches of 4 is 17 + 16: 5 batches against 4."""
     job = Job(sizes=(10, 12, 11), batch_size=4, num_workers=1, even_batches=policy)

@@ -1,0 +1,171 @@
+"""ShardedDataModule in one process with a real Trainer: bad input, checkpoint checks, accumulation."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_sharding import CheckpointMismatchError, Item, Reader, ShardContext, ShardedDataModule, SyntheticReader
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Recorder(pl.LightningModule):
+    """Records the ids of every completed training step; can save a checkpoint after a given batch."""
+
+    def __init__(self, save_after: int | None = None, save_to: Path | None = None) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.steps: list[list[int]] = []
+        self.save_after, self.save_to = save_after, save_to
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.steps.append(batch["id"][~batch["is_padding"]].tolist())
+        if self.save_after is not None and len(self.steps) == self.save_after:
+            assert self.save_to is not None
+            self.trainer.save_checkpoint(self.save_to)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def trainer(**kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(**{**options, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"batch_size": -3}, "batch_size=-3"),
+        ({"num_workers": -1}, "num_workers=-1"),
+        ({"even_batches": "spread"}, "even_batches='spread'"),
+        ({"persistent_workers": True}, "persistent_workers=True"),
+        ({"seed": -5}, "seed=-5"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_value(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match="ShardedDataModule") as err:
+        ShardedDataModule(SyntheticReader(), **kwargs)
+    assert needle in str(err.value)
+
+
+class EmptyReader(Reader):
+    def items(self) -> list[Item]:
+        return [Item("s3://bucket/empty-0.tar", 0), Item("s3://bucket/empty-1.tar", 0)]
+
+    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        raise AssertionError("never called")
+
+
+def test_an_empty_dataset_is_a_clear_error_naming_the_item() -> None:
+    with pytest.raises(ValueError, match="empty") as err:
+        trainer().fit(Recorder(), datamodule=ShardedDataModule(EmptyReader()))
+    assert "s3://bucket/empty-0.tar" in str(err.value)
+
+
+def test_a_reader_is_required() -> None:
+    with pytest.raises(TypeError, match="has no reader"):
+        trainer().fit(Recorder(), datamodule=ShardedDataModule())
+
+
+def test_an_unpicklable_transform_is_refused_before_workers_start() -> None:
+    dm = ShardedDataModule(SyntheticReader(), num_workers=1, transform=lambda s, ctx: s)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        trainer().fit(Recorder(), datamodule=dm)
+
+
+def _checkpoint(tmp_path: Path, reader: Reader, **kwargs: Any) -> tuple[Path, Recorder]:
+    path = tmp_path / "mid.ckpt"
+    model = Recorder(save_after=3, save_to=path)
+    trainer(max_steps=5).fit(model, datamodule=ShardedDataModule(reader, batch_size=4, seed=11, **kwargs))
+    return path, model
+
+
+def test_resuming_on_other_data_names_what_changed(tmp_path: Path) -> None:
+    path, _ = _checkpoint(tmp_path, SyntheticReader(sizes=[10, 10, 10]))
+    changed = ShardedDataModule(SyntheticReader(sizes=[10, 10, 12]), batch_size=4)
+    with pytest.raises(CheckpointMismatchError, match="total was 30, now 32"):
+        trainer().fit(Recorder(), datamodule=changed, ckpt_path=path)
+
+
+def test_allow_data_change_restarts_the_epoch_with_a_warning(tmp_path: Path) -> None:
+    path, _ = _checkpoint(tmp_path, SyntheticReader(sizes=[10, 10, 10]))
+    model = Recorder()
+    dm = ShardedDataModule(SyntheticReader(sizes=[10, 10, 12]), batch_size=4, allow_data_change=True)
+    with pytest.warns(UserWarning, match="data changed"):
+        trainer().fit(model, datamodule=dm, ckpt_path=path)
+    assert sorted(i for step in model.steps for i in step) == list(range(32))
+
+
+def test_a_newer_ledger_version_is_refused(tmp_path: Path) -> None:
+    path, _ = _checkpoint(tmp_path, SyntheticReader(sizes=[10, 10]))
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["lightning_sharding"]["version"] = 99
+    torch.save(ckpt, path)
+    with pytest.raises(CheckpointMismatchError, match="version 99"):
+        trainer().fit(
+            Recorder(), datamodule=ShardedDataModule(SyntheticReader(sizes=[10, 10]), batch_size=4), ckpt_path=path
+        )
+
+
+def test_a_checkpoint_without_a_ledger_restarts_its_epoch_with_a_warning(tmp_path: Path) -> None:
+    path, _ = _checkpoint(tmp_path, SyntheticReader(sizes=[10, 10]))
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt["lightning_sharding"]
+    torch.save(ckpt, path)
+    model = Recorder()
+    with pytest.warns(UserWarning, match="no lightning_sharding data ledger"):
+        trainer().fit(
+            model, datamodule=ShardedDataModule(SyntheticReader(sizes=[10, 10]), batch_size=4), ckpt_path=path
+        )
+    assert sorted(i for step in model.steps for i in step) == list(range(20))
+
+
+def test_accumulated_but_unstepped_samples_are_not_checkpointed(tmp_path: Path) -> None:
+    """accumulate_grad_batches=2 and a save after batch 3: batch 3's gradient was never applied, so
+    its samples are served again after the resume; batches 1-2 are not."""
+    reader = SyntheticReader(sizes=[9, 14, 7])
+    path = tmp_path / "acc.ckpt"
+    first = Recorder(save_after=3, save_to=path)
+    dm = ShardedDataModule(reader, batch_size=4, seed=5)
+    trainer(accumulate_grad_batches=2, max_steps=3).fit(first, datamodule=dm)
+    state = torch.load(path, weights_only=True)["lightning_sharding"]
+    consumed = {i for a, b in state["consumed"].tolist() for i in range(a, b)}
+    assert len(consumed) == 8  # two stepped batches of 4, not the third
+    resumed = Recorder()
+    trainer(accumulate_grad_batches=2).fit(resumed, datamodule=ShardedDataModule(reader, batch_size=4), ckpt_path=path)
+    kept = first.steps[:2] + resumed.steps
+    ids = [i for step in kept for i in step]
+    assert sorted(ids) == list(range(30)), "every sample exactly once over the stepped batches"
+    assert set(first.steps[2]) <= {i for step in resumed.steps for i in step}
+
+
+def test_validation_is_sharded_and_its_padding_is_flagged() -> None:
+    class WithVal(Recorder):
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            self.val_ids = getattr(self, "val_ids", []) + batch["id"][~batch["is_padding"]].tolist()
+
+    model = WithVal()
+    dm = ShardedDataModule(SyntheticReader(sizes=[10]), val_reader=SyntheticReader(sizes=[5, 6]), batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(num_sanity_val_steps=0).fit(model, datamodule=dm)
+    assert sorted(model.val_ids) == list(range(11))
