@@ -26,6 +26,7 @@ _EXPORTS = {
     "Manifest": "manifest",
     "RangeSet": "rangeset",
     "RankPlan": "plan",
+    "ReleaseProcessGroup": "callbacks",
     "Reader": "readers",
     "SampleContext": "world",
     "ShardContext": "world",
@@ -47,6 +48,7 @@ __all__ = [
     "Manifest",
     "RangeSet",
     "RankPlan",
+    "ReleaseProcessGroup",
     "Reader",
     "SampleContext",
     "ShardContext",
@@ -59,7 +61,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lightning_sharding.callbacks import EpochReport, ShardingCallback
+    from lightning_sharding.callbacks import EpochReport, ReleaseProcessGroup, ShardingCallback
     from lightning_sharding.datamodule import ShardedDataModule
     from lightning_sharding.ledger import CheckpointMismatchError, Ledger
     from lightning_sharding.manifest import Item, Manifest

@@ -16,10 +16,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_sharding._distributed import gather_objects
 from lightning_sharding.datamodule import CHECKPOINT_KEY, ShardedDataModule
+from lightning_sharding.world import World
 
 
 @dataclass
@@ -50,6 +51,7 @@ class ShardingCallback(pl.Callback):
         self._last_step = -1
         self._epoch_start = 0.0
         self._served = 0
+        self.worlds: list[World] = []
 
     @staticmethod
     def _datamodule(trainer: pl.Trainer) -> ShardedDataModule:
@@ -60,6 +62,11 @@ class ShardingCallback(pl.Callback):
                 f"got {type(dm).__name__}; pass `datamodule=` to `trainer.fit`"
             )
         return dm
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning skips on_train_epoch_start when it resumes mid-epoch; start the clock here too.
+        self.on_train_epoch_start(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -95,9 +102,11 @@ class ShardingCallback(pl.Callback):
             seconds=time.perf_counter() - self._epoch_start,
         )
         self.reports.append(report)
+        # The figures are global already (equal on every rank): "max" keeps them as they are.
         pl_module.log_dict(
             {"data/consumed": float(report.consumed), "data/padding": float(report.padding)},
-            rank_zero_only=True,
+            sync_dist=True,
+            reduce_fx="max",
         )
 
     @override
@@ -114,24 +123,25 @@ class ShardingCallback(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.print_summary:
-            self._print_summary(trainer)
-
-    @rank_zero_only
-    def _print_summary(self, trainer: pl.Trainer) -> None:
-        print(format_summary(self.reports, self._datamodule(trainer)))
+        dm = self._datamodule(trainer)
+        self.worlds = gather_objects(dm.world, dm.world.world_size)
+        if self.print_summary and trainer.is_global_zero:
+            print(format_summary(self.reports, dm, self.worlds))
 
     def summary(self) -> list[dict[str, Any]]:
         """The epoch reports as plain dicts."""
         return [{**asdict(r), "samples_per_second": r.samples_per_second} for r in self.reports]
 
 
-def format_summary(reports: list[EpochReport], dm: ShardedDataModule) -> str:
-    """A one-screen table of what every epoch served."""
+def format_summary(reports: list[EpochReport], dm: ShardedDataModule, worlds: list[World]) -> str:
+    """A one-screen table of what every epoch served, and where every rank ran."""
     w = dm.world
     head = (
         f"lightning_sharding summary: world {w.world_size} rank(s) x {dm.num_workers} worker(s), "
         f"batch {dm.batch_size}, seed {dm.seed}, even batches '{dm.even_batches}'"
+    )
+    ranks = "ranks: " + " | ".join(
+        f"rank {x.rank} = node {x.node_rank} local {x.local_rank}" for x in sorted(worlds, key=lambda x: x.rank)
     )
     cols = f"{'epoch':>5} {'samples':>9} {'consumed':>9} {'padding':>7} {'dropped':>7} {'batches/rank':>12} "
     cols += f"{'seconds':>8} {'samples/s':>10}"
@@ -142,4 +152,19 @@ def format_summary(reports: list[EpochReport], dm: ShardedDataModule) -> str:
     ]
     if not rows:
         rows = ["  (no training epoch ended in this run)"]
-    return "\n".join([head, cols, *rows])
+    return "\n".join([head, ranks, cols, *rows])
+
+
+class ReleaseProcessGroup(pl.Callback):
+    """Destroy the ``torch.distributed`` process group when fitting ends (opt-in, for scripts).
+
+    A gloo rank that exits with its process group alive can abort in interpreter shutdown
+    ("terminate called without an active exception", see pytorch/pytorch#179291). Add this to a
+    script whose processes exit after ``fit``; leave it out if the same process runs
+    ``trainer.test()`` afterwards.
+    """
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -14,10 +14,10 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
+from lightning_sharding._distributed import gather_objects
 from lightning_sharding.ledger import CheckpointMismatchError, Ledger
 from lightning_sharding.loader import PlannedBatches, PlanSampler, ShardedLoader, Transform, default_collate
 from lightning_sharding.manifest import Manifest
@@ -145,10 +145,7 @@ class ShardedDataModule(pl.LightningDataModule):
         if self.ledger is None or self.manifest is None:
             raise RuntimeError(f"{type(self).__name__}.train_dataloader() called before setup('fit')")
         if self.trainer is not None:
-            # Lightning creates the epoch's iterator before calling set_epoch when it restarts, so
-            # the ledger must already be on the epoch Lightning is about to run.
-            current = self.trainer.fit_loop.epoch_progress.current
-            self.ledger.start_epoch(int(getattr(current, "processed", self.trainer.current_epoch)))
+            self.ledger.start_epoch(_epoch_lightning_runs_next(self.trainer))
         self.train_loader = self._loader(self.make_reader(), self.manifest, self.ledger, self.shuffle, track=True)
         return self.train_loader
 
@@ -223,11 +220,8 @@ class ShardedDataModule(pl.LightningDataModule):
     def gather_consumed(self) -> None:
         """Union every rank's consumed positions into every rank's ledger (a collective call)."""
         assert self.ledger is not None
-        if self.world.world_size > 1 and dist.is_available() and dist.is_initialized():
-            gathered: list[Any] = [None] * self.world.world_size
-            dist.all_gather_object(gathered, self.ledger.consumed.to_state())
-            for state in gathered:
-                self.ledger.merge(RangeSet.from_state(state))
+        for state in gather_objects(self.ledger.consumed.to_state(), self.world.world_size):
+            self.ledger.merge(RangeSet.from_state(state))
 
     def ledger_state(self) -> dict[str, Any]:
         """The checkpoint entry: the union of all ranks' ledgers (a collective call)."""
@@ -272,6 +266,21 @@ class ShardedDataModule(pl.LightningDataModule):
             return
         self.ledger = restored
         self.seed = restored.seed
+
+
+def _epoch_lightning_runs_next(trainer: pl.Trainer) -> int:
+    """The epoch the iterator created now will serve.
+
+    Lightning creates (and prefetches from) the train iterator in ``setup_data`` before it calls
+    ``set_epoch``. When it restarts from a checkpoint written on an epoch's last batch, it then
+    skips to the next epoch without creating another iterator, so the ledger must already be on
+    that next epoch.
+    """
+    fit_loop = trainer.fit_loop
+    epoch = int(getattr(fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
+    if fit_loop.restarting and fit_loop.epoch_loop.batch_progress.is_last_batch:
+        epoch += 1
+    return epoch
 
 
 def _ensure_callback(trainer: pl.Trainer) -> None:

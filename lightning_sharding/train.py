@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_sharding.callbacks import ShardingCallback
+from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
 from lightning_sharding.config import register_configs
 from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.readers.synthetic import SyntheticReader
@@ -55,7 +55,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         multiprocessing_context=d.multiprocessing_context,
     )
     sharding = ShardingCallback()
-    callbacks: list[pl.Callback] = [sharding]
+    callbacks: list[pl.Callback] = [sharding, ReleaseProcessGroup()]
     if cfg.checkpoint_every_n_steps:
         callbacks.append(
             ModelCheckpoint(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +47,8 @@ class Job:
     checkpoint_every: int | None = None
     die_at_step: int | None = None
     resume_from: str | None = None
+    launcher: str = "spawn"  # "spawn": Lightning's ddp_spawn; "torchrun": one torchrun per node
+    num_nodes: int = 1
 
 
 @dataclass
@@ -69,19 +72,11 @@ def run_segment(out: Path, name: str, job: Job, *, expect_death: bool = False) -
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     before = set((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else set()
-    proc = subprocess.run(
-        [sys.executable, str(JOB), str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SEGMENT_TIMEOUT,
-        start_new_session=True,
-    )
-    output = proc.stdout + proc.stderr
+    returncode, output = _launch(job, path, env)
     if expect_death:
-        assert proc.returncode != 0, f"segment {name} was meant to die but finished:\n{output[-3000:]}"
+        assert returncode != 0, f"segment {name} was meant to die but finished:\n{output[-3000:]}"
     else:
-        assert proc.returncode == 0, f"segment {name} failed with {proc.returncode}:\n{output[-5000:]}"
+        assert returncode == 0, f"segment {name} failed with {returncode}:\n{output[-5000:]}"
     records = {}
     for rank in range(job.world_size):
         log = out / f"seen-{name}-rank{rank}.jsonl"
@@ -89,7 +84,49 @@ def run_segment(out: Path, name: str, job: Job, *, expect_death: bool = False) -
     result = out / f"result-{name}.json"
     report = json.loads(result.read_text()) if result.exists() else None
     after = set((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else set()
-    return Segment(name, proc.returncode, records, report, output, sorted(after - before))
+    return Segment(name, returncode, records, report, output, sorted(after - before))
+
+
+def _launch(job: Job, config: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Start the job's processes (one, or one torchrun per node), wait with a timeout, kill on expiry."""
+    if job.launcher == "spawn":
+        commands = [[sys.executable, str(JOB), str(config)]]
+    else:
+        per_node = job.world_size // job.num_nodes
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={job.num_nodes}",
+                f"--node_rank={node}",
+                f"--nproc_per_node={per_node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={env['MASTER_PORT']}",
+                str(JOB),
+                str(config),
+            ]
+            for node in range(job.num_nodes)
+        ]
+    # Output goes to files, not pipes: a full pipe would stall a rank that another rank waits for.
+    logs = [config.with_suffix(f".node{i}.log") for i in range(len(commands))]
+    procs = []
+    for cmd, log in zip(commands, logs, strict=True):
+        with open(log, "w") as sink:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
+    codes = []
+    try:
+        for proc in procs:
+            codes.append(proc.wait(timeout=SEGMENT_TIMEOUT))
+    finally:
+        for proc in procs:  # also reaps stragglers (workers of a killed rank) in the process group
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    outputs = [log.read_text() for log in logs]
+    return max(codes, key=abs), "\n".join(outputs)
 
 
 def checkpoint_step(path: Path) -> int:

@@ -169,3 +169,25 @@ def test_validation_is_sharded_and_its_padding_is_flagged() -> None:
         warnings.simplefilter("ignore")
         trainer(num_sanity_val_steps=0).fit(model, datamodule=dm)
     assert sorted(model.val_ids) == list(range(11))
+
+
+@pytest.mark.parametrize("save_on", ["last_batch", "epoch_end"])
+def test_a_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(tmp_path: Path, save_on: str) -> None:
+    """Lightning reuses the iterator it made before set_epoch when the restored epoch is complete;
+    the loader must already serve the next epoch, and in the same order as an unbroken run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    reader = SyntheticReader(sizes=[12])
+    unbroken = Recorder()
+    trainer(max_epochs=2).fit(unbroken, datamodule=ShardedDataModule(reader, batch_size=4, seed=1))
+    every = {"every_n_train_steps": 3} if save_on == "last_batch" else {"every_n_epochs": 1}
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}-{step}", **every)
+    first = Recorder()
+    trainer(max_steps=4, callbacks=[ckpt], enable_checkpointing=True).fit(
+        first, datamodule=ShardedDataModule(reader, batch_size=4, seed=1)
+    )
+    resumed = Recorder()
+    trainer(max_epochs=2).fit(
+        resumed, datamodule=ShardedDataModule(reader, batch_size=4), ckpt_path=tmp_path / "epoch=0-step=3.ckpt"
+    )
+    assert resumed.steps == unbroken.steps[3:]

@@ -20,6 +20,7 @@ def main(config_path: str) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_sharding import ShardedDataModule, SyntheticReader
+    from lightning_sharding.callbacks import ReleaseProcessGroup
     from tests.jobs.parts import DieAtStep, RecordingModel, WriteResult
 
     cfg = json.loads(Path(config_path).read_text())
@@ -34,7 +35,7 @@ def main(config_path: str) -> None:
         multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
     )
     model = RecordingModel(str(out / f"seen-{cfg['segment']}"))
-    callbacks: list[pl.Callback] = [WriteResult(out / f"result-{cfg['segment']}.json")]
+    callbacks: list[pl.Callback] = [WriteResult(out / f"result-{cfg['segment']}.json"), ReleaseProcessGroup()]
     if cfg["checkpoint_every"]:
         callbacks.append(
             ModelCheckpoint(
@@ -46,11 +47,16 @@ def main(config_path: str) -> None:
         )
     if cfg["die_at_step"]:
         callbacks.append(DieAtStep(cfg["die_at_step"]))
-    world = cfg["world_size"]
+    world, nodes = cfg["world_size"], cfg["num_nodes"]
+    if cfg["launcher"] == "torchrun":  # one process per rank, started by torchrun on each node
+        strategy, devices = "ddp", world // nodes
+    else:
+        strategy, devices = ("ddp_spawn" if world > 1 else "auto"), world
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=world,
-        strategy="ddp_spawn" if world > 1 else "auto",
+        devices=devices,
+        num_nodes=nodes,
+        strategy=strategy,
         max_epochs=cfg["epochs"],
         accumulate_grad_batches=cfg["accumulate"],
         callbacks=callbacks,

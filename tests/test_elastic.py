@@ -1,0 +1,131 @@
+"""Elastic resume: a checkpoint written on one (ranks, workers) resumes on any other, exactly-once.
+
+Every case runs real processes: Lightning's ddp_spawn or torchrun, DDP over gloo, spawned workers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import Job, assert_exactly_once, check_resume, free_port, kept_records, run_segment, served_per_epoch
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+
+TOTAL = sum(Job().sizes)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [((2, 2), (1, 3)), ((2, 2), (3, 1)), ((1, 0), (2, 2)), ((3, 1), (2, 0))],
+    ids=lambda t: f"{t[0]}x{t[1]}",
+)
+def test_mid_epoch_resume_on_another_topology(tmp_path: Path, before: tuple[int, int], after: tuple[int, int]) -> None:
+    first = Job(world_size=before[0], num_workers=before[1])
+    then = Job(world_size=after[0], num_workers=after[1])
+    seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=3)
+    assert_exactly_once(seen, TOTAL, epochs=1)
+    # The resumed run reports the samples the checkpoint already held as consumed.
+    final = segments[-1].report
+    assert final is not None and final["epochs"][0]["consumed"] == TOTAL
+
+
+def test_several_resumes_in_one_epoch_each_on_another_topology(tmp_path: Path) -> None:
+    """2x2 -> 1x3 -> 3x1 inside epoch 0; the ledger stays a handful of ranges."""
+    jobs = [Job(world_size=2, num_workers=2), Job(world_size=1, num_workers=3), Job(world_size=3, num_workers=1)]
+    seen, segments = check_resume(tmp_path, jobs[0], jobs[1:], checkpoint_every=3)
+    assert_exactly_once(seen, TOTAL, epochs=1)
+    resumed_from = segments[1].checkpoints[0]
+    state = torch.load(resumed_from, weights_only=True)["lightning_sharding"]
+    ranges = state["consumed"].shape[0]
+    size = state["consumed"].numel() * state["consumed"].element_size()
+    print(f"ledger after two rescales: {ranges} ranges, {size} bytes of ranges")
+    assert state["writer"] == {"world_size": 1, "num_workers": 3, "batch_size": 8}
+    assert ranges <= 6
+
+
+def test_a_checkpoint_at_an_epoch_end_resumes_into_a_fresh_epoch(tmp_path: Path) -> None:
+    """2 ranks x 8 = 16 samples a step: 200 samples is 13 steps, so step 13 ends epoch 0."""
+    first = Job(epochs=2)
+    then = Job(epochs=2, world_size=1, num_workers=2)
+    seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=13)
+    assert_exactly_once(seen, TOTAL, epochs=2)
+    assert all(r["epoch"] == 1 for recs in segments[1].records.values() for r in recs)
+
+
+def test_torchrun_two_nodes_on_one_machine_resumes_a_ddp_spawn_checkpoint(tmp_path: Path) -> None:
+    """Two `torchrun --nnodes=2 --node_rank={0,1}` launches with a rendezvous on 127.0.0.1."""
+    first = Job(world_size=2, num_workers=2)
+    then = Job(world_size=2, num_workers=1, launcher="torchrun", num_nodes=2)
+    seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=3)
+    assert_exactly_once(seen, TOTAL, epochs=1)
+    assert "ranks: rank 0 = node 0 local 0 | rank 1 = node 1 local 0" in segments[-1].output
+
+
+def test_torchrun_single_node_serves_every_sample_once(tmp_path: Path) -> None:
+    segment = run_segment(tmp_path, "run", Job(world_size=2, num_workers=2, launcher="torchrun"))
+    assert_exactly_once(served_per_epoch(kept_records(segment, None)), TOTAL, epochs=1)
+    assert "ranks: rank 0 = node 0 local 0 | rank 1 = node 0 local 1" in segment.output
+
+
+def _entry_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+
+
+ENTRY_ARGS = [
+    "data.num_items=4",
+    "data.samples_per_item=60",
+    "data.batch_size=16",
+    "data.num_workers=1",
+    "data.multiprocessing_context=spawn",
+    "trainer.devices=2",
+    "trainer.strategy=ddp",
+    "trainer.max_epochs=1",
+    "trainer.enable_progress_bar=false",
+]
+
+
+def _consumed(stdout: str) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(r"^\s+\d+\s+240\s+(\d+)\s", stdout, flags=re.M)]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "lightning"])
+def test_the_train_entry_under_torchrun_and_lightnings_launcher(tmp_path: Path, launcher: str) -> None:
+    env = _entry_env()
+    entry = ["-m", "lightning_sharding.train", *ENTRY_ARGS, f"out_dir={tmp_path}"]
+    if launcher == "torchrun":
+        port = env["MASTER_PORT"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", *entry]
+    else:
+        cmd = [sys.executable, *entry]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "world 2 rank(s)" in proc.stdout
+    assert "rank 0 = node 0 local 0 | rank 1 = node 0 local 1" in proc.stdout
+    assert _consumed(proc.stdout) == [240]
+
+
+def test_readme_rescale_commands_work(tmp_path: Path) -> None:
+    """The README's 'Changing cluster size' commands: 2 ranks with checkpoints, then 1 rank x 3 workers."""
+    env = _entry_env()
+    common = ["data.num_items=4", "data.samples_per_item=60", "data.batch_size=16", "data.seed=5"]
+    common += ["trainer.enable_progress_bar=false", f"out_dir={tmp_path}", "data.multiprocessing_context=spawn"]
+    first = [sys.executable, "-m", "lightning_sharding.train", *common]
+    first += ["trainer.devices=2", "trainer.strategy=ddp", "data.num_workers=2", "trainer.max_steps=4"]
+    first += ["checkpoint_every_n_steps=2"]
+    proc = subprocess.run(first, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.exists()
+    second = [sys.executable, "-m", "lightning_sharding.train", *common, "data.num_workers=3", f"ckpt_path={last}"]
+    second += ["trainer.max_epochs=1"]
+    proc = subprocess.run(second, cwd=tmp_path, env=_entry_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "world 1 rank(s) x 3 worker(s)" in proc.stdout
+    assert _consumed(proc.stdout) == [240]
