@@ -33,11 +33,13 @@ class Regressor(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Mean squared error of the prediction of ``y`` from ``x``."""
         loss = torch.nn.functional.mse_loss(self.net(batch["x"]).squeeze(-1), batch["y"])
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Plain SGD."""
         return torch.optim.SGD(self.parameters(), lr=self.hparams["learning_rate"])
 
 

@@ -39,7 +39,7 @@ class Job:
     batch_size: int = 8
     world_size: int = 2
     num_workers: int = 2
-    seed: int = 1234
+    seed: int | None = 1234
     epochs: int = 1
     even_batches: str = "pad"
     persistent_workers: bool = False

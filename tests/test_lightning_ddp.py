@@ -23,8 +23,9 @@ TOTAL = sum(Job().sizes)
 
 
 def test_two_epochs_serve_every_sample_once_in_different_orders(tmp_path: Path) -> None:
-    """Cases (a) and (b): 2 ranks x 2 workers, two epochs."""
-    segment = run_segment(tmp_path, "run", Job(epochs=2))
+    """Cases (a) and (b): 2 ranks x 2 workers, two epochs. No seed is given: rank 0 draws one and
+    broadcasts it (ranks with different seeds would plan different orders and break coverage)."""
+    segment = run_segment(tmp_path, "run", Job(epochs=2, seed=None))
     records = kept_records(segment, None)
     assert_exactly_once(served_per_epoch(records), TOTAL, epochs=2)
     orders = [[i for r in records if r["epoch"] == e for i in r["ids"]] for e in (0, 1)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,17 @@ def test_the_console_entry_prints_the_summary(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lightning_sharding summary" in proc.stdout
     assert "      120       120" in proc.stdout  # samples and consumed of epoch 0
+
+
+@pytest.mark.processes
+def test_the_ddp_cpu_recipe_runs_on_two_ranks(tmp_path: Path) -> None:
+    from tests.harness import ROOT, free_port
+
+    cmd = [sys.executable, "-m", "lightning_sharding.train", "--config-dir", str(ROOT / "recipes")]
+    cmd += ["--config-name", "ddp_cpu", "data.num_items=2", "data.samples_per_item=64", "trainer.max_epochs=1"]
+    cmd += ["data.multiprocessing_context=spawn", "trainer.enable_progress_bar=false", f"out_dir={tmp_path}"]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "world 2 rank(s) x 2 worker(s)" in proc.stdout
+    assert "      128       128" in proc.stdout

@@ -43,15 +43,18 @@ class SyntheticReader(Reader):
         self._weights = np.linspace(-1.0, 1.0, dim, dtype=np.float32)
 
     def items(self) -> Sequence[Item]:
+        """One item per size, named ``synthetic-NNNNN``."""
         return [Item(f"synthetic-{i:05d}", n, fingerprint=f"dim={self.dim}") for i, n in enumerate(self.sizes)]
 
     def _item_number(self, item: Item) -> int:
         return int(item.key.rsplit("-", 1)[1])
 
     def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        """One sample, through :meth:`read_batch`."""
         return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
 
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+        """Samples ``indices`` (shape ``(n,)``) of ``item``, computed in one vectorised pass."""
         if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= item.num_samples):
             raise IndexError(f"{item.key}: sample index outside [0, {item.num_samples})")
         ids = self._first_id[self._item_number(item)] + indices
