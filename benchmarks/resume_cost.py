@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_sharding import Ledger, Manifest, SyntheticReader, World
-from lightning_sharding.loader import PlannedBatches, PlanSampler, ShardedLoader, default_collate
+from lightning_sharding.loader import PlanSampler, ShardedLoader
 
 TOTAL, ITEMS, BATCH, WORLD = 1_000_000, 100, 256, 2
 
@@ -40,18 +40,8 @@ def ours_first_batch(fraction: float, workers: int) -> float:
             for index in list(run)[: int(len(run) * fraction)]:
                 ledger.record(rank_plan.batch(index).positions)
     ledger.commit()
-    dataset = PlannedBatches(
-        reader,
-        manifest.items,
-        seed=1,
-        shuffle=True,
-        world=world,
-        num_workers=workers,
-        transform=None,
-        collate_fn=default_collate,
-    )
     start = time.perf_counter()
-    loader = ShardedLoader(dataset, sampler, num_workers=workers)
+    loader = ShardedLoader.build(reader, manifest.items, ledger, world=world, batch_size=BATCH, num_workers=workers)
     next(iter(loader))
     return time.perf_counter() - start
 

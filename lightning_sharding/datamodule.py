@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-from lightning_sharding.loader import PlannedBatches, PlanSampler, ShardedLoader, Transform, default_collate
+from lightning_sharding.loader import ShardedLoader, Transform, default_collate
 from lightning_sharding.manifest import Manifest
 from lightning_sharding.plan import EVEN_BATCH_POLICIES, EvenBatches
 from lightning_sharding.rangeset import RangeSet
@@ -174,27 +174,17 @@ class ShardedDataModule(pl.LightningDataModule):
         return self._loader(reader, manifest, ledger, shuffle=False, track=False)
 
     def _loader(self, reader: Reader, manifest: Manifest, ledger: Ledger, shuffle: bool, track: bool) -> ShardedLoader:
-        dataset = PlannedBatches(
+        return ShardedLoader.build(
             reader,
             manifest.items,
-            seed=ledger.seed,
-            shuffle=shuffle,
-            world=self.world,
-            num_workers=self.num_workers,
-            transform=self.transform,
-            collate_fn=self.collate_fn,
-        )
-        sampler = PlanSampler(
             ledger,
             world=self.world,
-            num_workers=self.num_workers,
             batch_size=self.batch_size,
-            even_batches=self.even_batches,
-        )
-        return ShardedLoader(
-            dataset,
-            sampler,
             num_workers=self.num_workers,
+            shuffle=shuffle,
+            even_batches=self.even_batches,
+            transform=self.transform,
+            collate_fn=self.collate_fn,
             persistent_workers=self.persistent_workers,
             prefetch_factor=self.prefetch_factor,
             pin_memory=self.pin_memory,

@@ -229,6 +229,42 @@ class ShardedLoader:
             timeout=timeout,
         )
 
+    @classmethod
+    def build(
+        cls,
+        reader: Reader,
+        items: Sequence[Item],
+        ledger: Ledger,
+        *,
+        world: World,
+        batch_size: int,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        even_batches: EvenBatches = "pad",
+        transform: Transform | None = None,
+        collate_fn: Callable[[list[Any]], Any] = torch_default_collate,
+        **options: Any,
+    ) -> ShardedLoader:
+        """The loader of ``world.rank`` for ``ledger``'s epoch; ``options`` go to :class:`ShardedLoader`.
+
+        This is all :class:`~lightning_sharding.ShardedDataModule` does per loader; use it directly
+        to shard outside Lightning.
+        """
+        dataset = PlannedBatches(
+            reader,
+            items,
+            seed=ledger.seed,
+            shuffle=shuffle,
+            world=world,
+            num_workers=num_workers,
+            transform=transform,
+            collate_fn=collate_fn,
+        )
+        sampler = PlanSampler(
+            ledger, world=world, num_workers=num_workers, batch_size=batch_size, even_batches=even_batches
+        )
+        return cls(dataset, sampler, num_workers=num_workers, **options)
+
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()
         for batch, epoch, positions, num_padding in self._loader:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_sharding import Item, Ledger, Manifest, Reader, ShardContext, SyntheticReader, World
-from lightning_sharding.loader import PlannedBatches, PlanSampler, ShardedLoader, default_collate
+from lightning_sharding.loader import ShardedLoader
 
 
 class ContextReader(Reader):
@@ -50,28 +50,14 @@ def make_loader(
 ) -> ShardedLoader:
     manifest = Manifest.from_items(reader.items())
     ledger = ledger or Ledger(seed=seed, total=manifest.total, manifest=manifest.summary())
-    world = World(rank=rank, world_size=world_size)
-    dataset = PlannedBatches(
+    return ShardedLoader.build(
         reader,
         manifest.items,
-        seed=ledger.seed,
-        shuffle=True,
-        world=world,
-        num_workers=num_workers,
-        transform=None,
-        collate_fn=default_collate,
-    )
-    sampler = PlanSampler(
         ledger,
-        world=world,
-        num_workers=num_workers,
+        world=World(rank=rank, world_size=world_size),
         batch_size=batch_size,
-        even_batches=even_batches,  # type: ignore[arg-type]
-    )
-    return ShardedLoader(
-        dataset,
-        sampler,
         num_workers=num_workers,
+        even_batches=even_batches,  # type: ignore[arg-type]
         persistent_workers=persistent,
         multiprocessing_context="spawn" if num_workers else None,
         track=True,
