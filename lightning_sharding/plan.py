@@ -4,11 +4,15 @@ The whole sharding scheme, in four steps, all pure functions of integers:
 
 1. Remaining work is the complement of the ledger's consumed set in ``[0, N)`` (epoch positions,
    see ``order.py``). It never depends on who consumed what.
-2. Ranks take contiguous, near-equal runs of the remaining positions: rank ``r`` gets the
-   elements ranked ``[r*R//W + min(r, R%W), ...)``, so counts differ by at most one.
+2. Ranks take contiguous, near-equal runs of the remaining positions: of ``R`` remaining over
+   ``W`` ranks, rank ``r`` gets the elements ranked from ``r*(R//W) + min(r, R%W)``, so counts
+   differ by at most one.
 3. Each rank cuts its run into batches of ``batch_size``. Every rank must yield the same number of
-   batches or DDP hangs at the epoch's end, so the even-batches policy adds at most one padding
-   sample (``pad``) or leaves at most one sample for later (``drop``) per rank.
+   batches or DDP hangs at the epoch's end, and counts differing by one can make one rank a batch
+   short. Policy ``pad``: the short rank splits its last full batch into two halves, and only a
+   rank with fewer samples than batches (batch size 1, or nothing left) adds one padding sample,
+   flagged and never counted. Policy ``drop``: the long rank leaves its last sample unserved this
+   epoch (reported).
 4. Workers take contiguous runs of the rank's batches, so each worker reads its items in
    sequence. Tasks are interleaved round-robin, the order in which the DataLoader deals them.
 
@@ -50,8 +54,20 @@ def _split(total: int, parts: int, part: int) -> tuple[int, int]:
     return start, start + base + (1 if part < extra else 0)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+def _run_lengths(total: int, parts: int) -> Int64Array:
+    """Lengths of all ``parts`` runs of :func:`_split`, shape ``(parts,)``."""
+    base, extra = divmod(total, parts)
+    return (base + (np.arange(parts) < extra)).astype(np.int64)
+
+
+def _padding(counts: Int64Array, num_batches: int) -> Int64Array:
+    """Padding samples per rank: only a rank with fewer samples than batches needs one."""
+    return (counts < num_batches).astype(np.int64)
+
+
+def _dropped(counts: Int64Array, num_batches: int, batch_size: int) -> Int64Array:
+    """Positions left unserved per rank: whatever does not fit in ``num_batches`` full batches."""
+    return np.maximum(counts - num_batches * batch_size, 0).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -83,12 +99,24 @@ class RankPlan:
         start, end = _split(self.num_batches, max(1, self.num_workers), worker)
         return range(start, end)
 
+    def bounds(self, index: int) -> tuple[int, int]:
+        """The ``[lo, hi)`` ranks, within this rank's positions, of batch ``index``'s real samples.
+
+        Batches are full but for the last. A rank one batch short (all its batches full) splits
+        its last full batch into two halves instead of padding.
+        """
+        n, size, last = self.num_served, self.batch_size, self.num_batches - 1
+        if self.num_padding == 0 and -(-n // size) < self.num_batches and index >= last - 1:
+            middle = (last - 1) * size + (size + 1) // 2
+            return ((last - 1) * size, middle) if index < last else (middle, n)
+        lo = index * size
+        return lo, min(lo + size, n)
+
     def batch(self, index: int, worker: int = 0) -> BatchTask:
         """Batch ``index`` of this rank as a :class:`BatchTask`."""
         if not 0 <= index < self.num_batches:
             raise IndexError(f"rank {self.rank} has {self.num_batches} batches, asked for batch {index}")
-        lo = index * self.batch_size
-        hi = min(lo + self.batch_size, self.num_served)
+        lo, hi = self.bounds(index)
         positions = self.positions.select(lo, hi).to_array()
         pad = self.num_padding if index == self.num_batches - 1 else 0
         if pad:
@@ -126,17 +154,10 @@ class EpochPlan:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of size {self.world_size}")
         start, end = _split(len(self.remaining), self.world_size, rank)
-        count = end - start
         positions = self.remaining.select(start, end)
         # A rank with nothing left pads with any remaining position; it is flagged, never counted.
         source = positions if positions else self.remaining
         pad_position = int(source.starts[0]) if source else 0
-        padding = dropped = 0
-        natural = _ceil_div(count, self.batch_size)
-        if natural < self.num_batches:
-            padding = 1
-        elif natural > self.num_batches:
-            dropped = count - self.num_batches * self.batch_size
         return RankPlan(
             rank=rank,
             epoch=self.epoch,
@@ -144,21 +165,20 @@ class EpochPlan:
             batch_size=self.batch_size,
             num_batches=self.num_batches,
             num_workers=self.num_workers,
-            num_padding=padding,
-            num_dropped=dropped,
+            num_padding=int(self.padding_per_rank[rank]),
+            num_dropped=int(self.dropped_per_rank[rank]),
             pad_position=pad_position,
         )
 
     @property
     def padding_per_rank(self) -> Int64Array:
         """Padding samples per rank, shape ``(world_size,)``."""
-        natural = -(-self.rank_counts // self.batch_size)
-        return (natural < self.num_batches).astype(np.int64)
+        return _padding(self.rank_counts, self.num_batches)
 
     @property
     def dropped_per_rank(self) -> Int64Array:
         """Positions left unserved per rank by the ``drop`` policy, shape ``(world_size,)``."""
-        return np.maximum(self.rank_counts - self.num_batches * self.batch_size, 0).astype(np.int64)
+        return _dropped(self.rank_counts, self.num_batches, self.batch_size)
 
 
 def plan_epoch(
@@ -189,11 +209,10 @@ def plan_epoch(
         raise ValueError(f"the ledger holds position {int(consumed.ends[-1]) - 1}, outside an epoch of {total} samples")
     remaining = consumed.complement(total)
     left = len(remaining)
-    base, extra = divmod(left, world_size)
-    counts = base + (np.arange(world_size) < extra).astype(np.int64)
-    longest = _ceil_div(int(counts.max()), batch_size)
-    shortest = _ceil_div(int(counts.min()), batch_size)
-    num_batches = longest if even_batches == "pad" else shortest
+    counts = _run_lengths(left, world_size)
+    # pad: the longest rank sets the batch count; drop: the shortest does.
+    governing = int(counts.max() if even_batches == "pad" else counts.min())
+    num_batches = -(-governing // batch_size)
     return EpochPlan(
         epoch=epoch,
         total=total,
@@ -202,6 +221,6 @@ def plan_epoch(
         num_workers=num_workers,
         batch_size=batch_size,
         even_batches=even_batches,
-        rank_counts=counts.astype(np.int64),
+        rank_counts=counts,
         num_batches=num_batches,
     )

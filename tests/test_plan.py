@@ -99,9 +99,12 @@ def check_rank(rp: RankPlan, plan: EpochPlan) -> tuple[list[int], list[int], lis
         assert task.epoch == plan.epoch
         assert task.positions.dtype == np.int64
         assert 0 <= task.num_padding <= len(task.positions) <= plan.batch_size
+        if task.index < rp.num_batches - 2:
+            assert len(task.positions) == plan.batch_size  # only the last two batches may be short
         if task.index != rp.num_batches - 1:
             assert task.num_padding == 0
-            assert len(task.positions) == plan.batch_size  # only the last batch may be short
+        if rp.num_served >= rp.num_batches:
+            assert len(real_part(task)) >= 1  # no batch of padding alone while real samples remain
         assert task.index in rp.worker_batches(task.worker)
         real.extend(real_part(task).tolist())
         padding.extend(pad_part(task).tolist())
@@ -110,6 +113,8 @@ def check_rank(rp: RankPlan, plan: EpochPlan) -> tuple[list[int], list[int], lis
     assert len(padding) == rp.num_padding
     if plan.even_batches == "pad":
         assert rp.num_padding in (0, 1) and rp.num_dropped == 0
+        # Padding only where real samples cannot fill every batch (batch size 1, or nothing left).
+        assert (rp.num_padding == 1) == (rp.num_served < rp.num_batches)
     else:
         assert rp.num_dropped in (0, 1) and rp.num_padding == 0
     # Padding repeats a real remaining position (any rank's), so the reader can produce it.
@@ -230,7 +235,7 @@ def test_replanning_on_another_topology_covers_exactly_the_rest(
     replan = again.plan()
     rest = set(range(case.total)) - set(ledger.consumed.to_array().tolist())
     assert replan.remaining == ledger.consumed.complement(case.total)
-    assert len(replan.remaining) == ledger.remaining == len(rest)
+    assert len(replan.remaining) == (ledger.total - len(ledger.consumed)) == len(rest)
 
     served: list[int] = []
     dropped: list[int] = []
@@ -242,13 +247,21 @@ def test_replanning_on_another_topology_covers_exactly_the_rest(
     assert sorted(served + dropped) == sorted(rest)
 
 
-def test_pad_policy_pads_the_short_rank() -> None:
-    # 9 positions over 2 ranks with batch 4: 5 and 4 -> rank 0 needs 2 batches, rank 1 pads one.
+def test_pad_policy_splits_the_short_ranks_last_batch_instead_of_padding() -> None:
+    # 9 positions over 2 ranks with batch 4: 5 and 4 -> rank 0 needs 2 batches; rank 1 splits
+    # its one full batch into two halves, so no batch is padding alone.
     plan = plan_epoch(9, RangeSet(), epoch=0, world_size=2, num_workers=0, batch_size=4, even_batches="pad")
     assert plan.num_batches == 2
+    assert plan.padding_per_rank.tolist() == [0, 0]
+    assert [t.positions.tolist() for t in plan.rank(1).tasks()] == [[5, 6], [7, 8]]
+
+
+def test_pad_policy_pads_only_when_batches_outnumber_samples() -> None:
+    # Batch size 1: 3 positions over 2 ranks are 2 and 1 samples for 2 batches each.
+    plan = plan_epoch(3, RangeSet(), epoch=0, world_size=2, num_workers=0, batch_size=1, even_batches="pad")
     assert plan.padding_per_rank.tolist() == [0, 1]
     last = list(plan.rank(1).tasks())[-1]
-    assert last.num_padding == 1 and last.positions.tolist() == [5]
+    assert last.num_padding == 1 and last.positions.tolist() == [2]
 
 
 def test_drop_policy_leaves_one_position_for_later() -> None:
