@@ -29,6 +29,7 @@ _EXPORTS = {
     "ReleaseProcessGroup": "callbacks",
     "Reader": "readers",
     "SampleContext": "world",
+    "ShardedLoader": "loader",
     "ShardContext": "world",
     "ShardedDataModule": "datamodule",
     "ShardingCallback": "callbacks",
@@ -51,6 +52,7 @@ __all__ = [
     "ReleaseProcessGroup",
     "Reader",
     "SampleContext",
+    "ShardedLoader",
     "ShardContext",
     "ShardedDataModule",
     "ShardingCallback",
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from lightning_sharding.callbacks import EpochReport, ReleaseProcessGroup, ShardingCallback
     from lightning_sharding.datamodule import ShardedDataModule
     from lightning_sharding.ledger import CheckpointMismatchError, Ledger
+    from lightning_sharding.loader import ShardedLoader
     from lightning_sharding.manifest import Item, Manifest
     from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import BatchTask, EpochPlan, RankPlan, plan_epoch

@@ -90,7 +90,9 @@ class ShardingCallback(pl.Callback):
         dm.ledger.commit()  # Lightning steps on an epoch's last batch whatever the accumulation
         dm.gather_consumed()
         plan = dm.train_loader.sampler.epoch_plan
-        served = int(trainer.strategy.reduce(torch.tensor(float(self._served)), reduce_op="sum").item())
+        # On the strategy's device (NCCL reduces only CUDA tensors) and int64 (counts beyond 2**24).
+        count = torch.tensor(self._served, dtype=torch.int64, device=trainer.strategy.root_device)
+        served = int(trainer.strategy.reduce(count, reduce_op="sum").item())
         report = EpochReport(
             epoch=dm.ledger.epoch,
             samples=dm.ledger.total,

@@ -15,12 +15,13 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-from lightning_sharding.loader import ShardedLoader, Transform, default_collate
-from lightning_sharding.manifest import Manifest
+from lightning_sharding.loader import ShardedLoader, Transform
+from lightning_sharding.manifest import Manifest, describe_change
 from lightning_sharding.plan import EVEN_BATCH_POLICIES, EvenBatches
 from lightning_sharding.rangeset import RangeSet
 from lightning_sharding.readers.base import Reader
@@ -100,6 +101,7 @@ class ShardedDataModule(pl.LightningDataModule):
         self._val_reader, self._test_reader = val_reader, test_reader
         self.batch_size, self.num_workers = batch_size, num_workers
         self.seed, self.shuffle, self.even_batches = seed, shuffle, even_batches
+        self._seed_given = seed
         self.persistent_workers, self.prefetch_factor = persistent_workers, prefetch_factor
         self.pin_memory, self.multiprocessing_context, self.timeout = pin_memory, multiprocessing_context, timeout
         self.transform = transform
@@ -110,6 +112,7 @@ class ShardedDataModule(pl.LightningDataModule):
         self.manifest: Manifest | None = None
         self.ledger: Ledger | None = None
         self.train_loader: ShardedLoader | None = None
+        self._train_reader: Reader | None = None
 
     def make_reader(self) -> Reader:
         """The training reader; override it to build the reader from your own arguments."""
@@ -119,16 +122,30 @@ class ShardedDataModule(pl.LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Read the topology from the trainer, build the manifest and the ledger, add the callback."""
+        """Read the topology from the trainer; for fitting, build the reader, the manifest (checked
+        to be the same on every rank), a fresh ledger, and add the callback."""
         if self.trainer is not None:
             self.world = World.from_trainer(self.trainer)
-        if stage != "fit" or self.manifest is not None:
+        if stage != "fit":
             return
-        reader = self.make_reader()
-        self.manifest = Manifest.from_items(reader.items())
+        self._train_reader = self.make_reader()
+        self.manifest = Manifest.from_items(self._train_reader.items())
+        self._check_same_data_on_every_rank(self.manifest)
         self.ledger = Ledger(seed=self._shared_seed(), total=self.manifest.total, manifest=self.manifest.summary())
         if self.trainer is not None:
             _ensure_callback(self.trainer)
+
+    def _check_same_data_on_every_rank(self, manifest: Manifest) -> None:
+        # A rank whose listing differs (glob order, object-store listing lag) would plan over other
+        # positions: shares would overlap or leave gaps. Every rank sees every summary and raises alike.
+        summaries = gather_objects(manifest.summary(), self.world.world_size)
+        for rank, summary in enumerate(summaries):
+            if summary["fingerprint"] != summaries[0]["fingerprint"]:
+                raise ValueError(
+                    f"rank {rank} lists other data than rank 0: {describe_change(summaries[0], summary)}. "
+                    "Every rank must list the same items in the same order: sort globbed or listed paths, "
+                    "and do not change the data while the job starts."
+                )
 
     def _shared_seed(self) -> int:
         if self.seed is not None:
@@ -142,11 +159,14 @@ class ShardedDataModule(pl.LightningDataModule):
     @override
     def train_dataloader(self) -> ShardedLoader:
         """This rank's training loader; it yields the same number of batches on every rank."""
-        if self.ledger is None or self.manifest is None:
-            raise RuntimeError(f"{type(self).__name__}.train_dataloader() called before setup('fit')")
+        if self.ledger is None or self.manifest is None or self._train_reader is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.train_dataloader() was called before setup('fit'). "
+                "If your subclass overrides setup(), call super().setup(stage) in it."
+            )
         if self.trainer is not None:
             self.ledger.start_epoch(_epoch_lightning_runs_next(self.trainer))
-        self.train_loader = self._loader(self.make_reader(), self.manifest, self.ledger, self.shuffle, track=True)
+        self.train_loader = self._loader(self._train_reader, self.manifest, self.ledger, self.shuffle, track=True)
         return self.train_loader
 
     # Exposed as properties so that Lightning sees an evaluation loader only when a reader was given
@@ -171,9 +191,18 @@ class ShardedDataModule(pl.LightningDataModule):
             self.world = World.from_trainer(self.trainer)
         manifest = Manifest.from_items(reader.items())
         ledger = Ledger(seed=self.seed or 0, total=manifest.total, manifest=manifest.summary())
-        return self._loader(reader, manifest, ledger, shuffle=False, track=False)
+        # Evaluation always pads (flagged): dropping would silently skip samples of every evaluation.
+        return self._loader(reader, manifest, ledger, shuffle=False, track=False, even_batches="pad")
 
-    def _loader(self, reader: Reader, manifest: Manifest, ledger: Ledger, shuffle: bool, track: bool) -> ShardedLoader:
+    def _loader(
+        self,
+        reader: Reader,
+        manifest: Manifest,
+        ledger: Ledger,
+        shuffle: bool,
+        track: bool,
+        even_batches: EvenBatches | None = None,
+    ) -> ShardedLoader:
         return ShardedLoader.build(
             reader,
             manifest.items,
@@ -182,7 +211,7 @@ class ShardedDataModule(pl.LightningDataModule):
             batch_size=self.batch_size,
             num_workers=self.num_workers,
             shuffle=shuffle,
-            even_batches=self.even_batches,
+            even_batches=even_batches or self.even_batches,
             transform=self.transform,
             collate_fn=self.collate_fn,
             persistent_workers=self.persistent_workers,
@@ -230,32 +259,41 @@ class ShardedDataModule(pl.LightningDataModule):
     def restore_ledger(self, state: dict[str, Any] | None) -> None:
         """Restore a checkpoint's ledger; a checkpoint of other data is a clear error."""
         assert self.ledger is not None and self.manifest is not None
+        source = f"the checkpoint {self.trainer.ckpt_path}" if self.trainer is not None else "the checkpoint"
         if state is None:
             warnings.warn(
-                "the checkpoint holds no lightning_sharding data ledger (it was written without "
+                f"{source} holds no lightning_sharding data ledger (it was written without "
                 "ShardedDataModule): the interrupted epoch restarts from its beginning",
                 stacklevel=2,
             )
             return
-        restored = Ledger.from_state_dict(state)
-        if restored.fingerprint != self.manifest.fingerprint:
-            change = self.manifest.explain_mismatch(restored.manifest)
-            if not self.allow_data_change:
-                raise CheckpointMismatchError(
-                    f"the checkpoint was written for other data: {change}. Resume with the same data, "
-                    f"or pass `allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
-                )
+        try:
+            restored = Ledger.from_state_dict(state)
+        except CheckpointMismatchError as err:
+            raise CheckpointMismatchError(f"{source}: {err}") from err
+        if self._seed_given is not None and restored.seed != self._seed_given:
             warnings.warn(
-                f"the data changed since the checkpoint ({change}); epoch {restored.epoch} restarts "
-                "with a fresh order because allow_data_change=True",
+                f"seed={self._seed_given} is not used: {source} continues its epoch with its own seed {restored.seed}",
                 stacklevel=2,
             )
-            self.ledger = Ledger(
-                seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
-            )
-            return
-        self.ledger = restored
         self.seed = restored.seed
+        if restored.fingerprint == self.manifest.fingerprint:
+            self.ledger = restored
+            return
+        change = describe_change(restored.manifest, self.manifest.summary())
+        if not self.allow_data_change:
+            raise CheckpointMismatchError(
+                f"{source} was written for other data: {change}. Resume with the same data, "
+                f"or pass `allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
+            )
+        warnings.warn(
+            f"the data changed since {source} ({change}); epoch {restored.epoch} restarts "
+            "with a fresh order because allow_data_change=True",
+            stacklevel=2,
+        )
+        self.ledger = Ledger(
+            seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
+        )
 
 
 def _epoch_lightning_runs_next(trainer: pl.Trainer) -> int:

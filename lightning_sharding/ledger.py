@@ -68,11 +68,6 @@ class Ledger:
         """Positions not to serve again in this run: consumed or pending."""
         return self.consumed | self.pending
 
-    @property
-    def remaining(self) -> int:
-        """How many positions of the epoch are not consumed."""
-        return self.total - len(self.consumed)
-
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed state; pending positions are left out on purpose."""
         return {
@@ -98,6 +93,8 @@ class Ledger:
                 f"the checkpoint's data ledger has version {version!r}; this lightning_sharding reads version "
                 f"{cls.VERSION}. Resume with the lightning_sharding release that wrote it."
             )
+        if not isinstance(state["manifest"], Mapping) or "fingerprint" not in state["manifest"]:
+            raise CheckpointMismatchError("malformed ledger state: 'manifest' has no 'fingerprint'")
         ledger = cls(seed=state["seed"], total=state["total"], manifest=state["manifest"], epoch=state["epoch"])
         ledger.consumed = RangeSet.from_state(np.asarray(state["consumed"]))
         if ledger.consumed and int(ledger.consumed.ends[-1]) > ledger.total:

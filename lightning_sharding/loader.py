@@ -17,6 +17,7 @@ the batch and keeps in order for the ledger.
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
 import random
 from collections import deque
@@ -27,8 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
-from torch.utils.data import default_collate as torch_default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_worker_info
 
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item
@@ -213,9 +213,9 @@ class ShardedLoader:
         self.padding_key = padding_key
         self.track = track
         self.delivered: deque[Provenance] = deque()
-        self.num_workers = num_workers
-        if num_workers > 0 and multiprocessing_context in (None, "spawn", "forkserver"):
-            _check_picklable(dataset)
+        start_method = multiprocessing_context or multiprocessing.get_start_method()
+        if num_workers > 0 and start_method in ("spawn", "forkserver"):
+            _check_picklable(dataset, start_method)
         self._loader = DataLoader(
             dataset,
             batch_size=None,
@@ -242,7 +242,7 @@ class ShardedLoader:
         shuffle: bool = True,
         even_batches: EvenBatches = "pad",
         transform: Transform | None = None,
-        collate_fn: Callable[[list[Any]], Any] = torch_default_collate,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
         **options: Any,
     ) -> ShardedLoader:
         """The loader of ``world.rank`` for ``ledger``'s epoch; ``options`` go to :class:`ShardedLoader`.
@@ -280,6 +280,11 @@ class ShardedLoader:
     def _flag_padding(self, batch: Any, size: int, num_padding: int) -> Any:
         if self.padding_key is None or not isinstance(batch, Mapping):
             return batch
+        if self.padding_key in batch:
+            raise KeyError(
+                f"the batch already has a key {self.padding_key!r}, where lightning_sharding puts its padding "
+                "flags; pass another `padding_key=` (or None) to ShardedDataModule"
+            )
         flags = torch.zeros(size, dtype=torch.bool)
         if num_padding:
             flags[size - num_padding :] = True
@@ -289,23 +294,19 @@ class ShardedLoader:
         """Provenance of the oldest delivered batch whose step has not been accounted yet."""
         if not self.delivered:
             raise RuntimeError(
-                "a training step ended but no batch of the sharded loader is waiting to be accounted; "
-                "was the batch produced by another loader?"
+                "a training step ended but no batch of the sharded loader is waiting to be accounted. "
+                "Return the ShardedLoader from train_dataloader() as it is (no wrapping or re-batching), "
+                "and do not use `training_step(dataloader_iter)`, which this accounting does not support."
             )
         return self.delivered.popleft()
 
 
-def default_collate(samples: list[Any]) -> Any:
-    """PyTorch's ``default_collate``: stacks tensors, arrays and numbers, recursing into dicts and tuples."""
-    return torch_default_collate(samples)
-
-
-def _check_picklable(dataset: PlannedBatches) -> None:
+def _check_picklable(dataset: PlannedBatches, start_method: str) -> None:
     for name, obj in (("reader", dataset.reader), ("transform", dataset.transform), ("collate_fn", dataset.collate_fn)):
         try:
             pickle.dumps(obj)
         except Exception as err:  # noqa: BLE001 - any pickling failure means the same thing here
             raise TypeError(
-                f"the {name} {obj!r} cannot be pickled into DataLoader workers started with spawn ({err}). "
+                f"the {name} {obj!r} cannot be pickled into DataLoader workers started with {start_method} ({err}). "
                 "Define it at module level (not inside a function or as a lambda), or use num_workers=0."
             ) from err

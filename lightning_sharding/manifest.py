@@ -102,12 +102,16 @@ class Manifest:
 
     def explain_mismatch(self, saved: Mapping[str, Any]) -> str:
         """Say, in one sentence, how this manifest differs from a saved :meth:`summary`."""
-        now = self.summary()
-        diffs = [
-            f"{name} was {saved.get(name)!r}, now {now[name]!r}"
-            for name in ("num_items", "total", "first_key", "last_key")
-            if saved.get(name) != now[name]
-        ]
-        if not diffs:
-            diffs = ["the item list has the same size and ends, but an item's key, count or fingerprint changed"]
-        return "; ".join(diffs)
+        return describe_change(saved, self.summary())
+
+
+def describe_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """Say, in one sentence, how manifest summary ``after`` differs from ``before``."""
+    diffs = [
+        f"{name} was {before.get(name)!r}, now {after.get(name)!r}"
+        for name in ("num_items", "total", "first_key", "last_key")
+        if before.get(name) != after.get(name)
+    ]
+    if not diffs:
+        diffs = ["the item list has the same size and ends, but an item's key, count or fingerprint changed"]
+    return "; ".join(diffs)

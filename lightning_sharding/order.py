@@ -14,13 +14,20 @@ import numpy.typing as npt
 
 Int64Array = npt.NDArray[np.int64]
 
-_ITEM_STREAM = 0
-_SAMPLE_STREAM = 1
+# Every random stream starts with its own tag and its word count, so no two streams share a seed
+# (SeedSequence pads its input with zeros: [s, e, 0] and [s, e, 0, 0] would otherwise collide).
+_ITEM_STREAM = 0x17E3
+_SAMPLE_STREAM = 0x5A3B
+_DERIVED_STREAM = 0xD5E7
 _MASK64 = (1 << 64) - 1
 
 
-def _rng(*words: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([w & _MASK64 for w in words])))
+def _seed_words(tag: int, words: tuple[int, ...]) -> list[int]:
+    return [tag, len(words), *(w & _MASK64 for w in words)]
+
+
+def _rng(tag: int, *words: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(_seed_words(tag, words))))
 
 
 def derive_seed(seed: int, *words: int) -> int:
@@ -28,7 +35,7 @@ def derive_seed(seed: int, *words: int) -> int:
 
     Equal inputs give equal outputs on every platform; nearby inputs give unrelated outputs.
     """
-    ss = np.random.SeedSequence([seed & _MASK64, *(w & _MASK64 for w in words)])
+    ss = np.random.SeedSequence(_seed_words(_DERIVED_STREAM, (seed, *words)))
     return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
@@ -48,7 +55,7 @@ class EpochOrder:
         self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)
         n = self.counts.size
         self.item_order: Int64Array = (
-            _rng(self.seed, self.epoch, _ITEM_STREAM).permutation(n).astype(np.int64)
+            _rng(_ITEM_STREAM, self.seed, self.epoch).permutation(n).astype(np.int64)
             if self.shuffle
             else np.arange(n, dtype=np.int64)
         )
@@ -61,7 +68,7 @@ class EpochOrder:
         """The permutation of an item's sample indices, shape ``(counts[item],)``."""
         perm = self._cache.get(item)
         if perm is None:
-            perm = _rng(self.seed, self.epoch, _SAMPLE_STREAM, item).permutation(int(self.counts[item]))
+            perm = _rng(_SAMPLE_STREAM, self.seed, self.epoch, item).permutation(int(self.counts[item]))
             self._cache[item] = perm
             if len(self._cache) > self._cache_items:
                 self._cache.popitem(last=False)

@@ -21,7 +21,7 @@ from lightning_sharding.config import register_configs
 from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.readers.synthetic import SyntheticReader
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
 class Regressor(pl.LightningModule):

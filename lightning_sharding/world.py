@@ -12,6 +12,10 @@ from typing import Any
 
 from lightning_sharding.order import derive_seed
 
+# Distinct second words keep worker seeds and sample seeds apart for every (rank, worker, position).
+_WORKER_SEEDS = 0x3017
+_SAMPLE_SEEDS = 0x5A3C
+
 
 @dataclass(frozen=True)
 class World:
@@ -54,7 +58,7 @@ class ShardContext:
     @property
     def worker_seed(self) -> int:
         """The seed of this (epoch, rank, worker); the loader seeds torch, NumPy and ``random`` with it."""
-        return derive_seed(self.seed, self.epoch, self.rank, self.worker_id)
+        return derive_seed(self.seed, _WORKER_SEEDS, self.epoch, self.rank, self.worker_id)
 
 
 @dataclass(frozen=True)
@@ -73,4 +77,4 @@ class SampleContext:
     @property
     def sample_seed(self) -> int:
         """A seed for this sample's randomness."""
-        return derive_seed(self.shard.seed, self.shard.epoch, self.position, 0x5A)
+        return derive_seed(self.shard.seed, _SAMPLE_SEEDS, self.shard.epoch, self.position)

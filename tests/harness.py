@@ -49,6 +49,7 @@ class Job:
     resume_from: str | None = None
     launcher: str = "spawn"  # "spawn": Lightning's ddp_spawn; "torchrun": one torchrun per node
     num_nodes: int = 1
+    skew_rank1: bool = False  # rank 1 lists one more item than rank 0
 
 
 @dataclass

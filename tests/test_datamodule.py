@@ -87,8 +87,10 @@ def test_a_reader_is_required() -> None:
 
 
 def test_an_unpicklable_transform_is_refused_before_workers_start() -> None:
-    dm = ShardedDataModule(SyntheticReader(), num_workers=1, transform=lambda s, ctx: s)
-    with pytest.raises(TypeError, match="cannot be pickled"):
+    dm = ShardedDataModule(
+        SyntheticReader(), num_workers=1, multiprocessing_context="spawn", transform=lambda s, ctx: s
+    )
+    with pytest.raises(TypeError, match="cannot be pickled into DataLoader workers started with spawn"):
         trainer().fit(Recorder(), datamodule=dm)
 
 
@@ -191,3 +193,20 @@ def test_a_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(tmp_path:
         resumed, datamodule=ShardedDataModule(reader, batch_size=4), ckpt_path=tmp_path / "epoch=0-step=3.ckpt"
     )
     assert resumed.steps == unbroken.steps[3:]
+
+
+def test_a_datamodule_reused_by_a_second_trainer_starts_a_fresh_ledger() -> None:
+    dm = ShardedDataModule(SyntheticReader(sizes=[7, 9]), batch_size=4, seed=2)
+    first, second = Recorder(), Recorder()
+    trainer().fit(first, datamodule=dm)
+    trainer().fit(second, datamodule=dm)
+    for model in (first, second):
+        assert sorted(i for step in model.steps for i in step) == list(range(16))
+
+
+def test_gathering_ledgers_without_a_process_group_is_an_error() -> None:
+    from lightning_sharding._distributed import gather_objects
+
+    assert gather_objects("x", 1) == ["x"]
+    with pytest.raises(RuntimeError, match="gather the data ledgers of 2 ranks"):
+        gather_objects("x", 2)

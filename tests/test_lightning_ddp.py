@@ -50,16 +50,25 @@ def test_mid_epoch_checkpoint_kill_and_resume_is_exactly_once(tmp_path: Path, pe
     assert max(r["gs"] for r in segments[0].records[0]) > 4
 
 
-@pytest.mark.parametrize(("policy", "padding", "dropped"), [("pad", 1, 0), ("drop", 0, 1)], ids=["pad", "drop"])
-def test_uneven_sample_count_reports_padding_or_drop(tmp_path: Path, policy: str, padding: int, dropped: int) -> None:
-    """Case (e): 33 samples over 2 ranks in batches of 4 is 17 + 16: 5 batches against 4."""
-    job = Job(sizes=(10, 12, 11), batch_size=4, num_workers=1, even_batches=policy)
+@pytest.mark.parametrize(
+    ("policy", "batch_size", "steps", "padding", "dropped"),
+    [("pad", 4, 5, 0, 0), ("pad", 1, 17, 1, 0), ("drop", 4, 4, 0, 1)],
+    ids=["pad-split", "pad-flagged", "drop"],
+)
+def test_uneven_sample_count_reports_padding_or_drop(
+    tmp_path: Path, policy: str, batch_size: int, steps: int, padding: int, dropped: int
+) -> None:
+    """Case (e): 33 samples over 2 ranks are 17 + 16, which never divides evenly.
+
+    Batch 4: 5 batches against 4. ``pad`` splits the short rank's last batch in two (no padding),
+    ``drop`` leaves one sample. Batch 1: 17 batches against 16 samples needs one flagged padding sample.
+    """
+    job = Job(sizes=(10, 12, 11), batch_size=batch_size, num_workers=1, even_batches=policy)
     segment = run_segment(tmp_path, "run", job)
     seen = served_per_epoch(kept_records(segment, None))
     assert_exactly_once(seen, 33, epochs=1, missing_ok=dropped)
     assert len(seen[0]) == 33 - dropped
-    steps = [len(recs) for recs in segment.records.values()]
-    assert steps[0] == steps[1] == (5 if policy == "pad" else 4)
+    assert [len(recs) for recs in segment.records.values()] == [steps, steps]
     assert sum(r["pad"] for recs in segment.records.values() for r in recs) == padding
     assert segment.report is not None
     report = segment.report["epochs"][0]
@@ -78,3 +87,9 @@ def test_checkpoint_loads_with_weights_only_and_holds_the_gathered_ledger(tmp_pa
     consumed = state["consumed"]
     served = sum((b - a) for a, b in consumed.tolist())
     assert served == 3 * 8 * 2  # 3 steps x batch 8 x 2 ranks
+
+
+def test_ranks_that_list_different_data_fail_clearly_instead_of_overlapping(tmp_path: Path) -> None:
+    segment = run_segment(tmp_path, "run", Job(num_workers=0, skew_rank1=True), expect_death=True)
+    assert "rank 1 lists other data than rank 0: num_items was 5, now 6" in segment.output
+    assert not any(segment.records.values()), "no step may run on inconsistent data"

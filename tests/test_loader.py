@@ -192,3 +192,14 @@ def test_order_mapping_is_vectorised_over_a_batch() -> None:
     loader = make_loader(CountingReader(sizes=[3, 3, 3]), rank=0, world_size=1, num_workers=0, batch_size=9)
     (batch,) = list(loader)
     assert sorted(calls) == [3, 3, 3] and sorted(batch["id"].tolist()) == list(range(9))
+
+
+class IsPaddingReader(ContextReader):
+    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        return {**super().read(item, index, ctx), "is_padding": False}
+
+
+def test_a_batch_key_that_collides_with_the_padding_key_is_an_error() -> None:
+    loader = make_loader(IsPaddingReader([4]), rank=0, world_size=1, num_workers=0, batch_size=2)
+    with pytest.raises(KeyError, match="already has a key 'is_padding'"):
+        list(loader)

@@ -164,6 +164,17 @@ def test_derive_seed_and_order_are_pinned() -> None:
     assert list(zip(items.tolist(), index.tolist(), strict=True)) == PINNED_ORDER
 
 
-PINNED_SEED_0 = 7896617691693857887
-PINNED_SEED_1234 = 9160254781202311419
-PINNED_ORDER = [(0, 0), (0, 2), (0, 1), (3, 3), (3, 1), (3, 0), (3, 2), (2, 0), (2, 1)]
+def test_random_streams_never_share_a_seed() -> None:
+    """SeedSequence pads with zeros; tags and word counts keep the item, sample and derived streams apart."""
+    from lightning_sharding.world import SampleContext, ShardContext
+
+    ctx = ShardContext(rank=0, world_size=1, worker_id=0, num_workers=2, epoch=3, seed=9)
+    assert derive_seed(9, 3, 0) != derive_seed(9, 3, 0, 0)
+    worker_seeds = {ShardContext(r, 4, w, 2, 3, 9).worker_seed for r in range(4) for w in range(2)}
+    sample_seeds = {SampleContext(ctx, p, 0, p).sample_seed for p in range(200)}
+    assert len(worker_seeds) == 8 and len(sample_seeds) == 200 and worker_seeds.isdisjoint(sample_seeds)
+
+
+PINNED_SEED_0 = 1092475843471438364
+PINNED_SEED_1234 = 4561600955283093070
+PINNED_ORDER = [(0, 2), (0, 1), (0, 0), (3, 1), (3, 3), (3, 0), (3, 2), (2, 1), (2, 0)]

@@ -56,7 +56,8 @@ class SyntheticReader(Reader):
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
         """Samples ``indices`` (shape ``(n,)``) of ``item``, computed in one vectorised pass."""
         if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= item.num_samples):
-            raise IndexError(f"{item.key}: sample index outside [0, {item.num_samples})")
+            bad = int(indices.min()) if int(indices.min()) < 0 else int(indices.max())
+            raise IndexError(f"{item.key}: sample index {bad} is outside [0, {item.num_samples})")
         ids = self._first_id[self._item_number(item)] + indices
         phase = ids[:, None].astype(np.float64) * 0.618 + np.arange(self.dim)[None, :]
         x = np.sin(phase).astype(np.float32)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from lightning_sharding import ShardingCallback
+from lightning_sharding import Item, ShardingCallback, SyntheticReader
 
 
 class RecordingModel(pl.LightningModule):
@@ -63,3 +64,13 @@ class WriteResult(pl.Callback):
         if trainer.is_global_zero:
             sharding = next(cb for cb in trainer.callbacks if isinstance(cb, ShardingCallback))
             self.path.write_text(json.dumps({"epochs": sharding.summary()}))
+
+
+class SkewedReader(SyntheticReader):
+    """Synthetic data whose rank-1 listing has one more item, like an object-store listing that lags."""
+
+    def items(self) -> Sequence[Item]:
+        items = list(super().items())
+        if os.environ.get("LOCAL_RANK") == "1":
+            items.append(Item("late-arrival", 5))
+        return items

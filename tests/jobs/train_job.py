@@ -21,12 +21,12 @@ def main(config_path: str) -> None:
 
     from lightning_sharding import ShardedDataModule, SyntheticReader
     from lightning_sharding.callbacks import ReleaseProcessGroup
-    from tests.jobs.parts import DieAtStep, RecordingModel, WriteResult
+    from tests.jobs.parts import DieAtStep, RecordingModel, SkewedReader, WriteResult
 
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
     dm = ShardedDataModule(
-        SyntheticReader(sizes=cfg["sizes"]),
+        (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]),
         batch_size=cfg["batch_size"],
         num_workers=cfg["num_workers"],
         seed=cfg["seed"],
