@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
+from lightning_sharding.audit import AuditWriter
 from lightning_sharding.datamodule import CHECKPOINT_KEY, ShardedDataModule
 from lightning_sharding.world import World
 
@@ -45,12 +47,17 @@ class EpochReport:
 class ShardingCallback(pl.Callback):
     """Drives the :class:`ShardedDataModule` ledger. ``ShardedDataModule`` adds it by itself."""
 
-    def __init__(self, print_summary: bool = True) -> None:
+    def __init__(self, print_summary: bool = True, log_every_n_steps: int = 10) -> None:
         self.print_summary = print_summary
+        self.log_every_n_steps = log_every_n_steps
         self.reports: list[EpochReport] = []
         self._last_step = -1
         self._epoch_start = 0.0
         self._served = 0
+        self._consumed_at_start = 0
+        self._batch_start = self._batch_end = 0.0
+        self._wait = self._busy = 0.0
+        self._audit: AuditWriter | None = None
         self.worlds: list[World] = []
 
     @staticmethod
@@ -65,14 +72,46 @@ class ShardingCallback(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dm = self._datamodule(trainer)
+        if dm.audit_dir is not None:
+            self._audit = self._open_audit(trainer, dm, dm.audit_dir)
         # Lightning skips on_train_epoch_start when it resumes mid-epoch; start the clock here too.
         self.on_train_epoch_start(trainer, pl_module)
 
+    @staticmethod
+    def _open_audit(trainer: pl.Trainer, dm: ShardedDataModule, directory: str) -> AuditWriter:
+        assert dm.ledger is not None and dm.manifest is not None
+        # One id and start time per run segment, from rank 0, so all ranks' files belong together.
+        started = trainer.strategy.broadcast(time.time(), src=0)
+        segment = trainer.strategy.broadcast(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", src=0)
+        header = {
+            "started": started,
+            "world_size": dm.world.world_size,
+            "num_workers": dm.num_workers,
+            "seed": dm.ledger.seed,
+            "total": dm.ledger.total,
+            "fingerprint": dm.manifest.fingerprint,
+            "start_step": trainer.global_step,
+            "resumed_from": str(trainer.ckpt_path) if trainer.ckpt_path else None,
+        }
+        return AuditWriter(directory, segment, dm.world.rank, header)
+
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dm = self._datamodule(trainer)
         self._epoch_start = time.perf_counter()
         self._served = 0
+        self._consumed_at_start = len(dm.ledger.consumed) if dm.ledger is not None else 0
         self._last_step = trainer.global_step
+        self._batch_end = 0.0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_start = time.perf_counter()
+        if self._batch_end:  # the time since the last step ended went to waiting for this batch
+            self._wait += self._batch_start - self._batch_end
 
     @override
     def on_train_batch_end(
@@ -81,7 +120,29 @@ class ShardingCallback(pl.Callback):
         dm = self._datamodule(trainer)
         stepped = trainer.global_step != self._last_step or not trainer.optimizers
         self._last_step = trainer.global_step
-        self._served += dm.account_step(optimizer_stepped=stepped)
+        provenance = dm.account_step(optimizer_stepped=stepped)
+        served = len(provenance.positions) - provenance.num_padding
+        self._served += served
+        if self._audit is not None:
+            self._audit.step(provenance.epoch, trainer.global_step, provenance.real_positions, provenance.num_padding)
+        self._batch_end = time.perf_counter()
+        self._busy += self._batch_end - self._batch_start
+        if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
+            self._log_progress(trainer, pl_module, dm)
+
+    def _log_progress(self, trainer: pl.Trainer, pl_module: pl.LightningModule, dm: ShardedDataModule) -> None:
+        """Epoch progress (exact to within one sample per rank: other ranks are assumed in step),
+        samples/s of all ranks, and the share of step time spent waiting for data."""
+        assert dm.ledger is not None
+        world = dm.world.world_size
+        elapsed = time.perf_counter() - self._epoch_start
+        metrics = {
+            "data/progress": min(1.0, (self._consumed_at_start + self._served * world) / dm.ledger.total),
+            "data/samples_per_s": self._served * world / elapsed if elapsed > 0 else 0.0,
+            "data/wait": self._wait / (self._wait + self._busy) if self._wait + self._busy > 0 else 0.0,
+        }
+        pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True)
+        self._wait = self._busy = 0.0
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -104,6 +165,11 @@ class ShardingCallback(pl.Callback):
             seconds=time.perf_counter() - self._epoch_start,
         )
         self.reports.append(report)
+        # An epoch stopped early (max_steps, limit_train_batches) is not finished: the audit
+        # then reports it in progress rather than missing samples.
+        finished = report.consumed + report.dropped == report.samples
+        if self._audit is not None and finished:
+            self._audit.epoch_end(report.epoch, trainer.global_step, report.dropped)
         # The figures are global already (equal on every rank): "max" keeps them as they are.
         pl_module.log_dict(
             {"data/consumed": float(report.consumed), "data/padding": float(report.padding)},
@@ -124,7 +190,14 @@ class ShardingCallback(pl.Callback):
         self._datamodule(trainer).restore_ledger(checkpoint.get(CHECKPOINT_KEY))
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._audit is not None:
+            self._audit.close()
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._audit is not None:
+            self._audit.close()
         dm = self._datamodule(trainer)
         self.worlds = gather_objects(dm.world, dm.world.world_size)
         if self.print_summary and trainer.is_global_zero:

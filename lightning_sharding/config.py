@@ -44,11 +44,20 @@ class TrainerConfig:
 
 
 @dataclass
+class AuditConfig:
+    """The audit trail that ``lightning-sharding audit`` checks."""
+
+    enabled: bool = False
+    dir: str = "${out_dir}/audit"
+
+
+@dataclass
 class TrainConfig:
     """The whole run: data, trainer, model size, checkpoints and resume."""
 
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     hidden: int = 32
     learning_rate: float = 0.05
     checkpoint_every_n_steps: int | None = None

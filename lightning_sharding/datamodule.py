@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-from lightning_sharding.loader import ShardedLoader, Transform
+from lightning_sharding.loader import Provenance, ShardedLoader, Transform
 from lightning_sharding.manifest import Manifest, describe_change
 from lightning_sharding.plan import EVEN_BATCH_POLICIES, EvenBatches
 from lightning_sharding.rangeset import RangeSet
@@ -60,6 +60,8 @@ class ShardedDataModule(pl.LightningDataModule):
         padding_key: the key of the padding flags added to dict batches; ``None`` adds none.
         allow_data_change: resume even when the data's fingerprint changed (the epoch restarts
             with a warning) instead of failing.
+        audit_dir: when set, every rank writes the positions its completed steps consumed there,
+            for ``lightning-sharding audit`` to check exactly-once across runs and resumes.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class ShardedDataModule(pl.LightningDataModule):
         test_reader: Reader | None = None,
         padding_key: str | None = "is_padding",
         allow_data_change: bool = False,
+        audit_dir: str | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -108,6 +111,7 @@ class ShardedDataModule(pl.LightningDataModule):
         self.collate_fn = collate_fn or default_collate
         self.padding_key = padding_key
         self.allow_data_change = allow_data_change
+        self.audit_dir = audit_dir
         self.world = World()
         self.manifest: Manifest | None = None
         self.ledger: Ledger | None = None
@@ -225,8 +229,8 @@ class ShardedDataModule(pl.LightningDataModule):
 
     # -- ledger bookkeeping, driven by ShardingCallback ------------------------------------------
 
-    def account_step(self, optimizer_stepped: bool) -> int:
-        """Record the batch whose training step just completed; returns its real sample count."""
+    def account_step(self, optimizer_stepped: bool) -> Provenance:
+        """Record the batch whose training step just completed; returns its provenance."""
         if self.train_loader is None or self.ledger is None:
             raise RuntimeError("a training step ended before the sharded train loader was created")
         provenance = self.train_loader.pop_delivered()
@@ -234,7 +238,7 @@ class ShardedDataModule(pl.LightningDataModule):
         self.ledger.record(real)
         if optimizer_stepped:
             self.ledger.commit()
-        return len(real)
+        return provenance
 
     def gather_consumed(self) -> None:
         """Union every rank's consumed positions into every rank's ledger (a collective call)."""

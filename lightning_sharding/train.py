@@ -55,6 +55,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         even_batches=d.even_batches,
         persistent_workers=d.persistent_workers and d.num_workers > 0,
         multiprocessing_context=d.multiprocessing_context,
+        audit_dir=cfg.audit.dir if cfg.audit.enabled else None,
     )
     sharding = ShardingCallback()
     callbacks: list[pl.Callback] = [sharding, ReleaseProcessGroup()]

@@ -50,6 +50,7 @@ class Job:
     launcher: str = "spawn"  # "spawn": Lightning's ddp_spawn; "torchrun": one torchrun per node
     num_nodes: int = 1
     skew_rank1: bool = False  # rank 1 lists one more item than rank 0
+    audit: bool = False  # write the audit trail to <out>/audit
 
 
 @dataclass

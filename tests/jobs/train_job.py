@@ -33,6 +33,7 @@ def main(config_path: str) -> None:
         even_batches=cfg["even_batches"],
         persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
         multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
+        audit_dir=str(out / "audit") if cfg["audit"] else None,
     )
     model = RecordingModel(str(out / f"seen-{cfg['segment']}"))
     callbacks: list[pl.Callback] = [WriteResult(out / f"result-{cfg['segment']}.json"), ReleaseProcessGroup()]

@@ -1,0 +1,210 @@
+"""The audit trail: every rank writes the epoch positions its completed steps consumed, and
+``lightning-sharding audit`` proves (or refutes) exactly-once over a run and its resumptions.
+
+Files are JSON lines, one per rank and run segment, in the run's audit directory:
+
+- a ``segment`` header: segment id, rank, world size, workers, seed, total, manifest fingerprint,
+  the global step it started at and the checkpoint it resumed from;
+- one ``step`` line per completed training step: epoch, global step after the step, the
+  positions as ``[start, end)`` ranges, and the number of padding samples;
+- one ``epoch_end`` line per finished epoch (every sample served or dropped), with the samples
+  the plan dropped; an epoch stopped early has none and is reported in progress.
+
+A segment killed after its last checkpoint trained steps that the checkpoint does not hold. The
+audit keeps a segment's lines only up to the step the next segment resumed from (up to and
+including the first line at that step), exactly as the resumed run's ledger does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from lightning_sharding.rangeset import RangeSet
+
+AUDIT_VERSION = 1
+
+
+class AuditWriter:
+    """Appends this rank's audit lines for one run segment; flushes every line (a crash loses none)."""
+
+    def __init__(self, directory: str | Path, segment: str, rank: int, header: dict[str, Any]) -> None:
+        self.path = Path(directory) / f"{segment}-rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._write({"kind": "segment", "version": AUDIT_VERSION, "segment": segment, "rank": rank, **header})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def step(self, epoch: int, global_step: int, positions: np.ndarray, num_padding: int) -> None:
+        """Record one completed step's real positions (shape ``(n,)``) and its padding count."""
+        ranges = RangeSet.from_positions(positions).ranges()
+        self._write({"kind": "step", "epoch": epoch, "gs": global_step, "pos": ranges, "pad": num_padding})
+
+    def epoch_end(self, epoch: int, global_step: int, dropped: int) -> None:
+        """Record that ``epoch`` finished; ``dropped`` is what its plan left unserved, all ranks."""
+        self._write({"kind": "epoch_end", "epoch": epoch, "gs": global_step, "dropped": dropped})
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+@dataclass
+class _Segment:
+    segment: str
+    header: dict[str, Any]
+    lines: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> lines in order
+
+
+@dataclass
+class EpochAudit:
+    """Per-epoch result: ``expected`` samples, distinct ``consumed``, ``duplicates`` (extra
+    servings), ``missing`` (never served and not dropped), ``padding`` and ``dropped``."""
+
+    epoch: int
+    expected: int
+    consumed: int
+    duplicates: int
+    missing: int
+    padding: int
+    dropped: int
+    complete: bool
+
+    @property
+    def ok(self) -> bool:
+        """Exactly-once holds (an unfinished epoch only needs no duplicates)."""
+        return self.duplicates == 0 and (self.missing == 0 or not self.complete)
+
+
+def _load(paths: Iterable[Path]) -> list[_Segment]:
+    segments: dict[str, _Segment] = {}
+    for path in sorted(paths):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not lines or lines[0].get("kind") != "segment":
+            raise ValueError(f"{path} is not a lightning_sharding audit file (no segment header)")
+        header = lines[0]
+        if header.get("version") != AUDIT_VERSION:
+            raise ValueError(f"{path} has audit version {header.get('version')!r}; this reads {AUDIT_VERSION}")
+        seg = segments.setdefault(header["segment"], _Segment(header["segment"], header))
+        seg.lines[int(header["rank"])] = lines[1:]
+    return sorted(segments.values(), key=lambda s: (s.header["started"], s.segment))
+
+
+def _audit_files(directories: Sequence[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for d in map(Path, directories):
+        if not d.exists():
+            raise FileNotFoundError(f"audit: {d} does not exist")
+        base = d / "audit" if (d / "audit").is_dir() else d
+        found = sorted(base.glob("*.jsonl"))
+        if not found:
+            raise FileNotFoundError(
+                f"audit: no audit files in {base}; train with auditing on "
+                "(ShardedDataModule(audit_dir=...) or the override audit.enabled=true)"
+            )
+        files += found
+    return files
+
+
+def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
+    """Audit the union of one or more run directories (a run and its resumed continuations)."""
+    segments = _load(_audit_files(directories))
+    first = segments[0].header
+    for seg in segments[1:]:
+        for key in ("seed", "total", "fingerprint"):
+            if seg.header[key] != first[key]:
+                raise ValueError(
+                    f"audit: segment {seg.segment} has {key}={seg.header[key]!r} but segment {segments[0].segment} "
+                    f"has {first[key]!r}; these runs did not train on the same data and order"
+                )
+    served: dict[int, Counter[int]] = {}
+    padding: Counter[int] = Counter()
+    dropped: Counter[int] = Counter()
+    finished: set[int] = set()
+    for i, seg in enumerate(segments):
+        cut = segments[i + 1].header["start_step"] if i + 1 < len(segments) else None
+        for rank, lines in seg.lines.items():
+            for line in _kept(lines, cut):
+                epoch = int(line["epoch"])
+                if line["kind"] == "step":
+                    counts = served.setdefault(epoch, Counter())
+                    for start, end in line["pos"]:
+                        counts.update(range(start, end))
+                    padding[epoch] += int(line["pad"])
+                elif line["kind"] == "epoch_end":
+                    finished.add(epoch)
+                    if rank == 0:
+                        dropped[epoch] += int(line["dropped"])
+    total = int(first["total"])
+    results = []
+    for epoch in sorted(set(served) | finished):
+        counts = served.get(epoch, Counter())
+        results.append(
+            EpochAudit(
+                epoch=epoch,
+                expected=total,
+                consumed=len(counts),
+                duplicates=sum(c - 1 for c in counts.values()),
+                missing=total - len(counts) - dropped[epoch],
+                padding=padding[epoch],
+                dropped=dropped[epoch],
+                complete=epoch in finished,
+            )
+        )
+    return results
+
+
+def _kept(lines: list[dict[str, Any]], cut: int | None) -> Iterable[dict[str, Any]]:
+    """Lines up to the resumed step ``cut``: smaller steps, the first step line at ``cut`` (the one
+    whose optimizer step the checkpoint holds; later ones at ``cut`` were still accumulating), and
+    an ``epoch_end`` at ``cut``."""
+    cut_step_seen = False
+    for line in lines:
+        if cut is not None and line["gs"] >= cut:
+            if line["gs"] > cut or (line["kind"] == "step" and cut_step_seen):
+                return
+            cut_step_seen = cut_step_seen or line["kind"] == "step"
+        yield line
+
+
+def format_audit(results: list[EpochAudit]) -> str:
+    """The audit table, one row per epoch."""
+    head = f"{'epoch':>5} {'expected':>9} {'consumed':>9} {'duplicates':>10} {'missing':>8} {'padding':>8} "
+    head += f"{'dropped':>8}  status"
+    rows = []
+    for r in results:
+        status = "exactly-once" if r.ok and r.complete else ("in progress" if r.ok else "VIOLATED")
+        rows.append(
+            f"{r.epoch:>5} {r.expected:>9} {r.consumed:>9} {r.duplicates:>10} {r.missing:>8} {r.padding:>8} "
+            f"{r.dropped:>8}  {status}"
+        )
+    return "\n".join([head, *rows])
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``audit`` subcommand to the ``lightning-sharding`` command line."""
+    parser = subparsers.add_parser(
+        "audit",
+        help="check exactly-once over the audit trails of a run and its resumed continuations",
+        description="Exit status 1 when any epoch served a sample twice or a finished epoch missed one.",
+    )
+    parser.add_argument("directories", nargs="+", help="run directories (or their audit/ folders)")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    results = audit(args.directories)
+    print(format_audit(results))
+    return 0 if all(r.ok for r in results) else 1

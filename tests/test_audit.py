@@ -1,0 +1,150 @@
+"""The audit trail and ``lightning-sharding audit``: real runs, a real kill and resume, planted faults."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_sharding import ShardedDataModule, SyntheticReader
+from lightning_sharding.audit import audit
+from tests.harness import Job, assert_exactly_once, check_resume
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def audited_run(run_dir: Path, **trainer_kwargs: Any) -> Path:
+    dm = ShardedDataModule(SyntheticReader(sizes=[9, 12, 7]), batch_size=4, seed=3, audit_dir=str(run_dir / "audit"))
+    options: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False)
+    options.update(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    pl.Trainer(**{**options, **trainer_kwargs}).fit(Tiny(), datamodule=dm)
+    return run_dir
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "lightning_sharding.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_a_clean_run_audits_exactly_once(tmp_path: Path) -> None:
+    run = audited_run(tmp_path / "run")
+    results = audit([run])
+    assert [(r.epoch, r.expected, r.consumed, r.duplicates, r.missing, r.complete) for r in results] == [
+        (0, 28, 28, 0, 0, True),
+        (1, 28, 28, 0, 0, True),
+    ]
+    proc = cli("audit", str(run))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("exactly-once") == 2
+
+
+def _step_lines(run: Path) -> tuple[Path, list[str]]:
+    (path,) = sorted((run / "audit").glob("*.jsonl"))
+    return path, path.read_text().splitlines()
+
+
+def test_audit_catches_a_planted_duplicate(tmp_path: Path) -> None:
+    run = audited_run(tmp_path / "run")
+    path, lines = _step_lines(run)
+    step = next(line for line in lines if json.loads(line)["kind"] == "step")
+    path.write_text("\n".join([*lines[:3], step, *lines[3:]]) + "\n")  # one batch served twice
+    proc = cli("audit", str(run))
+    assert proc.returncode == 1
+    row = next(r for r in audit([run]) if r.epoch == 0)
+    assert row.duplicates == sum(end - start for start, end in json.loads(step)["pos"])
+    assert "VIOLATED" in proc.stdout
+
+
+def test_audit_catches_a_planted_gap(tmp_path: Path) -> None:
+    run = audited_run(tmp_path / "run")
+    path, lines = _step_lines(run)
+    gap = next(i for i, line in enumerate(lines) if json.loads(line)["kind"] == "step")
+    path.write_text("\n".join(lines[:gap] + lines[gap + 1 :]) + "\n")  # one batch never served
+    proc = cli("audit", str(run))
+    assert proc.returncode == 1
+    assert next(r for r in audit([run]) if r.epoch == 0).missing == 4
+    assert "VIOLATED" in proc.stdout
+
+
+def test_an_unfinished_epoch_is_in_progress_not_violated(tmp_path: Path) -> None:
+    run = audited_run(tmp_path / "run", max_steps=3)
+    (row,) = audit([run])
+    assert (row.consumed, row.duplicates, row.complete, row.ok) == (12, 0, False, True)
+    proc = cli("audit", str(run))
+    assert proc.returncode == 0 and "in progress" in proc.stdout
+
+
+def test_audit_of_a_missing_directory_names_it(tmp_path: Path) -> None:
+    proc = cli("audit", str(tmp_path / "nowhere"))
+    assert proc.returncode != 0 and "nowhere" in proc.stdout + proc.stderr
+
+
+@pytest.mark.processes
+def test_audit_of_a_killed_and_resumed_ddp_run_is_exactly_once(tmp_path: Path) -> None:
+    """2 ranks x 2 workers, SIGKILL after a checkpoint, resume on 1 rank x 2 workers. The audit of
+    both segments agrees with the harness's own records: steps after the checkpoint are cut."""
+    job = Job(audit=True, epochs=1)
+    seen, segments = check_resume(tmp_path, job, [Job(audit=True, world_size=1)], checkpoint_every=3)
+    assert_exactly_once(seen, sum(job.sizes), epochs=1)
+    killed_steps = max(r["gs"] for r in segments[0].records[0])
+    assert killed_steps > 3, "the killed segment trained past its checkpoint"
+    proc = cli("audit", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = audit([tmp_path])
+    assert (row.consumed, row.duplicates, row.missing) == (sum(job.sizes), 0, 0)
+
+
+class SlowReader(SyntheticReader):
+    def read_batch(self, item: Any, indices: Any, ctx: Any) -> list[Any]:
+        time.sleep(0.02)
+        return super().read_batch(item, indices, ctx)
+
+
+class SlowModel(Tiny):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        time.sleep(0.02)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("reader", "model", "data_bound"), [(SlowReader, Tiny, True), (SyntheticReader, SlowModel, False)]
+)
+def test_progress_bar_shows_progress_throughput_and_data_wait(reader: type, model: type, data_bound: bool) -> None:
+    """Data-wait is the share of step time spent waiting for the next batch: high when reading is slow."""
+    from lightning_sharding import ShardingCallback
+
+    dm = ShardedDataModule(reader(sizes=[40, 40]), batch_size=4, seed=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[ShardingCallback(log_every_n_steps=5)],
+    )
+    trainer.fit(model(), datamodule=dm)
+    metrics = trainer.progress_bar_metrics
+    assert metrics["data/progress"] == pytest.approx(1.0)
+    assert metrics["data/samples_per_s"] > 0
+    assert (metrics["data/wait"] > 0.6) if data_bound else (metrics["data/wait"] < 0.4), metrics
