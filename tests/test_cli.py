@@ -1,0 +1,353 @@
+"""The ``lightning-sharding`` command line: ``plan`` tables and plots, ``inspect`` on a real checkpoint."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_sharding import cli
+from lightning_sharding.manifest import Manifest
+from lightning_sharding.order import EpochOrder
+from lightning_sharding.plan import plan_epoch
+from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.readers.synthetic import SyntheticReader
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ROW = re.compile(r"^\s+(\d+)\s+(all|\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table(out: str) -> tuple[dict[int, list[int]], dict[tuple[int, int], list[int]]]:
+    """Rank rows ``rank -> [samples, batches, padding, dropped, items]`` and worker rows
+    ``(rank, worker) -> [samples, batches, padding, items]``."""
+    ranks: dict[int, list[int]] = {}
+    workers: dict[tuple[int, int], list[int]] = {}
+    for line in out.splitlines():
+        m = ROW.match(line)
+        if not m:
+            continue
+        rank, worker, samples, batches, padding, dropped, items = m.groups()
+        if worker == "all":
+            ranks[int(rank)] = [int(samples), int(batches), int(padding), int(dropped), int(items)]
+        else:
+            workers[int(rank), int(worker)] = [int(samples), int(batches), int(padding), int(items)]
+    return ranks, workers
+
+
+def check_png(path: Path, min_bytes: int = 5000) -> tuple[int, ...]:
+    from matplotlib.image import imread
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert len(data) > min_bytes
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[2] in (3, 4)
+    return tuple(image.shape)
+
+
+@pytest.mark.parametrize(
+    ("num_items", "per_item", "world", "workers", "batch", "even"),
+    [
+        (16, 1000, 4, 2, 64, "pad"),
+        (3, 10, 3, 2, 4, "pad"),
+        (1, 17, 2, 2, 4, "drop"),
+        (5, 7, 6, 0, 1, "pad"),
+        (4, 9, 5, 3, 2, "drop"),
+    ],
+)
+def test_plan_table_matches_plan_epoch(
+    capsys: pytest.CaptureFixture[str], num_items: int, per_item: int, world: int, workers: int, batch: int, even: str
+) -> None:
+    code, out, err = run(
+        capsys,
+        "plan",
+        f"data.num_items={num_items}",
+        f"data.samples_per_item={per_item}",
+        "--world-size",
+        str(world),
+        "--workers",
+        str(workers),
+        "--batch-size",
+        str(batch),
+        "--even-batches",
+        even,
+    )
+    assert code == 0, err
+    total = num_items * per_item
+    plan = plan_epoch(
+        total, RangeSet(), epoch=0, world_size=world, num_workers=workers, batch_size=batch, even_batches=even
+    )
+    ranks, by_worker = table(out)
+    assert sorted(ranks) == list(range(world))
+    assert all(row[1] == plan.num_batches for row in ranks.values())
+    assert sum(row[0] for row in ranks.values()) + sum(row[3] for row in ranks.values()) == total
+    assert [row[2] for row in ranks.values()] == plan.padding_per_rank.tolist()
+    assert [row[3] for row in ranks.values()] == plan.dropped_per_rank.tolist()
+    if workers:
+        assert sorted(by_worker) == [(r, w) for r in range(world) for w in range(workers)]
+        for r in range(world):
+            assert sum(by_worker[r, w][0] for w in range(workers)) == ranks[r][0]
+            assert sum(by_worker[r, w][1] for w in range(workers)) == plan.num_batches
+    else:
+        assert by_worker == {}
+    assert f"{plan.num_batches} batch" in out and f"= {total} samples" in out
+
+
+def test_plan_items_touched_agree_with_locate(capsys: pytest.CaptureFixture[str]) -> None:
+    """Items per rank and worker, counted on ranges, equal the distinct items of EpochOrder.locate."""
+    sizes = dict(num_items=6, samples_per_item=13)
+    code, out, _ = run(
+        capsys, "plan", *(f"data.{k}={v}" for k, v in sizes.items()), "--world-size", "3", "--workers", "2",
+        "--batch-size", "5", "--seed", "11", "--epoch", "2",
+    )  # fmt: skip
+    assert code == 0
+    ranks, by_worker = table(out)
+    manifest = Manifest.from_items(SyntheticReader(6, 13, 16).items())
+    order = EpochOrder(manifest.counts, 11, 2)
+    plan = plan_epoch(manifest.total, RangeSet(), epoch=2, world_size=3, num_workers=2, batch_size=5)
+    for r in range(3):
+        rank = plan.rank(r)
+        items, _ = order.locate(rank.positions.to_array())
+        assert ranks[r][4] == np.unique(items).size
+        for w in range(2):
+            tasks = [rank.batch(b) for b in rank.worker_batches(w)]
+            positions = np.concatenate([t.positions[: t.positions.size - t.num_padding] for t in tasks] or [[]])
+            worker_items, _ = order.locate(positions.astype(np.int64))
+            assert by_worker[r, w][3] == np.unique(worker_items).size
+    assert "seed 11" in out and "epoch 2" in out
+
+
+def test_plan_world_size_3_with_2_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "data.num_items=3", "data.samples_per_item=10", "--world-size", "3",
+                       "--workers", "2", "--batch-size", "4")  # fmt: skip
+    assert code == 0
+    ranks, by_worker = table(out)
+    # 30 samples, 10 per rank: batches of 4, 4, 2; worker 0 takes two batches, worker 1 one.
+    assert ranks == {r: [10, 3, 0, 0, 1] for r in range(3)}
+    assert by_worker == {**{(r, 0): [8, 2, 0, 1] for r in range(3)}, **{(r, 1): [2, 1, 0, 1] for r in range(3)}}
+    assert "world 3 ranks x 2 workers" in out
+
+
+def test_plan_defaults_come_from_the_train_config(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "data.batch_size=7", "data.seed=5", "data.even_batches=drop")
+    assert code == 0
+    assert "batch size 7" in out and "seed 5" in out and "even_batches=drop" in out
+    assert "16384 samples in 16 items" in out  # the train config's 16 items of 1024
+
+
+def test_plan_large_world_is_one_screen(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "data.num_items=8", "data.samples_per_item=100", "--world-size", "40",
+                       "--workers", "2", "--batch-size", "4")  # fmt: skip
+    assert code == 0
+    ranks, _ = table(out)
+    assert sorted(ranks) == [*range(8), *range(32, 40)]
+    assert any(line.strip() == "..." for line in out.splitlines())
+    assert re.search(r"total\s+800\s+", out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--world-size", "0"], "0"),
+        (["--world-size", "two"], "'two'"),
+        (["--workers", "-1"], "-1"),
+        (["--strategy", "ring"], "'ring'"),
+        (["--even-batches", "pd"], "'pd'"),
+        (["data.num_itemz=3"], "num_itemz"),
+        (["data.num_items=abc"], "abc"),
+        (["data.num_items=0"], "num_items=0"),
+        (["16"], "'16'"),
+        (["--plot", "/no/such/dir/plan.png"], "/no/such/dir"),
+        (["--bogus"], "--bogus"),
+    ],
+)
+def test_plan_user_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], named: str) -> None:
+    code, out, err = run(capsys, "plan", *argv)
+    assert code != 0
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert named in err and "Traceback" not in err
+    if argv[0] == "--strategy":
+        assert "shard" in err  # the choices are named
+
+
+def test_overrides_may_follow_or_surround_options(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "--world-size", "2", "data.num_items=4", "--workers", "1",
+                         "data.samples_per_item=5", "--batch-size", "2")  # fmt: skip
+    assert code == 0, err
+    assert "20 samples in 4 items" in out and "world 2 ranks x 1 worker," in out
+    ranks, by_worker = table(out)
+    assert ranks == {0: [10, 5, 0, 0, 2], 1: [10, 5, 0, 0, 2]}
+    assert by_worker == {(0, 0): [10, 5, 0, 2], (1, 0): [10, 5, 0, 2]}
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, module, None)  # makes `import` raise ImportError
+    path = tmp_path / "plan.png"
+    code, _, err = run(capsys, "plan", "data.num_items=2", "data.samples_per_item=4", "--plot", str(path))
+    assert code == 2
+    assert 'pip install "lightning-sharding[plot]"' in err and len(err.strip().splitlines()) == 1
+    assert not path.exists()
+
+
+def test_audit_is_wired(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "audit", "--help")
+    assert code == 0 and "directories" in out
+    missing = tmp_path / "no-run"
+    code, _, err = run(capsys, "audit", str(missing))
+    assert code == 2 and str(missing) in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_and_no_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "plan" in out and "inspect" in out and "audit" in out
+    code, _, err = run(capsys)
+    assert code == 2 and "COMMAND" in err
+
+
+def test_constants_match_the_modules_they_mirror() -> None:
+    from lightning_sharding import train
+    from lightning_sharding.datamodule import CHECKPOINT_KEY
+
+    assert cli.CONF_DIR == train.CONF_DIR
+    assert cli.CHECKPOINT_KEY == CHECKPOINT_KEY
+
+
+def test_plan_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "plan.png"
+    code, out, err = run(capsys, "plan", "data.num_items=6", "data.samples_per_item=50", "--world-size", "3",
+                         "--workers", "2", "--batch-size", "8", "--plot", str(path))  # fmt: skip
+    assert code == 0, err
+    assert f"plot written to {path}" in out
+    height, width, _ = check_png(path)
+    assert width == 1000 and height > 200
+
+
+# -- inspect -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real checkpoint: 3 steps of batch 4 over 30 samples, seed 7."""
+    import lightning.pytorch as pl
+
+    from lightning_sharding import ShardedDataModule
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(batch["x"]).squeeze(-1), batch["y"])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    directory = tmp_path_factory.mktemp("ckpt")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_steps=3,
+        default_root_dir=directory,
+    )
+    datamodule = ShardedDataModule(
+        SyntheticReader(sizes=[10, 10, 10]), batch_size=4, seed=7, audit_dir=str(directory / "audit")
+    )
+    trainer.fit(Tiny(), datamodule=datamodule)
+    path = directory / "tiny.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def test_inspect_a_real_checkpoint(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+    code, out, err = run(capsys, "inspect", str(checkpoint))
+    assert code == 0, err
+    assert re.search(r"seed 7\b", out)
+    assert "consumed     12 of 30 samples (40.0%)" in out
+    assert "remaining    18 samples (60.0%)" in out
+    assert "world_size 1 x num_workers 0, batch_size 4" in out
+    assert "3 items, 30 samples, first synthetic-00000, last synthetic-00002" in out
+    assert "ledger size  1 range, 16 bytes" in out
+    assert "global_step 3" in out
+    fingerprint = Manifest.from_items(SyntheticReader(sizes=[10, 10, 10]).items()).fingerprint
+    assert f"fingerprint {fingerprint[:16]}," in out
+
+
+def test_audit_of_the_same_run(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+    code, out, err = run(capsys, "audit", str(checkpoint.parent))
+    assert code == 0, err
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["0"])
+    assert row[:3] == ["0", "30", "12"]  # epoch 0: 12 of 30 consumed, as the ledger says
+
+
+def test_inspect_plot_writes_a_png(capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path) -> None:
+    path = tmp_path / "progress.png"
+    code, out, err = run(capsys, "inspect", str(checkpoint), "--plot", str(path))
+    assert code == 0, err
+    assert f"plot written to {path}" in out
+    height, width, _ = check_png(path, min_bytes=3000)
+    assert (height, width) == (180, 1000)
+
+
+def test_inspect_checkpoint_without_ledger(
+    capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path
+) -> None:
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    del ckpt["lightning_sharding"]
+    bare = tmp_path / "bare.ckpt"
+    torch.save(ckpt, bare)
+    code, out, err = run(capsys, "inspect", str(bare))
+    assert code == 2
+    assert out == ""
+    assert "holds no lightning_sharding data ledger" in err and str(bare) in err
+
+
+def test_inspect_mismatched_ledger(capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    ckpt["lightning_sharding"]["version"] = 99
+    future = tmp_path / "future.ckpt"
+    torch.save(ckpt, future)
+    code, _, err = run(capsys, "inspect", str(future))
+    assert code == 2
+    assert "version 99" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "garbage"])
+def test_inspect_bad_paths(capsys: pytest.CaptureFixture[str], tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "nowhere.ckpt"
+    if kind == "directory":
+        path = tmp_path
+    elif kind == "garbage":
+        path.write_text("not a checkpoint\n")
+    code, out, err = run(capsys, "inspect", str(path))
+    assert code != 0
+    assert out == ""
+    assert str(path) in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_items_touched_skip_empty_items() -> None:
+    """A range running over an item of 0 samples does not count that item."""
+    for seed in (1, 2):  # empty items between others (seed 1: order 0 1 2 3 4; seed 2: 2 4 1 3 0)
+        order = EpochOrder([5, 0, 0, 5, 3], seed=seed, epoch=0)
+        nonempty = cli._nonempty_slots(order)
+        for lo, hi in [(0, 13), (2, 9), (4, 6), (0, 1), (3, 4), (5, 6), (12, 13)]:
+            items, _ = order.locate(np.arange(lo, hi))
+            assert len(cli._slots(order, RangeSet.interval(lo, hi), nonempty)) == np.unique(items).size
