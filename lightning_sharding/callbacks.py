@@ -21,7 +21,8 @@ from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.audit import AuditWriter
-from lightning_sharding.datamodule import CHECKPOINT_KEY, ShardedDataModule
+from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.ledger import CHECKPOINT_KEY
 from lightning_sharding.world import World
 
 

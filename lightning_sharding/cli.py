@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
 
+from lightning_sharding.config import CONF_DIR
+from lightning_sharding.ledger import CHECKPOINT_KEY
 from lightning_sharding.plan import EVEN_BATCH_POLICIES
 from lightning_sharding.rangeset import RangeSet
 
@@ -27,10 +29,6 @@ if TYPE_CHECKING:
 
 PROG = "lightning-sharding"
 STRATEGIES = ("shard",)
-# The same values as lightning_sharding.train.CONF_DIR and datamodule.CHECKPOINT_KEY (a test checks
-# both): importing those modules would import Lightning, which takes seconds.
-CONF_DIR = str(Path(__file__).resolve().parent / "conf")
-CHECKPOINT_KEY = "lightning_sharding"
 # World sizes above this print the first and last RANKS_SHOWN // 2 ranks only; likewise workers.
 MAX_RANKS = 16
 RANKS_SHOWN = 16

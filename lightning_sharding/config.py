@@ -7,8 +7,11 @@ composed, with the key's name, not halfway through training.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # the packaged Hydra config directory
 
 
 @dataclass

@@ -27,8 +27,6 @@ from lightning_sharding.rangeset import RangeSet
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.world import World
 
-CHECKPOINT_KEY = "lightning_sharding"
-
 
 class ShardedDataModule(pl.LightningDataModule):
     """Exactly-once, two-level sharded data for Lightning.

@@ -17,6 +17,7 @@ import numpy.typing as npt
 from lightning_sharding.rangeset import RangeSet
 
 LEDGER_VERSION = 1
+CHECKPOINT_KEY = "lightning_sharding"  # where a Lightning checkpoint holds the ledger
 
 
 class CheckpointMismatchError(ValueError):

@@ -17,11 +17,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
-from lightning_sharding.config import register_configs
+from lightning_sharding.config import CONF_DIR, register_configs
 from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.readers.synthetic import SyntheticReader
-
-CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
 class Regressor(pl.LightningModule):

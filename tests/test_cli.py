@@ -218,12 +218,14 @@ def test_help_and_no_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "COMMAND" in err
 
 
-def test_constants_match_the_modules_they_mirror() -> None:
-    from lightning_sharding import train
-    from lightning_sharding.datamodule import CHECKPOINT_KEY
+def test_the_cli_does_not_import_lightning() -> None:
+    """`lightning-sharding plan/inspect` must stay quick: no Lightning import on the way."""
+    import subprocess
+    import sys
 
-    assert cli.CONF_DIR == train.CONF_DIR
-    assert cli.CHECKPOINT_KEY == CHECKPOINT_KEY
+    code = "import sys, lightning_sharding.cli; print('lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.strip() == "False"
 
 
 def test_plan_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
