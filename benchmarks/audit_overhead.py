@@ -13,21 +13,9 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 
 from lightning_sharding import ShardedDataModule, SyntheticReader
-
-
-class Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(16, 1)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+from lightning_sharding.train import Regressor
 
 
 def samples_per_second(samples: int, audit_dir: str | None) -> float:
@@ -42,7 +30,7 @@ def samples_per_second(samples: int, audit_dir: str | None) -> float:
         enable_checkpointing=False,
     )
     start = time.perf_counter()
-    trainer.fit(Tiny(), datamodule=dm)
+    trainer.fit(Regressor(dim=16, hidden=4, learning_rate=0.01), datamodule=dm)
     return samples / (time.perf_counter() - start)
 
 

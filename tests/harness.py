@@ -24,6 +24,22 @@ JOB = ROOT / "tests" / "jobs" / "train_job.py"
 SEGMENT_TIMEOUT = 240
 
 
+def cpu_trainer(**overrides: Any) -> Any:
+    """A quiet one-process CPU ``lightning.pytorch.Trainer`` (one epoch, no logger or checkpoints)."""
+    import lightning.pytorch as pl
+
+    options: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(**{**options, **overrides})
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now, for one test's rendezvous."""
     with socket.socket() as s:

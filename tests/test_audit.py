@@ -9,34 +9,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_sharding import ShardedDataModule, SyntheticReader
 from lightning_sharding.audit import audit
-from tests.harness import Job, assert_exactly_once, check_resume
+from lightning_sharding.train import Regressor
+from tests.harness import Job, assert_exactly_once, check_resume, cpu_trainer
 
 pytestmark = pytest.mark.timeout(600)
 
 
-class Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(8, 1)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+def tiny_model() -> Regressor:
+    return Regressor(dim=8, hidden=4, learning_rate=0.01)
 
 
 def audited_run(run_dir: Path, **trainer_kwargs: Any) -> Path:
     dm = ShardedDataModule(SyntheticReader(sizes=[9, 12, 7]), batch_size=4, seed=3, audit_dir=str(run_dir / "audit"))
-    options: dict[str, Any] = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False)
-    options.update(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    pl.Trainer(**{**options, **trainer_kwargs}).fit(Tiny(), datamodule=dm)
+    cpu_trainer(**{"max_epochs": 2, **trainer_kwargs}).fit(tiny_model(), datamodule=dm)
     return run_dir
 
 
@@ -119,30 +109,24 @@ class SlowReader(SyntheticReader):
         return super().read_batch(item, indices, ctx)
 
 
-class SlowModel(Tiny):
+class SlowModel(Regressor):
+    def __init__(self) -> None:
+        super().__init__(dim=8, hidden=4, learning_rate=0.01)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         time.sleep(0.02)
         return super().training_step(batch, batch_idx)
 
 
 @pytest.mark.parametrize(
-    ("reader", "model", "data_bound"), [(SlowReader, Tiny, True), (SyntheticReader, SlowModel, False)]
+    ("reader", "model", "data_bound"), [(SlowReader, tiny_model, True), (SyntheticReader, SlowModel, False)]
 )
-def test_progress_bar_shows_progress_throughput_and_data_wait(reader: type, model: type, data_bound: bool) -> None:
+def test_progress_bar_shows_progress_throughput_and_data_wait(reader: Any, model: Any, data_bound: bool) -> None:
     """Data-wait is the share of step time spent waiting for the next batch: high when reading is slow."""
     from lightning_sharding import ShardingCallback
 
     dm = ShardedDataModule(reader(sizes=[40, 40]), batch_size=4, seed=1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[ShardingCallback(log_every_n_steps=5)],
-    )
+    trainer = cpu_trainer(callbacks=[ShardingCallback(log_every_n_steps=5)])
     trainer.fit(model(), datamodule=dm)
     metrics = trainer.progress_bar_metrics
     assert metrics["data/progress"] == pytest.approx(1.0)

@@ -244,36 +244,16 @@ def test_plan_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real checkpoint: 3 steps of batch 4 over 30 samples, seed 7."""
-    import lightning.pytorch as pl
-
     from lightning_sharding import ShardedDataModule
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            return torch.nn.functional.mse_loss(self.net(batch["x"]).squeeze(-1), batch["y"])
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    from lightning_sharding.train import Regressor
+    from tests.harness import cpu_trainer
 
     directory = tmp_path_factory.mktemp("ckpt")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        max_steps=3,
-        default_root_dir=directory,
-    )
+    trainer = cpu_trainer(max_steps=3, default_root_dir=directory)
     datamodule = ShardedDataModule(
         SyntheticReader(sizes=[10, 10, 10]), batch_size=4, seed=7, audit_dir=str(directory / "audit")
     )
-    trainer.fit(Tiny(), datamodule=datamodule)
+    trainer.fit(Regressor(dim=8, hidden=4, learning_rate=0.1), datamodule=datamodule)
     path = directory / "tiny.ckpt"
     trainer.save_checkpoint(path)
     return path

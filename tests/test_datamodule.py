@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_sharding import CheckpointMismatchError, Item, Reader, ShardContext, ShardedDataModule, SyntheticReader
+from tests.harness import cpu_trainer as trainer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,19 +36,6 @@ class Recorder(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def trainer(**kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(**{**options, **kwargs})
 
 
 @pytest.mark.parametrize(
