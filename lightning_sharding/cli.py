@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--even-batches", choices=EVEN_BATCH_POLICIES, help="uneven ranks: pad or drop (default: data.even_batches)"
     )
+    plan.add_argument("--config-dir", metavar="DIR", help="a folder of recipes, as for lightning-sharding-train")
+    plan.add_argument(
+        "--config-name", default="train", metavar="NAME", help="the recipe in --config-dir (default: train)"
+    )
     plan.add_argument("--strategy", choices=STRATEGIES, default="shard", help="sharding strategy (default shard)")
     plan.add_argument("--plot", metavar="FILE.png", help="also draw the assignment into this image")
     plan.set_defaults(func=_plan)
@@ -143,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 # -- plan ----------------------------------------------------------------------------------------
 
 
-def _compose(overrides: Sequence[str]) -> DictConfig:
-    """The train config with ``overrides`` applied; a bad override is a :class:`CliError`."""
+def _compose(overrides: Sequence[str], config_dir: str | None = None, config_name: str = "train") -> DictConfig:
+    """The train config, or a recipe in ``config_dir``, with ``overrides`` applied; a bad override
+    is a :class:`CliError`."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -155,9 +160,13 @@ def _compose(overrides: Sequence[str]) -> DictConfig:
         if "=" not in override and not override.startswith("~"):
             raise CliError(f"{override!r} is not a KEY=VALUE override (e.g. data.num_items=16)")
     register_configs()
+    search = [] if config_dir is None else [f"hydra.searchpath=[file://{CONF_DIR}]"]
+    directory = CONF_DIR if config_dir is None else str(Path(config_dir).resolve())
+    if config_dir is not None and not (Path(directory) / f"{config_name}.yaml").is_file():
+        raise CliError(f"no recipe {config_name}.yaml in --config-dir {config_dir}")
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None, job_name=PROG):
-            return compose("train", overrides=list(overrides))
+        with initialize_config_dir(config_dir=directory, version_base=None, job_name=PROG):
+            return compose(config_name, overrides=[*search, *overrides])
     except (HydraException, OmegaConfBaseException) as err:
         reason = _first_line(err)
         if err.__cause__ is not None:
@@ -362,7 +371,7 @@ def _plan(args: argparse.Namespace) -> int:
     from lightning_sharding.readers.synthetic import SyntheticReader
 
     plot = _check_plot_path(args.plot)
-    data = _data_settings(_compose(args.overrides))
+    data = _data_settings(_compose(args.overrides, args.config_dir, args.config_name))
     batch_size = args.batch_size if args.batch_size is not None else data.batch_size
     seed = args.seed if args.seed is not None else data.seed
     even_batches = args.even_batches or data.even_batches

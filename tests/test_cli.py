@@ -333,3 +333,14 @@ def test_items_touched_skip_empty_items() -> None:
         for lo, hi in [(0, 13), (2, 9), (4, 6), (0, 1), (3, 4), (5, 6), (12, 13)]:
             items, _ = order.locate(np.arange(lo, hi))
             assert len(cli._slots(order, RangeSet.interval(lo, hi), nonempty)) == np.unique(items).size
+
+
+def test_plan_reads_a_recipe_and_its_topology(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.harness import ROOT
+
+    recipes = str(ROOT / "recipes")
+    code, out, _ = run(capsys, "plan", "--config-dir", recipes, "--config-name", "ddp_cpu", "data.num_items=4")
+    assert code == 0
+    assert "world 2 ranks x 2 workers" in out  # trainer.devices and data.num_workers of the recipe
+    code, _, err = run(capsys, "plan", "--config-dir", recipes, "--config-name", "nope")
+    assert code == 2 and "no recipe nope.yaml" in err
