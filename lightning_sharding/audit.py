@@ -45,10 +45,14 @@ class AuditWriter:
         if self._file is not None:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def step(self, epoch: int, global_step: int, positions: np.ndarray, num_padding: int) -> None:
-        """Record one completed step's real positions (shape ``(n,)``) and its padding count."""
+    def step(self, epoch: int, global_step: int, positions: np.ndarray, num_padding: int, skipped: int = 0) -> None:
+        """Record one completed step's consumed positions (shape ``(n,)``), its padding count, and
+        how many of the positions were skipped as unreadable (``on_error="skip"``)."""
         ranges = RangeSet.from_positions(positions).ranges()
-        self._write({"kind": "step", "epoch": epoch, "gs": global_step, "pos": ranges, "pad": num_padding})
+        record: dict[str, Any] = {"kind": "step", "epoch": epoch, "gs": global_step, "pos": ranges, "pad": num_padding}
+        if skipped:
+            record["skip"] = skipped
+        self._write(record)
 
     def epoch_end(self, epoch: int, global_step: int, dropped: int) -> None:
         """Record that ``epoch`` finished; ``dropped`` is what its plan left unserved, all ranks."""

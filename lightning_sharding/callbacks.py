@@ -37,6 +37,7 @@ class EpochReport:
     padding: int
     dropped: int
     batches_per_rank: int
+    skipped: int
     seconds: float
 
     @property
@@ -55,6 +56,7 @@ class ShardingCallback(pl.Callback):
         self._last_step = -1
         self._epoch_start = 0.0
         self._served = 0
+        self._skipped = 0
         self._consumed_at_start = 0
         self._batch_start = self._batch_end = 0.0
         self._wait = self._busy = 0.0
@@ -102,6 +104,7 @@ class ShardingCallback(pl.Callback):
         dm = self._datamodule(trainer)
         self._epoch_start = time.perf_counter()
         self._served = 0
+        self._skipped = 0
         self._consumed_at_start = len(dm.ledger.consumed) if dm.ledger is not None else 0
         self._last_step = trainer.global_step
         self._batch_end = 0.0
@@ -124,8 +127,15 @@ class ShardingCallback(pl.Callback):
         provenance = dm.account_step(optimizer_stepped=stepped)
         served = len(provenance.positions) - provenance.num_padding
         self._served += served
+        self._skipped += len(provenance.skipped)
         if self._audit is not None:
-            self._audit.step(provenance.epoch, trainer.global_step, provenance.real_positions, provenance.num_padding)
+            self._audit.step(
+                provenance.epoch,
+                trainer.global_step,
+                provenance.consumed_positions,
+                provenance.num_padding,
+                skipped=len(provenance.skipped),
+            )
         self._batch_end = time.perf_counter()
         self._busy += self._batch_end - self._batch_start
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
@@ -153,8 +163,8 @@ class ShardingCallback(pl.Callback):
         dm.gather_consumed()
         plan = dm.train_loader.sampler.epoch_plan
         # On the strategy's device (NCCL reduces only CUDA tensors) and int64 (counts beyond 2**24).
-        count = torch.tensor(self._served, dtype=torch.int64, device=trainer.strategy.root_device)
-        served = int(trainer.strategy.reduce(count, reduce_op="sum").item())
+        counts = torch.tensor([self._served, self._skipped], dtype=torch.int64, device=trainer.strategy.root_device)
+        served, skipped = (int(x) for x in trainer.strategy.reduce(counts, reduce_op="sum").tolist())
         report = EpochReport(
             epoch=dm.ledger.epoch,
             samples=dm.ledger.total,
@@ -163,6 +173,7 @@ class ShardingCallback(pl.Callback):
             padding=int(plan.padding_per_rank.sum()) if plan is not None else 0,
             dropped=int(plan.dropped_per_rank.sum()) if plan is not None else 0,
             batches_per_rank=plan.num_batches if plan is not None else 0,
+            skipped=skipped,
             seconds=time.perf_counter() - self._epoch_start,
         )
         self.reports.append(report)
@@ -173,7 +184,11 @@ class ShardingCallback(pl.Callback):
             self._audit.epoch_end(report.epoch, trainer.global_step, report.dropped)
         # The figures are global already (equal on every rank): "max" keeps them as they are.
         pl_module.log_dict(
-            {"data/consumed": float(report.consumed), "data/padding": float(report.padding)},
+            {
+                "data/consumed": float(report.consumed),
+                "data/padding": float(report.padding),
+                "data/skipped": float(report.skipped),
+            },
             sync_dist=True,
             reduce_fx="max",
         )
@@ -219,10 +234,12 @@ def format_summary(reports: list[EpochReport], dm: ShardedDataModule, worlds: li
     ranks = "ranks: " + " | ".join(
         f"rank {x.rank} = node {x.node_rank} local {x.local_rank}" for x in sorted(worlds, key=lambda x: x.rank)
     )
-    cols = f"{'epoch':>5} {'samples':>9} {'consumed':>9} {'padding':>7} {'dropped':>7} {'batches/rank':>12} "
+    cols = f"{'epoch':>5} {'samples':>9} {'consumed':>9} {'padding':>7} {'dropped':>7} {'skipped':>7} "
+    cols += f"{'batches/rank':>12} "
     cols += f"{'seconds':>8} {'samples/s':>10}"
     rows = [
-        f"{r.epoch:>5} {r.samples:>9} {r.consumed:>9} {r.padding:>7} {r.dropped:>7} {r.batches_per_rank:>12} "
+        f"{r.epoch:>5} {r.samples:>9} {r.consumed:>9} {r.padding:>7} {r.dropped:>7} {r.skipped:>7} "
+        f"{r.batches_per_rank:>12} "
         f"{r.seconds:>8.2f} {r.samples_per_second:>10.0f}"
         for r in reports
     ]

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-from lightning_sharding.loader import Provenance, ShardedLoader, Transform
+from lightning_sharding.loader import ON_ERROR_POLICIES, OnError, Provenance, ShardedLoader, Transform
 from lightning_sharding.manifest import Manifest, describe_change
 from lightning_sharding.plan import EVEN_BATCH_POLICIES, EvenBatches
 from lightning_sharding.rangeset import RangeSet
@@ -60,6 +60,10 @@ class ShardedDataModule(pl.LightningDataModule):
             with a warning) instead of failing.
         audit_dir: when set, every rank writes the positions its completed steps consumed there,
             for ``lightning-sharding audit`` to check exactly-once across runs and resumes.
+        on_error: ``"raise"`` (default) stops at the first sample that cannot be read or
+            transformed, naming its item and index; ``"skip"`` leaves such samples out, counts
+            them as consumed-and-skipped (reported in the summary), and fills their place in the
+            batch with flagged padding. Storage outages are never skipped.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class ShardedDataModule(pl.LightningDataModule):
         padding_key: str | None = "is_padding",
         allow_data_change: bool = False,
         audit_dir: str | None = None,
+        on_error: OnError = "raise",
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -96,6 +101,8 @@ class ShardedDataModule(pl.LightningDataModule):
             raise ValueError(f"`{name}(persistent_workers=True)` needs num_workers > 0")
         if prefetch_factor is not None and (num_workers == 0 or prefetch_factor < 1):
             raise ValueError(f"`{name}(prefetch_factor={prefetch_factor})` needs num_workers > 0 and a value >= 1")
+        if on_error not in ON_ERROR_POLICIES:
+            raise ValueError(f"`{name}(on_error={on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"`{name}(seed={seed!r})` must be a non-negative integer or None")
         self._reader = reader
@@ -110,6 +117,7 @@ class ShardedDataModule(pl.LightningDataModule):
         self.padding_key = padding_key
         self.allow_data_change = allow_data_change
         self.audit_dir = audit_dir
+        self.on_error = on_error
         self.world = World()
         self.manifest: Manifest | None = None
         self.ledger: Ledger | None = None
@@ -223,6 +231,7 @@ class ShardedDataModule(pl.LightningDataModule):
             timeout=self.timeout,
             padding_key=self.padding_key,
             track=track,
+            on_error=self.on_error,
         )
 
     # -- ledger bookkeeping, driven by ShardingCallback ------------------------------------------
@@ -232,8 +241,7 @@ class ShardedDataModule(pl.LightningDataModule):
         if self.train_loader is None or self.ledger is None:
             raise RuntimeError("a training step ended before the sharded train loader was created")
         provenance = self.train_loader.pop_delivered()
-        real = provenance.real_positions
-        self.ledger.record(real)
+        self.ledger.record(provenance.consumed_positions)
         if optimizer_stepped:
             self.ledger.commit()
         return provenance

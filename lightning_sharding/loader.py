@@ -23,7 +23,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -35,34 +35,64 @@ from lightning_sharding.manifest import Item
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, plan_epoch
 from lightning_sharding.readers.base import Reader
+from lightning_sharding.storage import is_transient
 from lightning_sharding.world import SampleContext, ShardContext, World
 
 Transform = Callable[[Any, SampleContext], Any]
 
 
+OnError = Literal["raise", "skip"]
+ON_ERROR_POLICIES: tuple[str, ...] = ("raise", "skip")
+_NO_POSITIONS = np.zeros(0, dtype=np.int64)
+
+
+class SampleError(RuntimeError):
+    """A sample that could not be read or transformed; the message names the item and the sample."""
+
+
 @dataclass(frozen=True)
 class Provenance:
     """Where a delivered batch came from: epoch positions (int64, shape ``(n,)``), the last
-    ``num_padding`` of which are padding."""
+    ``num_padding`` of which are padding, and the positions ``skipped`` (shape ``(k,)``) because
+    they failed to read under ``on_error="skip"``; those are consumed but not in the batch."""
 
     epoch: int
     positions: npt.NDArray[np.int64]
     num_padding: int
+    skipped: npt.NDArray[np.int64] = _NO_POSITIONS
 
     @property
     def real_positions(self) -> npt.NDArray[np.int64]:
-        """Positions that count as consumed once the step completes, shape ``(n - num_padding,)``."""
+        """Positions trained on, shape ``(n - num_padding,)``."""
         return self.positions[: len(self.positions) - self.num_padding]
+
+    @property
+    def consumed_positions(self) -> npt.NDArray[np.int64]:
+        """Positions that count as consumed once the step completes: trained on or skipped."""
+        return np.concatenate((self.real_positions, self.skipped)) if len(self.skipped) else self.real_positions
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Stands in a sample that failed under ``on_error="skip"``."""
+
+    message: str
 
 
 def _pass_through(data: Any) -> Any:
     return data
 
 
-class PlannedBatches(Dataset[tuple[Any, int, npt.NDArray[np.int64], int]]):
+Delivery = tuple[Any, int, npt.NDArray[np.int64], int, npt.NDArray[np.int64]]
+
+
+class PlannedBatches(Dataset[Delivery]):
     """Map-style dataset indexed by :class:`BatchTask`: reads, transforms and collates one batch.
 
-    Runs inside workers. Returns ``(batch, epoch, positions, num_padding)``.
+    Runs inside workers. Returns ``(batch, epoch, positions, num_padding, skipped)``. A sample
+    that fails to read or transform raises :class:`SampleError` naming the item and the sample;
+    with ``on_error="skip"`` it is left out and counted, and a good sample of the same batch takes
+    its place flagged as padding, so the batch keeps its size and the accounting stays exact.
     """
 
     def __init__(
@@ -76,7 +106,11 @@ class PlannedBatches(Dataset[tuple[Any, int, npt.NDArray[np.int64], int]]):
         num_workers: int,
         transform: Transform | None,
         collate_fn: Callable[[list[Any]], Any],
+        on_error: OnError = "raise",
     ) -> None:
+        if on_error not in ON_ERROR_POLICIES:
+            raise ValueError(f"on_error={on_error!r} must be one of {list(ON_ERROR_POLICIES)}")
+        self.on_error = on_error
         self.reader = reader
         self.items = tuple(items)
         self.counts = np.array([it.num_samples for it in self.items], dtype=np.int64)
@@ -112,27 +146,92 @@ class PlannedBatches(Dataset[tuple[Any, int, npt.NDArray[np.int64], int]]):
             self._order = EpochOrder(self.counts, self.seed, epoch, shuffle=self.shuffle)
         return self._order
 
-    def __getitem__(self, task: BatchTask) -> tuple[Any, int, npt.NDArray[np.int64], int]:
+    def __getitem__(self, task: BatchTask) -> Delivery:
         ctx = self.context(task.epoch)
         item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
         # Read runs of consecutive positions that fall in the same item with one call.
         cuts = np.flatnonzero(np.diff(item_ids)) + 1
         samples: list[Any] = []
         for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(item_ids)])), strict=True):
-            item = self.items[int(item_ids[lo])]
-            got = self.reader.read_batch(item, indices[lo:hi], ctx)
-            if len(got) != hi - lo:
-                raise RuntimeError(
-                    f"{type(self.reader).__name__}.read_batch returned {len(got)} samples for "
-                    f"{hi - lo} indices of item {item.key!r}; it must return one sample per index"
-                )
-            samples.extend(got)
+            samples.extend(self._read_run(self.items[int(item_ids[lo])], indices[lo:hi], task.positions[lo:hi], ctx))
         if self.transform is not None:
             samples = [
-                self.transform(s, SampleContext(ctx, int(p), int(i), int(j)))
+                self._transform(s, SampleContext(ctx, int(p), int(i), int(j)))
                 for s, p, i, j in zip(samples, task.positions, item_ids, indices, strict=True)
             ]
-        return self.collate_fn(samples), task.epoch, task.positions, task.num_padding
+        bad = np.array([isinstance(s, _Failed) for s in samples], dtype=bool)
+        if not bad.any():
+            return self.collate_fn(samples), task.epoch, task.positions, task.num_padding, _NO_POSITIONS
+        return self._without_failed(task, samples, bad)
+
+    def _read_run(
+        self, item: Item, indices: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], ctx: ShardContext
+    ) -> list[Any]:
+        """Samples ``indices`` of ``item`` in one read; on failure, sample by sample to name the bad one."""
+        try:
+            got = self.reader.read_batch(item, indices, ctx)
+        except Exception:  # noqa: BLE001 - find and name the failing sample below
+            return [self._read_one(item, int(i), int(p), ctx) for i, p in zip(indices, positions, strict=True)]
+        if len(got) != len(indices):
+            raise RuntimeError(
+                f"{type(self.reader).__name__}.read_batch returned {len(got)} samples for "
+                f"{len(indices)} indices of item {item.key!r}; it must return one sample per index"
+            )
+        return list(got)
+
+    def _read_one(self, item: Item, index: int, position: int, ctx: ShardContext) -> Any:
+        try:
+            return self.reader.read(item, index, ctx)
+        except Exception as err:
+            if is_transient(err):  # storage down beyond the retry budget is not bad data: never skip it
+                raise SampleError(f"cannot read item {item.key!r}: {err}") from err
+            failure = SampleError(
+                f"cannot read sample {index} of item {item.key!r} (epoch {ctx.epoch}, position {position}, "
+                f"rank {ctx.rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}. "
+                "Fix or remove the data, or pass on_error='skip' to skip bad samples (counted and reported)."
+            )
+            if self.on_error == "raise":
+                raise failure from err
+            return _Failed(str(failure))
+
+    def _transform(self, sample: Any, sctx: SampleContext) -> Any:
+        if isinstance(sample, _Failed):
+            return sample
+        assert self.transform is not None
+        try:
+            return self.transform(sample, sctx)
+        except Exception as err:
+            failure = SampleError(
+                f"the transform failed on sample {sctx.index} of item {self.items[sctx.item].key!r} "
+                f"(epoch {sctx.shard.epoch}, position {sctx.position}): {type(err).__name__}: {err}"
+            )
+            if self.on_error == "raise":
+                raise failure from err
+            return _Failed(str(failure))
+
+    def _without_failed(self, task: BatchTask, samples: list[Any], bad: npt.NDArray[np.bool_]) -> Delivery:
+        """Leave failed samples out; good ones of the batch stand in for them, flagged as padding."""
+        n_real = len(task.positions) - task.num_padding
+        real_bad = bad.copy()
+        real_bad[n_real:] = False
+        good = np.flatnonzero(~bad)
+        if good.size == 0:
+            raise SampleError(
+                f"every sample of batch {task.index} (epoch {task.epoch}, positions {task.positions.tolist()}) "
+                f"failed, so on_error='skip' has nothing to fill the batch with. First error: {samples[0].message}"
+            )
+        fill = good[np.arange(int(bad.sum())) % good.size]
+        keep_real, keep_pad = good[good < n_real], good[good >= n_real]
+        order = np.concatenate((keep_real, keep_pad, fill))
+        positions = task.positions[order]
+        num_padding = len(order) - len(keep_real)
+        return (
+            self.collate_fn([samples[i] for i in order]),
+            task.epoch,
+            positions,
+            num_padding,
+            task.positions[np.flatnonzero(real_bad)],
+        )
 
 
 class PlanSampler(Sampler[BatchTask]):
@@ -243,6 +342,7 @@ class ShardedLoader:
         even_batches: EvenBatches = "pad",
         transform: Transform | None = None,
         collate_fn: Callable[[list[Any]], Any] = default_collate,
+        on_error: OnError = "raise",
         **options: Any,
     ) -> ShardedLoader:
         """The loader of ``world.rank`` for ``ledger``'s epoch; ``options`` go to :class:`ShardedLoader`.
@@ -259,6 +359,7 @@ class ShardedLoader:
             num_workers=num_workers,
             transform=transform,
             collate_fn=collate_fn,
+            on_error=on_error,
         )
         sampler = PlanSampler(
             ledger, world=world, num_workers=num_workers, batch_size=batch_size, even_batches=even_batches
@@ -267,14 +368,14 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()
-        for batch, epoch, positions, num_padding in self._loader:
+        for batch, epoch, positions, num_padding, skipped in self._loader:
             if epoch != self.sampler.epoch:
                 raise RuntimeError(
                     f"a batch planned for epoch {epoch} arrived in epoch {self.sampler.epoch}; "
                     "this is a bug in lightning_sharding, please report it"
                 )
             if self.track:
-                self.delivered.append(Provenance(epoch, positions, num_padding))
+                self.delivered.append(Provenance(epoch, positions, num_padding, skipped))
             yield self._flag_padding(batch, len(positions), num_padding)
 
     def _flag_padding(self, batch: Any, size: int, num_padding: int) -> Any:

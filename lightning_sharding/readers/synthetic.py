@@ -18,6 +18,15 @@ from lightning_sharding.readers.base import Reader
 from lightning_sharding.world import ShardContext
 
 
+def regression_arrays(ids: npt.NDArray[np.int64], dim: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """The regression pair of samples ``ids`` (shape ``(n,)``): ``x`` of shape ``(n, dim)``, ``y`` of ``(n,)``."""
+    phase = ids[:, None].astype(np.float64) * 0.618 + np.arange(dim)[None, :]
+    x = np.sin(phase).astype(np.float32)
+    weights = np.linspace(-1.0, 1.0, dim, dtype=np.float32)
+    y = (x @ weights + 0.01 * np.cos(ids * 1.7)).astype(np.float32)
+    return x, y
+
+
 class SyntheticReader(Reader):
     """``num_items`` items of ``samples_per_item`` samples, each ``{"id", "x", "y"}``.
 
@@ -40,7 +49,6 @@ class SyntheticReader(Reader):
         self.sizes = [int(s) for s in sizes]
         self.dim = dim
         self._first_id = np.concatenate(([0], np.cumsum(self.sizes))).astype(np.int64)
-        self._weights = np.linspace(-1.0, 1.0, dim, dtype=np.float32)
 
     def items(self) -> Sequence[Item]:
         """One item per size, named ``synthetic-NNNNN``."""
@@ -59,9 +67,7 @@ class SyntheticReader(Reader):
             bad = int(indices.min()) if int(indices.min()) < 0 else int(indices.max())
             raise IndexError(f"{item.key}: sample index {bad} is outside [0, {item.num_samples})")
         ids = self._first_id[self._item_number(item)] + indices
-        phase = ids[:, None].astype(np.float64) * 0.618 + np.arange(self.dim)[None, :]
-        x = np.sin(phase).astype(np.float32)
-        y = (x @ self._weights + 0.01 * np.cos(ids * 1.7)).astype(np.float32)
+        x, y = regression_arrays(ids, self.dim)
         return [
             {"id": torch.tensor(i), "x": torch.from_numpy(xi), "y": torch.tensor(yi)}
             for i, xi, yi in zip(ids.tolist(), x, y, strict=True)

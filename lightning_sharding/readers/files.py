@@ -1,0 +1,263 @@
+"""The base of every file reader: list URLs, index each file once (in parallel), cache the index.
+
+A file's index (sample count, byte offsets, row groups) is a pure function of its content, so it
+is cached under a name derived from the URL, the file's fingerprint (size and mtime or ETag) and
+the reader's options. The next start loads it instead of scanning; a changed file gets a new
+fingerprint and is scanned again. Workers find the same cache file from the item alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from abc import abstractmethod
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.manifest import Item
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
+
+_SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row groups)
+
+
+def default_cache_dir() -> Path:
+    """``$LIGHTNING_SHARDING_CACHE`` or ``~/.cache/lightning_sharding`` (read when a manifest is built)."""
+    env = os.environ.get("LIGHTNING_SHARDING_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "lightning_sharding"
+
+
+@dataclass
+class FileIndex:
+    """What scanning one file found: one entry per item inside it (usually one).
+
+    ``suffixes[j]`` names item ``j`` inside the file ("" for the whole file), ``counts[j]`` is its
+    sample count, and ``arrays[j]`` holds its index arrays (offsets, line numbers...), each of
+    shape ``(counts[j], ...)`` or ``(counts[j] + 1,)`` for boundaries.
+    """
+
+    suffixes: list[str]
+    counts: list[int]
+    arrays: list[dict[str, npt.NDArray[Any]]] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        """Write atomically: ranks on one machine may index the same file at once."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        flat: dict[str, npt.NDArray[Any]] = {
+            "suffixes": np.array(self.suffixes, dtype=str),
+            "counts": np.array(self.counts, dtype=np.int64),
+        }
+        for j, arrays in enumerate(self.arrays):
+            flat.update({f"{j}/{name}": value for name, value in arrays.items()})
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **flat)  # type: ignore[arg-type]  # numpy's stub wants positional arrays
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    @classmethod
+    def load(cls, path: Path) -> FileIndex:
+        """Read a saved index (raises ``OSError``/``ValueError`` when missing or unreadable)."""
+        with np.load(path, allow_pickle=False) as z:
+            suffixes = [str(s) for s in z["suffixes"]]
+            arrays: list[dict[str, npt.NDArray[Any]]] = [{} for _ in suffixes]
+            for name in z.files:
+                if "/" in name:
+                    j, key = name.split("/", 1)
+                    arrays[int(j)][key] = z[name]
+            return cls(suffixes, [int(c) for c in z["counts"]], arrays)
+
+
+class FileReader(Reader):
+    """A reader of files named by paths, ``file://`` or ``s3://`` URLs, globs or lists of them.
+
+    Subclasses set ``format`` and implement :meth:`scan` (index one file, in the main process) and
+    :meth:`read_batch` (inside workers, using :meth:`index_of`).
+
+    Args:
+        urls: a path or URL, a glob, or a list of them.
+        storage_options: passed to fsspec, e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for S3.
+        cache_dir: where file indexes are cached; ``None`` uses :func:`default_cache_dir`.
+        scan_threads: files indexed in parallel when the manifest is built.
+        retry: retries of transient storage errors.
+    """
+
+    format: ClassVar[str] = "file"
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        scan_threads: int = 16,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if isinstance(urls, str):
+            urls = [urls]
+        self.urls = [os.fspath(u) for u in urls]
+        self.storage_options = dict(storage_options or {})
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        if scan_threads < 1:
+            raise ValueError(f"`{type(self).__name__}(scan_threads={scan_threads})` must be at least 1")
+        self.scan_threads = scan_threads
+        self.retry = retry or RetryPolicy()
+        self._indexes: OrderedDict[str, FileIndex] = OrderedDict()
+        self._lock = threading.Lock()
+        self.last_scan: dict[str, int] = {"files": 0, "scanned": 0, "cached": 0}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_indexes"], state["_lock"] = OrderedDict(), None  # workers load what they need
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- what subclasses provide ------------------------------------------------------------
+
+    def options_key(self) -> str:
+        """The options that change how a file is indexed (part of the cache name and fingerprint)."""
+        return ""
+
+    @abstractmethod
+    def scan(self, info: FileInfo) -> FileIndex:
+        """Index one file: its items, their sample counts and the offsets needed to seek."""
+
+    # -- manifest -----------------------------------------------------------------------------
+
+    def items(self) -> Sequence[Item]:
+        """List the files, load or build every file's index in parallel, and return the items."""
+        files = list_files(self.urls, self.storage_options, self.retry)
+        progress = _Progress(f"indexing {len(files)} {self.format} file(s)", len(files))
+        scanned = 0
+
+        def index(info: FileInfo) -> FileIndex:
+            nonlocal scanned
+            idx = self._cached(info)
+            if idx is None:
+                idx = self._scan_and_save(info)
+                scanned += 1
+            progress.step()
+            return idx
+
+        with ThreadPoolExecutor(max_workers=min(self.scan_threads, len(files))) as pool:
+            indexes = list(pool.map(index, files))
+        progress.done()
+        self.last_scan = {"files": len(files), "scanned": scanned, "cached": len(files) - scanned}
+        items: list[Item] = []
+        for info, idx in zip(files, indexes, strict=True):
+            tag = f"{info.fingerprint};{self.format}:{self.options_key()}"
+            for suffix, count in zip(idx.suffixes, idx.counts, strict=True):
+                items.append(Item(info.url + (_SUB + suffix if suffix else ""), int(count), tag))
+        return items
+
+    def _cache_path(self, url: str, fingerprint: str) -> Path:
+        name = json.dumps([self.format, self.options_key(), url, fingerprint])
+        digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+        return (self.cache_dir or default_cache_dir()) / "index" / f"{self.format}-{digest}.npz"
+
+    def _cached(self, info: FileInfo) -> FileIndex | None:
+        path = self._cache_path(info.url, info.fingerprint)
+        try:
+            return FileIndex.load(path)
+        except (OSError, ValueError, KeyError):
+            return None  # missing or from an interrupted write: scan again
+
+    def _scan_and_save(self, info: FileInfo) -> FileIndex:
+        try:
+            idx = with_retries(lambda: self.scan(info), f"indexing {info.url}", self.retry)
+        except (FileNotFoundError, PermissionError):
+            raise
+        except Exception as err:
+            raise ValueError(f"{info.url}: cannot index this {self.format} file: {err}") from err
+        if len(idx.suffixes) != len(idx.counts):
+            raise RuntimeError(f"{type(self).__name__}.scan({info.url}) returned mismatched suffixes and counts")
+        idx.save(self._cache_path(info.url, info.fingerprint))
+        return idx
+
+    # -- inside workers -----------------------------------------------------------------------
+
+    @staticmethod
+    def split_key(item: Item) -> tuple[str, str]:
+        """``(url, suffix)`` of an item key."""
+        url, _, suffix = item.key.partition(_SUB)
+        return url, suffix
+
+    def file_fingerprint(self, item: Item) -> str:
+        """The file part of the item's fingerprint (size and mtime or ETag)."""
+        return item.fingerprint.split(f";{self.format}:", 1)[0]
+
+    def index_of(self, item: Item) -> dict[str, npt.NDArray[Any]]:
+        """The index arrays of ``item``, from a small per-process cache, the cache dir, or a fresh scan."""
+        url, suffix = self.split_key(item)
+        with self._lock:
+            idx = self._indexes.get(url)
+            if idx is not None:
+                self._indexes.move_to_end(url)
+        if idx is None:
+            fingerprint = self.file_fingerprint(item)
+            idx = self._cached(FileInfo(url, -1, fingerprint))
+            if idx is None:  # the cache was cleared since the manifest was built
+                fs, path = filesystem(url, self.storage_options)
+                size = int(with_retries(lambda: fs.size(path), f"reading the size of {url}", self.retry))
+                idx = self._scan_and_save(FileInfo(url, size, fingerprint))
+            with self._lock:
+                self._indexes[url] = idx
+                while len(self._indexes) > 16:
+                    self._indexes.popitem(last=False)
+        return idx.arrays[idx.suffixes.index(suffix)]
+
+    def read_ranges(self, url: str, starts: npt.ArrayLike, ends: npt.ArrayLike) -> list[bytes]:
+        """Bytes ``[starts[i], ends[i])`` of ``url``, with this reader's storage options and retries."""
+        from lightning_sharding.storage import read_ranges
+
+        return read_ranges(
+            url, np.asarray(starts).tolist(), np.asarray(ends).tolist(), self.storage_options, self.retry
+        )
+
+
+class _Progress:
+    """Prints progress to stderr when indexing takes longer than a few seconds."""
+
+    def __init__(self, what: str, total: int, every: float = 5.0) -> None:
+        self.what, self.total, self.every = what, total, every
+        self.count = 0
+        self.start = self.last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def step(self) -> None:
+        with self._lock:
+            self.count += 1
+            now = time.monotonic()
+            if now - self.last >= self.every:
+                self.last = now
+                print(
+                    f"lightning_sharding: {self.what}: {self.count}/{self.total} ({now - self.start:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def done(self) -> None:
+        if self.last != self.start:
+            print(
+                f"lightning_sharding: {self.what}: done in {time.monotonic() - self.start:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )

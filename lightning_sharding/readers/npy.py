@@ -1,0 +1,125 @@
+"""NumPy ``.npy`` files: one item per file, one sample per row (or per run of tokens).
+
+Only the header is read to index a file. Local files are memory-mapped and rows are gathered from
+the map without reading the rest; remote files are read row by row with ranged requests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.manifest import Item
+from lightning_sharding.readers.files import FileIndex, FileReader
+from lightning_sharding.storage import FileInfo, filesystem
+from lightning_sharding.world import ShardContext
+
+
+class NpyReader(FileReader):
+    """``.npy`` arrays; sample ``i`` is row ``i`` (``array[i]``), as ``{key: row}`` or the bare row.
+
+    Args:
+        urls: files (see :class:`FileReader`).
+        sample_length: for 1-d arrays (token streams), cut the array into consecutive samples of
+            this many elements; a tail shorter than that is not served.
+        key: the sample dict's key; ``None`` makes each sample the bare array.
+        **options: :class:`FileReader` options.
+    """
+
+    format = "npy"
+
+    def __init__(
+        self, urls: str | list[str], *, sample_length: int | None = None, key: str | None = "x", **options: Any
+    ) -> None:
+        super().__init__(urls, **options)
+        if sample_length is not None and sample_length < 1:
+            raise ValueError(f"`NpyReader(sample_length={sample_length})` must be positive")
+        self.sample_length, self.key = sample_length, key
+        self._maps: OrderedDict[str, np.ndarray[Any, Any]] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_maps"] = OrderedDict()
+        return state
+
+    def options_key(self) -> str:
+        """The sample length changes the sample count."""
+        return f"sample_length={self.sample_length}"
+
+    def scan(self, info: FileInfo) -> FileIndex:
+        """Read the header; check that the file holds all the data the header promises."""
+        fs, path = filesystem(info.url, self.storage_options)
+        with fs.open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            offset = f.tell()
+        if dtype.hasobject:
+            raise ValueError("holds Python objects; save plain numeric arrays")
+        if fortran and len(shape) > 1:
+            raise ValueError("is in Fortran order; save it with np.save(np.ascontiguousarray(a))")
+        if not shape:
+            raise ValueError("holds a 0-d scalar; a sample needs at least one dimension")
+        expected = offset + math.prod(shape) * dtype.itemsize
+        if info.size >= 0 and info.size < expected:
+            raise ValueError(
+                f"is truncated: the header promises shape {shape} of {dtype} ({expected} bytes), "
+                f"the file has {info.size}"
+            )
+        row_shape = shape[1:]
+        count = shape[0]
+        if self.sample_length is not None:
+            if len(shape) != 1:
+                raise ValueError(f"has shape {shape}; sample_length= needs a 1-d array")
+            count, row_shape = shape[0] // self.sample_length, (self.sample_length,)
+        arrays = {
+            "offset": np.array([offset], dtype=np.int64),
+            "row_shape": np.array(row_shape, dtype=np.int64),
+            "dtype": np.array([dtype.str]),
+        }
+        return FileIndex([""], [int(count)], [arrays])
+
+    def _array(self, url: str) -> np.ndarray[Any, Any] | None:
+        """A read-only memory map of a local file (``None`` for remote files)."""
+        mm = self._maps.get(url)
+        if mm is None:
+            fs, path = filesystem(url, self.storage_options)
+            if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+                return None
+            mm = np.load(path, mmap_mode="r", allow_pickle=False)
+            if self.sample_length is not None:
+                n = mm.shape[0] // self.sample_length
+                mm = mm[: n * self.sample_length].reshape(n, self.sample_length)
+            self._maps[url] = mm
+            while len(self._maps) > 8:
+                self._maps.popitem(last=False)
+        return mm
+
+    def rows(self, item: Item, indices: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
+        """Rows ``indices`` of ``item`` as one array of shape ``(n, *row_shape)``."""
+        url, _ = self.split_key(item)
+        mm = self._array(url)
+        if mm is not None:
+            return np.asarray(mm[indices])
+        idx = self.index_of(item)
+        dtype = np.dtype(str(idx["dtype"][0]))
+        row_shape = tuple(int(s) for s in idx["row_shape"])
+        row_bytes = math.prod(row_shape) * dtype.itemsize
+        starts = int(idx["offset"][0]) + indices * row_bytes
+        blobs = self.read_ranges(url, starts, starts + row_bytes)
+        return np.frombuffer(b"".join(blobs), dtype=dtype).reshape(len(indices), *row_shape)
+
+    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        """One sample, through :meth:`read_batch`."""
+        return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
+
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+        """Gather the rows in one call, then split them into samples."""
+        rows = self.rows(item, indices)
+        return list(rows) if self.key is None else [{self.key: row} for row in rows]
