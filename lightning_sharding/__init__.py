@@ -21,57 +21,77 @@ _EXPORTS = {
     "EpochOrder": "order",
     "EpochPlan": "plan",
     "EpochReport": "callbacks",
+    "FileReader": "readers",
     "Item": "manifest",
+    "JsonlReader": "readers",
     "Ledger": "ledger",
     "Manifest": "manifest",
+    "NpyReader": "readers",
+    "ParquetReader": "readers",
+    "plan_epoch": "plan",
     "RangeSet": "rangeset",
     "RankPlan": "plan",
-    "ReleaseProcessGroup": "callbacks",
     "Reader": "readers",
+    "ReleaseProcessGroup": "callbacks",
     "SampleContext": "world",
-    "ShardedLoader": "loader",
+    "SampleError": "loader",
     "ShardContext": "world",
     "ShardedDataModule": "datamodule",
+    "ShardedLoader": "loader",
     "ShardingCallback": "callbacks",
     "SyntheticReader": "readers",
+    "TarReader": "readers",
     "World": "world",
-    "plan_epoch": "plan",
 }
 
 __all__ = [
+    "__version__",
     "BatchTask",
     "CheckpointMismatchError",
     "EpochOrder",
     "EpochPlan",
     "EpochReport",
+    "FileReader",
     "Item",
+    "JsonlReader",
     "Ledger",
     "Manifest",
+    "NpyReader",
+    "ParquetReader",
+    "plan_epoch",
     "RangeSet",
     "RankPlan",
-    "ReleaseProcessGroup",
     "Reader",
+    "ReleaseProcessGroup",
     "SampleContext",
-    "ShardedLoader",
+    "SampleError",
     "ShardContext",
     "ShardedDataModule",
+    "ShardedLoader",
     "ShardingCallback",
     "SyntheticReader",
+    "TarReader",
     "World",
-    "__version__",
-    "plan_epoch",
 ]
 
 if TYPE_CHECKING:
     from lightning_sharding.callbacks import EpochReport, ReleaseProcessGroup, ShardingCallback
     from lightning_sharding.datamodule import ShardedDataModule
     from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-    from lightning_sharding.loader import ShardedLoader
+    from lightning_sharding.loader import SampleError, ShardedLoader
     from lightning_sharding.manifest import Item, Manifest
     from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
     from lightning_sharding.rangeset import RangeSet
-    from lightning_sharding.readers import Reader, SyntheticReader
+    from lightning_sharding.readers import (
+        FileReader,
+        JsonlReader,
+        NpyReader,
+        ParquetReader,
+        Reader,
+        SyntheticReader,
+        TarReader,
+    )
     from lightning_sharding.world import SampleContext, ShardContext, World
 
 

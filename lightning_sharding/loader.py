@@ -22,7 +22,7 @@ import pickle
 import random
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -59,7 +59,7 @@ class Provenance:
     epoch: int
     positions: npt.NDArray[np.int64]
     num_padding: int
-    skipped: npt.NDArray[np.int64] = _NO_POSITIONS
+    skipped: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_POSITIONS)
 
     @property
     def real_positions(self) -> npt.NDArray[np.int64]:

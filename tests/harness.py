@@ -67,6 +67,10 @@ class Job:
     num_nodes: int = 1
     skew_rank1: bool = False  # rank 1 lists one more item than rank 0
     audit: bool = False  # write the audit trail to <out>/audit
+    # A file reader instead of the synthetic one: {"format": "tar"|..., "urls": ..., "storage_options": ...};
+    # files written by lightning_sharding.datasets.write_regression (ids 0..N-1 in file order).
+    data: dict[str, Any] | None = None
+    on_error: str = "raise"
 
 
 @dataclass

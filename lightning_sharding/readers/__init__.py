@@ -1,6 +1,14 @@
-"""Readers turn items into samples; each reader is one small module with the same interface."""
+"""Readers turn items into samples; each reader is one small module with the same interface.
+
+The file readers import fsspec (and pyarrow for Parquet) only when used, so the core stays light.
+"""
 
 from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.files import FileReader
+from lightning_sharding.readers.jsonl import JsonlReader
+from lightning_sharding.readers.npy import NpyReader
+from lightning_sharding.readers.parquet import ParquetReader
 from lightning_sharding.readers.synthetic import SyntheticReader
+from lightning_sharding.readers.tar import TarReader
 
-__all__ = ["Reader", "SyntheticReader"]
+__all__ = ["FileReader", "JsonlReader", "NpyReader", "ParquetReader", "Reader", "SyntheticReader", "TarReader"]

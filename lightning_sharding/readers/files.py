@@ -206,7 +206,12 @@ class FileReader(Reader):
 
     def index_of(self, item: Item) -> dict[str, npt.NDArray[Any]]:
         """The index arrays of ``item``, from a small per-process cache, the cache dir, or a fresh scan."""
-        url, suffix = self.split_key(item)
+        idx = self.file_index(item)
+        return idx.arrays[idx.suffixes.index(self.split_key(item)[1])]
+
+    def file_index(self, item: Item) -> FileIndex:
+        """The index of the file that holds ``item``."""
+        url, _ = self.split_key(item)
         with self._lock:
             idx = self._indexes.get(url)
             if idx is not None:
@@ -222,7 +227,7 @@ class FileReader(Reader):
                 self._indexes[url] = idx
                 while len(self._indexes) > 16:
                     self._indexes.popitem(last=False)
-        return idx.arrays[idx.suffixes.index(suffix)]
+        return idx
 
     def read_ranges(self, url: str, starts: npt.ArrayLike, ends: npt.ArrayLike) -> list[bytes]:
         """Bytes ``[starts[i], ends[i])`` of ``url``, with this reader's storage options and retries."""

@@ -113,7 +113,7 @@ class NpyReader(FileReader):
         row_bytes = math.prod(row_shape) * dtype.itemsize
         starts = int(idx["offset"][0]) + indices * row_bytes
         blobs = self.read_ranges(url, starts, starts + row_bytes)
-        return np.frombuffer(b"".join(blobs), dtype=dtype).reshape(len(indices), *row_shape)
+        return np.frombuffer(bytearray(b"".join(blobs)), dtype=dtype).reshape(len(indices), *row_shape)
 
     def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
         """One sample, through :meth:`read_batch`."""

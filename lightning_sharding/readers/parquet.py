@@ -6,6 +6,7 @@ selected columns), keeps the last one, and gathers rows from it.
 
 from __future__ import annotations
 
+import io
 from collections import OrderedDict
 from typing import Any
 
@@ -74,7 +75,16 @@ class ParquetReader(FileReader):
         missing = [c for c in (self.columns or []) if c not in names]
         if missing:
             raise ValueError(f"has no column(s) {missing}; it has {sorted(names)}")
-        return FileIndex([f"rg={i}" for i in range(len(counts))], counts, [{} for _ in counts])
+        # Keep the footer so that reading a row group later costs no second request for it.
+        import pyarrow as pa
+
+        sink = pa.BufferOutputStream()
+        meta.write_metadata_file(sink)
+        footer = np.frombuffer(sink.getvalue().to_pybytes(), dtype=np.uint8)
+        arrays: list[dict[str, npt.NDArray[Any]]] = [{} for _ in counts]
+        if arrays:
+            arrays[0]["footer"] = footer
+        return FileIndex([f"rg={i}" for i in range(len(counts))], counts, arrays)
 
     def _group(self, item: Item) -> dict[str, Any]:
         group = self._groups.get(item.key)
@@ -83,9 +93,12 @@ class ParquetReader(FileReader):
             number = int(suffix.removeprefix("rg="))
             fs, path = filesystem(url, self.storage_options)
 
+            footer = self.file_index(item).arrays[0]["footer"]
+            metadata = _pyarrow().read_metadata(io.BytesIO(footer.tobytes()))
+
             def read() -> Any:
                 with fs.open(path, "rb") as f:
-                    return _pyarrow().ParquetFile(f).read_row_group(number, columns=self.columns)
+                    return _pyarrow().ParquetFile(f, metadata=metadata).read_row_group(number, columns=self.columns)
 
             table = with_retries(read, f"reading {item.key}", self.retry)
             if table.num_rows != item.num_samples:

@@ -74,3 +74,11 @@ class SkewedReader(SyntheticReader):
         if os.environ.get("LOCAL_RANK") == "1":
             items.append(Item("late-arrival", 5))
         return items
+
+
+def file_reader(spec: dict[str, Any], cache_dir: Path) -> Any:
+    """The file reader a Job's ``data`` names: ``{"format", "urls", "storage_options"}``."""
+    from lightning_sharding.readers import JsonlReader, NpyReader, ParquetReader, TarReader
+
+    cls = {"tar": TarReader, "parquet": ParquetReader, "npy": NpyReader, "jsonl": JsonlReader}[spec["format"]]
+    return cls(spec["urls"], storage_options=spec.get("storage_options"), cache_dir=cache_dir)

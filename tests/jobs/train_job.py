@@ -21,12 +21,19 @@ def main(config_path: str) -> None:
 
     from lightning_sharding import ShardedDataModule, SyntheticReader
     from lightning_sharding.callbacks import ReleaseProcessGroup
-    from tests.jobs.parts import DieAtStep, RecordingModel, SkewedReader, WriteResult
+    from lightning_sharding.datasets import to_regression
+    from tests.jobs.parts import DieAtStep, RecordingModel, SkewedReader, WriteResult, file_reader
 
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
+    if cfg["data"]:
+        reader, transform = file_reader(cfg["data"], cache_dir=out / "cache"), to_regression
+    else:
+        reader, transform = (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]), None
     dm = ShardedDataModule(
-        (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]),
+        reader,
+        transform=transform,
+        on_error=cfg["on_error"],
         batch_size=cfg["batch_size"],
         num_workers=cfg["num_workers"],
         seed=cfg["seed"],
