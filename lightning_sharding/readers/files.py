@@ -183,8 +183,10 @@ class FileReader(Reader):
     def _scan_and_save(self, info: FileInfo) -> FileIndex:
         try:
             idx = with_retries(lambda: self.scan(info), f"indexing {info.url}", self.retry)
-        except (FileNotFoundError, PermissionError):
-            raise
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{info.url}: the file disappeared while indexing it ({err})") from err
+        except PermissionError as err:
+            raise PermissionError(f"{info.url}: no permission to read this file ({err})") from err
         except Exception as err:
             raise ValueError(f"{info.url}: cannot index this {self.format} file: {err}") from err
         if len(idx.suffixes) != len(idx.counts):
