@@ -19,7 +19,7 @@ import numpy.typing as npt
 from lightning_sharding.readers.synthetic import regression_arrays
 from lightning_sharding.world import SampleContext
 
-FORMATS = ("tar", "parquet", "npy", "jsonl")
+FORMATS = ("tar", "parquet", "npy", "jsonl")  # the keys of readers.FILE_READERS
 _SUFFIX = {"tar": "tar", "parquet": "parquet", "npy": "npy", "jsonl": "jsonl"}
 
 

@@ -17,9 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
-from lightning_sharding.config import CONF_DIR, register_configs
+from lightning_sharding.config import CONF_DIR, build_reader, register_configs
 from lightning_sharding.datamodule import ShardedDataModule
-from lightning_sharding.readers.synthetic import SyntheticReader
 
 
 class Regressor(pl.LightningModule):
@@ -44,8 +43,11 @@ class Regressor(pl.LightningModule):
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns ``{"epochs": [...reports...], "world_size": ..., ...}``."""
     d = cfg.data
+    reader, transform = build_reader(d)
     dm = ShardedDataModule(
-        SyntheticReader(d.num_items, d.samples_per_item, d.dim),
+        reader,
+        transform=transform,
+        on_error=d.on_error,
         batch_size=d.batch_size,
         num_workers=d.num_workers,
         seed=d.seed,

@@ -17,14 +17,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_sharding import Ledger, Manifest, SampleError, ShardedLoader, World
 from lightning_sharding.datasets import FORMATS, to_regression, write_regression
-from lightning_sharding.readers import JsonlReader, NpyReader, ParquetReader, TarReader
+from lightning_sharding.readers import FILE_READERS, JsonlReader, NpyReader, ParquetReader, TarReader
 from lightning_sharding.storage import RetryPolicy, with_retries
-
-READERS = {"tar": TarReader, "parquet": ParquetReader, "npy": NpyReader, "jsonl": JsonlReader}
 
 
 def make_reader(fmt: str, urls: Any, cache: Path, **kw: Any) -> Any:
-    return READERS[fmt](urls, cache_dir=cache, **kw)
+    return FILE_READERS[fmt](urls, cache_dir=cache, **kw)
 
 
 def serve_epoch(reader: Any, world_size: int = 1, batch_size: int = 8, consumed: Any = None, **kw: Any) -> list[Any]:

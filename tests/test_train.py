@@ -75,3 +75,25 @@ def test_the_ddp_cpu_recipe_runs_on_two_ranks(tmp_path: Path) -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "world 2 rank(s) x 2 worker(s)" in proc.stdout
     assert "      128       128" in proc.stdout
+
+
+@pytest.mark.parametrize("recipe", ["webdataset", "parquet", "npy", "jsonl"])
+def test_every_reader_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str) -> None:
+    from tests.harness import ROOT
+
+    overrides = [
+        "data.num_items=3",
+        "data.samples_per_item=40",
+        "data.num_workers=0",
+        "data.batch_size=16",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.max_epochs=1",
+        "trainer.enable_progress_bar=false",
+        f"out_dir={tmp_path}",
+        f"hydra.searchpath=[file://{CONF_DIR}]",  # where a recipe's `defaults: [train]` comes from
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base=None):
+        cfg = compose(config_name=recipe, overrides=overrides)
+    result = run(cfg)
+    assert [e["consumed"] for e in result["epochs"]] == [120]
+    assert list((tmp_path / "cache" / "datasets").iterdir()), "the recipe wrote no data set"

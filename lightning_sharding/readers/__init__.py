@@ -11,4 +11,21 @@ from lightning_sharding.readers.parquet import ParquetReader
 from lightning_sharding.readers.synthetic import SyntheticReader
 from lightning_sharding.readers.tar import TarReader
 
-__all__ = ["FileReader", "JsonlReader", "NpyReader", "ParquetReader", "Reader", "SyntheticReader", "TarReader"]
+#: The file reader of each format name, as recipes and ``data.format=`` spell it.
+FILE_READERS: dict[str, type[FileReader]] = {
+    "tar": TarReader,
+    "parquet": ParquetReader,
+    "npy": NpyReader,
+    "jsonl": JsonlReader,
+}
+
+__all__ = [
+    "FILE_READERS",
+    "FileReader",
+    "JsonlReader",
+    "NpyReader",
+    "ParquetReader",
+    "Reader",
+    "SyntheticReader",
+    "TarReader",
+]

@@ -78,7 +78,6 @@ class SkewedReader(SyntheticReader):
 
 def file_reader(spec: dict[str, Any], cache_dir: Path) -> Any:
     """The file reader a Job's ``data`` names: ``{"format", "urls", "storage_options"}``."""
-    from lightning_sharding.readers import JsonlReader, NpyReader, ParquetReader, TarReader
+    from lightning_sharding.readers import FILE_READERS
 
-    cls = {"tar": TarReader, "parquet": ParquetReader, "npy": NpyReader, "jsonl": JsonlReader}[spec["format"]]
-    return cls(spec["urls"], storage_options=spec.get("storage_options"), cache_dir=cache_dir)
+    return FILE_READERS[spec["format"]](spec["urls"], storage_options=spec.get("storage_options"), cache_dir=cache_dir)
