@@ -8,6 +8,7 @@ fail at once with the URL in the message.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -163,9 +164,13 @@ def read_ranges(
     s, e = [int(x) for x in starts], [int(x) for x in ends]
     if not s:
         return []
-    blobs: list[bytes] = with_retries(
-        lambda: fs.cat_ranges([path] * len(s), s, e, on_error="raise"), f"reading {url}", retry or RetryPolicy()
-    )
+    if type(fs).__name__ == "LocalFileSystem":  # fsspec would open the file once per range
+        with open(path, "rb") as f:
+            blobs = [os.pread(f.fileno(), hi - lo, lo) for lo, hi in zip(s, e, strict=True)]
+    else:
+        blobs = with_retries(
+            lambda: fs.cat_ranges([path] * len(s), s, e, on_error="raise"), f"reading {url}", retry or RetryPolicy()
+        )
     for blob, lo, hi in zip(blobs, s, e, strict=True):
         if len(blob) != hi - lo:
             raise OSError(

@@ -70,12 +70,14 @@ def test_every_format_serves_every_sample_once_across_ranks(tmp_path: Path, fmt:
 
 def test_parquet_items_are_row_groups_and_columns_can_be_selected(tmp_path: Path) -> None:
     write_regression(str(tmp_path), "parquet", [50, 20], row_group_size=16)
-    reader = ParquetReader(str(tmp_path / "*.parquet"), columns=["id", "y"], cache_dir=tmp_path / "cache")
+    reader = ParquetReader(str(tmp_path / "*.parquet"), columns=["id", "x"], cache_dir=tmp_path / "cache")
     items = reader.items()
     assert [it.num_samples for it in items] == [16, 16, 16, 2, 16, 4]
     assert items[1].key.endswith("part-00000.parquet#rg=1")
     sample = reader.read(items[1], 3, None)
-    assert set(sample) == {"id", "y"} and sample["id"] == 19
+    assert set(sample) == {"id", "x"} and sample["id"] == 19 and sample["x"].shape == (8,)
+    with pytest.raises(ValueError, match=r"has no column\(s\) \['z'\]; it has \['id', 'x', 'y'\]"):
+        ParquetReader(str(tmp_path / "*.parquet"), columns=["z"], cache_dir=tmp_path / "other").items()
 
 
 def test_npy_token_stream_is_cut_into_sequences(tmp_path: Path) -> None:

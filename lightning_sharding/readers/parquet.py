@@ -71,7 +71,7 @@ class ParquetReader(FileReader):
         with fs.open(path, "rb") as f:
             meta = _pyarrow().ParquetFile(f).metadata
             counts = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-            names = set(meta.schema.names)
+            names = set(meta.schema.to_arrow_schema().names)
         missing = [c for c in (self.columns or []) if c not in names]
         if missing:
             raise ValueError(f"has no column(s) {missing}; it has {sorted(names)}")
