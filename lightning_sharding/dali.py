@@ -428,9 +428,8 @@ class DaliLoader:
                 yield self._batch(outputs[0])
             finished = True
         finally:
-            if finished:
-                iterator.reset()  # the sources move on to the next epoch
-                self._next_epoch = rank_plan.epoch + 1
+            if finished:  # the sources can serve the next epoch; reset when it starts, so that
+                self._next_epoch = rank_plan.epoch + 1  # no epoch is read ahead that never comes
             else:  # stopped early: the sources are mid-epoch and cannot be rewound
                 self.close()
         if served != rank_plan.num_batches:
@@ -442,6 +441,7 @@ class DaliLoader:
     def _pipeline_for(self, epoch: int) -> Any:
         ledger = self.sampler.ledger
         if self._iterator is not None and self._next_epoch == epoch and not ledger.done:
+            self._iterator.reset()
             return self._iterator
         self.close()
         plan = SourcePlan(

@@ -67,6 +67,7 @@ class Job:
     num_nodes: int = 1
     skew_rank1: bool = False  # rank 1 lists one more item than rank 0
     audit: bool = False  # write the audit trail to <out>/audit
+    loader: str = "dataloader"  # "dataloader": ShardedDataModule; "dali": DaliDataModule (CPU pipeline)
 
 
 @dataclass

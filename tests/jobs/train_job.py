@@ -25,16 +25,25 @@ def main(config_path: str) -> None:
 
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
-    dm = ShardedDataModule(
-        (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]),
+    reader = (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"])
+    common = dict(
         batch_size=cfg["batch_size"],
         num_workers=cfg["num_workers"],
         seed=cfg["seed"],
         even_batches=cfg["even_batches"],
-        persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
-        multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
         audit_dir=str(out / "audit") if cfg["audit"] else None,
     )
+    if cfg.get("loader", "dataloader") == "dali":
+        from lightning_sharding.dali import DaliDataModule
+
+        dm: ShardedDataModule = DaliDataModule(reader, **common)
+    else:
+        dm = ShardedDataModule(
+            reader,
+            persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
+            multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
+            **common,
+        )
     model = RecordingModel(str(out / f"seen-{cfg['segment']}"))
     callbacks: list[pl.Callback] = [WriteResult(out / f"result-{cfg['segment']}.json"), ReleaseProcessGroup()]
     if cfg["checkpoint_every"]:
