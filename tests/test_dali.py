@@ -218,3 +218,11 @@ def test_readme_dali_example_runs_as_copied(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if re.match(r"\s+0\s+1024\s", line)]
     assert [(r[0], r[2]) for r in rows] == [("0", "1024")], proc.stdout[-2000:]
+
+
+def test_missing_dali_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_sharding.dali import require_dali
+
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali` fail
+    with pytest.raises(ImportError, match=r"lightning-sharding\[dali\]"):
+        require_dali()
