@@ -71,6 +71,7 @@ class Job:
     # files written by lightning_sharding.datasets.write_regression (ids 0..N-1 in file order).
     data: dict[str, Any] | None = None
     on_error: str = "raise"
+    loader: str = "dataloader"  # "dataloader": ShardedDataModule; "dali": DaliDataModule (CPU pipeline)
 
 
 @dataclass

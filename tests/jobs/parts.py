@@ -63,7 +63,8 @@ class WriteResult(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             sharding = next(cb for cb in trainer.callbacks if isinstance(cb, ShardingCallback))
-            self.path.write_text(json.dumps({"epochs": sharding.summary()}))
+            datamodule = type(trainer.datamodule).__name__  # type: ignore[attr-defined]
+            self.path.write_text(json.dumps({"epochs": sharding.summary(), "datamodule": datamodule}))
 
 
 class SkewedReader(SyntheticReader):

@@ -30,18 +30,26 @@ def main(config_path: str) -> None:
         reader, transform = file_reader(cfg["data"], cache_dir=out / "cache"), to_regression
     else:
         reader, transform = (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]), None
-    dm = ShardedDataModule(
-        reader,
+    common = dict(
         transform=transform,
         on_error=cfg["on_error"],
         batch_size=cfg["batch_size"],
         num_workers=cfg["num_workers"],
         seed=cfg["seed"],
         even_batches=cfg["even_batches"],
-        persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
-        multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
         audit_dir=str(out / "audit") if cfg["audit"] else None,
     )
+    if cfg.get("loader", "dataloader") == "dali":
+        from lightning_sharding.dali import DaliDataModule
+
+        dm: ShardedDataModule = DaliDataModule(reader, **common)
+    else:
+        dm = ShardedDataModule(
+            reader,
+            persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
+            multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
+            **common,
+        )
     model = RecordingModel(str(out / f"seen-{cfg['segment']}"))
     callbacks: list[pl.Callback] = [WriteResult(out / f"result-{cfg['segment']}.json"), ReleaseProcessGroup()]
     if cfg["checkpoint_every"]:
