@@ -9,6 +9,7 @@ fingerprint and is scanned again. Workers find the same cache file from the item
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import sys
@@ -30,6 +31,8 @@ from lightning_sharding.manifest import Item
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
 
+# Part of every cache name: bump it when a reader's index layout changes, and old caches are ignored.
+INDEX_VERSION = 1
 _SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row groups)
 
 
@@ -61,14 +64,9 @@ class FileIndex:
         }
         for j, arrays in enumerate(self.arrays):
             flat.update({f"{j}/{name}": value for name, value in arrays.items()})
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **flat)  # type: ignore[arg-type]  # numpy's stub wants positional arrays
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        buf = io.BytesIO()
+        np.savez(buf, **flat)  # type: ignore[arg-type]  # numpy's stub wants positional arrays
+        _write_atomically(path, buf.getvalue())
 
     @classmethod
     def load(cls, path: Path) -> FileIndex:
@@ -81,6 +79,19 @@ class FileIndex:
                     j, key = name.split("/", 1)
                     arrays[int(j)][key] = z[name]
             return cls(suffixes, [int(c) for c in z["counts"]], arrays)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file, the new one, or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 class FileReader(Reader):
@@ -143,8 +154,19 @@ class FileReader(Reader):
     # -- manifest -----------------------------------------------------------------------------
 
     def items(self) -> Sequence[Item]:
-        """List the files, load or build every file's index in parallel, and return the items."""
+        """List the files, load or build every file's index in parallel, and return the items.
+
+        The item list of a listing seen before (same files, same fingerprints) comes from one
+        small cache file, so a restart costs one listing and one read.
+        """
         files = list_files(self.urls, self.storage_options, self.retry)
+        listing = self._cache_path("listing", json.dumps([(f.url, f.fingerprint) for f in files]), ".json")
+        try:
+            cached = json.loads(listing.read_text())
+            self.last_scan = {"files": len(files), "scanned": 0, "cached": len(files)}
+            return [Item(key, int(count), tag) for key, count, tag in cached]
+        except (OSError, ValueError):
+            pass  # first start with this listing
         progress = _Progress(f"indexing {len(files)} {self.format} file(s)", len(files))
         scanned = 0
 
@@ -166,12 +188,13 @@ class FileReader(Reader):
             tag = f"{info.fingerprint};{self.format}:{self.options_key()}"
             for suffix, count in zip(idx.suffixes, idx.counts, strict=True):
                 items.append(Item(info.url + (_SUB + suffix if suffix else ""), int(count), tag))
+        _write_atomically(listing, json.dumps([[it.key, it.num_samples, it.fingerprint] for it in items]).encode())
         return items
 
-    def _cache_path(self, url: str, fingerprint: str) -> Path:
-        name = json.dumps([self.format, self.options_key(), url, fingerprint])
+    def _cache_path(self, url: str, fingerprint: str, suffix: str = ".npz") -> Path:
+        name = json.dumps([INDEX_VERSION, self.format, self.options_key(), url, fingerprint])
         digest = hashlib.sha256(name.encode()).hexdigest()[:32]
-        return (self.cache_dir or default_cache_dir()) / "index" / f"{self.format}-{digest}.npz"
+        return (self.cache_dir or default_cache_dir()) / "index" / f"{self.format}-{digest}{suffix}"
 
     def _cached(self, info: FileInfo) -> FileIndex | None:
         path = self._cache_path(info.url, info.fingerprint)

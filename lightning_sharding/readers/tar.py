@@ -24,7 +24,25 @@ from lightning_sharding.world import ShardContext
 _BLOCK = 512
 
 
+_NPY_HEADERS: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], int]] = {}
+
+
 def _decode_npy(data: bytes) -> Any:
+    # Samples of one shard share a handful of .npy headers: parse each once, then view the bytes.
+    if data[:8] == b"\x93NUMPY\x01\x00" and len(data) >= 10:
+        end = 10 + int.from_bytes(data[8:10], "little")
+        known = _NPY_HEADERS.get(data[:end])
+        if known is None:
+            f = io.BytesIO(data[:end])
+            np.lib.format.read_magic(f)
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            if fortran or dtype.hasobject or len(_NPY_HEADERS) > 1024:
+                return np.load(io.BytesIO(data), allow_pickle=False)
+            known = _NPY_HEADERS[data[:end]] = (dtype, shape, end)
+        dtype, shape, offset = known
+        count = int(np.prod(shape, dtype=np.int64))
+        if len(data) - offset == count * dtype.itemsize:
+            return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
@@ -88,12 +106,19 @@ class TarReader(FileReader):
         ends: list[int] = []
         keys: list[str] = []
         seen: set[str] = set()
+        first_member: list[int] = []  # per sample, into the member lists below
+        fields: list[str] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
         with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
             for member in tar:
                 if not member.isfile():
                     continue
-                key, _ = split_name(member.name)
+                key, ext = split_name(member.name)
                 end = member.offset_data + -(-member.size // _BLOCK) * _BLOCK
+                fields.append(ext)
+                offsets.append(member.offset_data)
+                sizes.append(member.size)
                 if keys and keys[-1] == key:
                     ends[-1] = end
                     continue
@@ -106,10 +131,15 @@ class TarReader(FileReader):
                 seen.add(key)
                 starts.append(member.offset)
                 ends.append(end)
+                first_member.append(len(fields) - 1)
         arrays: dict[str, npt.NDArray[Any]] = {
             "start": np.array(starts, dtype=np.int64),
             "end": np.array(ends, dtype=np.int64),
             "key": np.array(keys, dtype=str),
+            "first_member": np.array([*first_member, len(fields)], dtype=np.int64),
+            "field": np.array(fields, dtype=str),
+            "offset": np.array(offsets, dtype=np.int64),
+            "size": np.array(sizes, dtype=np.int64),
         }
         return FileIndex([""], [len(keys)], [arrays])
 
@@ -122,26 +152,24 @@ class TarReader(FileReader):
         url, _ = self.split_key(item)
         idx = self.index_of(item)
         blobs = self.read_ranges(url, idx["start"][indices], idx["end"][indices])
-        return [self._sample(url, str(idx["key"][i]), int(i), blob) for i, blob in zip(indices, blobs, strict=True)]
+        return [self._sample(url, idx, int(i), blob) for i, blob in zip(indices, blobs, strict=True)]
 
-    def _sample(self, url: str, key: str, index: int, blob: bytes) -> dict[str, Any]:
+    def _sample(self, url: str, idx: Mapping[str, npt.NDArray[Any]], index: int, blob: bytes) -> dict[str, Any]:
+        """Cut the sample's members out of its bytes with the offsets the index recorded."""
+        key, base = str(idx["key"][index]), int(idx["start"][index])
         sample: dict[str, Any] = {"__key__": key, "__url__": url}
+        members = range(int(idx["first_member"][index]), int(idx["first_member"][index + 1]))
         try:
-            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
-                for member in tar:
-                    if not member.isfile():
-                        continue
-                    _, ext = split_name(member.name)
-                    if self.fields is not None and ext not in self.fields:
-                        continue
-                    data = tar.extractfile(member)
-                    raw = data.read() if data is not None else b""
-                    if len(raw) != member.size:
-                        raise tarfile.ReadError(f"member {member.name!r} is truncated")
-                    decoder = self.decoders.get(ext.rsplit(".", 1)[-1])
-                    sample[ext] = decoder(raw) if decoder is not None else raw
+            for m in members:
+                ext = str(idx["field"][m])
+                if self.fields is not None and ext not in self.fields:
+                    continue
+                lo = int(idx["offset"][m]) - base
+                raw = blob[lo : lo + int(idx["size"][m])]
+                if len(raw) != int(idx["size"][m]):
+                    raise ValueError(f"field {ext!r} is truncated")
+                decoder = self.decoders.get(ext.rsplit(".", 1)[-1])
+                sample[ext] = decoder(raw) if decoder is not None else raw
         except Exception as err:
             raise ValueError(f"{url}: sample {index} (key {key!r}) is corrupt: {err}") from err
-        if len(sample) == 2:
-            raise ValueError(f"{url}: sample {index} (key {key!r}) has no readable member")
         return sample
