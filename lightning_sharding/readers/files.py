@@ -30,6 +30,7 @@ import numpy.typing as npt
 from lightning_sharding.manifest import Item
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
+from lightning_sharding.world import ShardContext
 
 # Part of every cache name: bump it when a reader's index layout changes, and old caches are ignored.
 INDEX_VERSION = 1
@@ -218,6 +219,10 @@ class FileReader(Reader):
         return idx
 
     # -- inside workers -----------------------------------------------------------------------
+
+    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        """One sample, through the reader's ``read_batch``."""
+        return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
 
     @staticmethod
     def split_key(item: Item) -> tuple[str, str]:

@@ -71,10 +71,6 @@ class JsonlReader(FileReader):
         arrays = {"start": np.concatenate(starts), "end": np.concatenate(ends), "line": np.concatenate(lines)}
         return FileIndex([""], [len(arrays["start"])], [arrays])
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
-        """One sample, through :meth:`read_batch`."""
-        return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
-
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
         """Read each line's bytes (concurrently on object stores) and decode it."""
         url, _ = self.split_key(item)

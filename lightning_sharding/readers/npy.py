@@ -115,10 +115,6 @@ class NpyReader(FileReader):
         blobs = self.read_ranges(url, starts, starts + row_bytes)
         return np.frombuffer(bytearray(b"".join(blobs)), dtype=dtype).reshape(len(indices), *row_shape)
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
-        """One sample, through :meth:`read_batch`."""
-        return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
-
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
         """Gather the rows in one call, then split them into samples."""
         rows = self.rows(item, indices)

@@ -109,10 +109,6 @@ class ParquetReader(FileReader):
                 self._groups.popitem(last=False)
         return group
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
-        """One sample, through :meth:`read_batch`."""
-        return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
-
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
         """Rows ``indices`` of the item's row group."""
         group = self._group(item)

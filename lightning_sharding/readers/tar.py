@@ -143,10 +143,6 @@ class TarReader(FileReader):
         }
         return FileIndex([""], [len(keys)], [arrays])
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
-        """One sample, through :meth:`read_batch`."""
-        return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
-
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
         """Fetch each sample's byte run (concurrently on object stores) and parse its members."""
         url, _ = self.split_key(item)
