@@ -21,12 +21,18 @@ def main(config_path: str) -> None:
 
     from lightning_sharding import ShardedDataModule, SyntheticReader
     from lightning_sharding.callbacks import ReleaseProcessGroup
-    from tests.jobs.parts import DieAtStep, RecordingModel, SkewedReader, WriteResult
+    from tests.jobs.parts import DieAtStep, RaiseAtStep, RecordingModel, SkewedReader, WriteResult
+    from tests.jobs.windows_data import MonthWindows
 
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
+    if cfg["strategy"] == "broadcast":
+        months = sorted(str(p) for p in Path(cfg["months"]).glob("month-*.npy"))
+        reader = MonthWindows(months, window=cfg["window"], stride=cfg["stride"], halo=cfg["halo"])
+    else:
+        reader = (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"])
     dm = ShardedDataModule(
-        (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]),
+        reader,
         batch_size=cfg["batch_size"],
         num_workers=cfg["num_workers"],
         seed=cfg["seed"],
@@ -34,6 +40,8 @@ def main(config_path: str) -> None:
         persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
         multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
         audit_dir=str(out / "audit") if cfg["audit"] else None,
+        strategy=cfg["strategy"],
+        prefetch_items=cfg["prefetch_items"],
     )
     model = RecordingModel(str(out / f"seen-{cfg['segment']}"))
     callbacks: list[pl.Callback] = [WriteResult(out / f"result-{cfg['segment']}.json"), ReleaseProcessGroup()]
@@ -48,6 +56,8 @@ def main(config_path: str) -> None:
         )
     if cfg["die_at_step"]:
         callbacks.append(DieAtStep(cfg["die_at_step"]))
+    if cfg["raise_at_step"]:
+        callbacks.append(RaiseAtStep(cfg["raise_at_step"]))
     world, nodes = cfg["world_size"], cfg["num_nodes"]
     if cfg["launcher"] == "torchrun":  # one process per rank, started by torchrun on each node
         strategy, devices = "ddp", world // nodes
@@ -65,6 +75,7 @@ def main(config_path: str) -> None:
         enable_checkpointing=bool(cfg["checkpoint_every"]),
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=str(out),
     )
     trainer.fit(model, datamodule=dm, ckpt_path=cfg["resume_from"])
 
