@@ -6,6 +6,8 @@ The loader tests run real spawned DataLoader workers; the process tests run the 
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections import Counter
 from dataclasses import replace
@@ -92,7 +94,7 @@ def test_an_abandoned_or_failed_epoch_unlinks_its_segments(tmp_path: Path) -> No
     assert shm_files() - before == set()
     with pytest.raises(ZeroDivisionError):
         for _ in loader:
-            1 / 0  # an exception in the training loop closes the generator
+            raise ZeroDivisionError("a failing training step")  # closes the loader's generator
     assert shm_files() - before == set()
 
 
@@ -151,9 +153,10 @@ def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothi
 def test_an_exception_in_training_leaves_no_segment(tmp_path: Path) -> None:
     write_months(tmp_path / "months", MONTHS)
     before = shm_files()
-    segment = run_segment(tmp_path, "fail", broadcast_job(tmp_path / "months", world_size=1, num_workers=2, raise_at_step=4), expect_death=True)
+    job = broadcast_job(tmp_path / "months", world_size=1, num_workers=2, raise_at_step=4)
+    segment = run_segment(tmp_path, "fail", job, expect_death=True)
     assert "RaiseAtStep: deliberate failure after step 4" in segment.output
-    held = set(__import__("json").loads((tmp_path / "held-rank0.json").read_text()))
+    held = set(json.loads((tmp_path / "held-rank0.json").read_text()))
     assert held, "the run held no segment when it failed: this test would not test the cleanup"
     assert not held & shm_files() and shm_files() - before == set()
 
@@ -166,7 +169,9 @@ def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
     before = shm_files()
     jobs = {
         "a": broadcast_job(tmp_path / "months", world_size=1, num_workers=2, epochs=2),
-        "b": broadcast_job(tmp_path / "months", world_size=1, num_workers=2, epochs=2, persistent_workers=True, seed=99),
+        "b": broadcast_job(
+            tmp_path / "months", world_size=1, num_workers=2, epochs=2, persistent_workers=True, seed=99
+        ),
     }
     results: dict[str, Segment] = {}
     errors: list[BaseException] = []
@@ -192,19 +197,18 @@ def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
 @pytest.mark.processes
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    ("lengths", "options", "message"),
+    ("lengths", "world_size", "message"),
     [
-        ((40,), {}, r"2 ranks but only 1 items with windows \('.*month-00\.npy'\)"),
-        ((40, 3, 40), {}, r"item '.*month-01\.npy' has 3 steps, fewer than the window of 4"),
+        ((40,), 2, r"2 ranks but only 1 items with windows \('.*month-00\.npy'\)"),
+        ((40, 3, 40), 1, r"item '.*month-01\.npy' has 3 steps, fewer than the window of 4"),
     ],
     ids=["more-ranks-than-items", "window-longer-than-item"],
 )
 def test_bad_configuration_fails_on_every_rank_with_the_item_named(
-    tmp_path: Path, lengths: tuple[int, ...], options: dict[str, Any], message: str
+    tmp_path: Path, lengths: tuple[int, ...], world_size: int, message: str
 ) -> None:
-    import re
-
+    """Two DDP ranks that both raise (no rank is left waiting in a collective), and one rank."""
     write_months(tmp_path / "months", lengths)
-    job = broadcast_job(tmp_path / "months", world_size=2, num_workers=1, **options)
+    job = broadcast_job(tmp_path / "months", world_size=world_size, num_workers=1)
     segment = run_segment(tmp_path, "bad", job, expect_death=True)
     assert re.search(message, segment.output), segment.output[-3000:]

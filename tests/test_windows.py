@@ -10,11 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding import ShardContext
+from lightning_sharding import ShardContext, segments
 from lightning_sharding.plan import plan_epoch
 from lightning_sharding.rangeset import RangeSet
 from lightning_sharding.readers.windows import NpyWindows, WindowedReader
-from lightning_sharding import segments
 from tests.jobs.windows_data import write_months
 
 CTX = ShardContext(rank=0, world_size=1, worker_id=0, num_workers=0, epoch=0, seed=0)
