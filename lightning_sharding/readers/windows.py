@@ -174,12 +174,24 @@ class WindowedReader(Reader):
     def read_batch(self, item: Item, indices: Int64Array, ctx: ShardContext) -> list[Any]:
         """Windows ``indices`` of ``item``, each read from storage by this worker (no shared memory)."""
         k = self._keys.index(item.key)
-        data = np.concatenate([np.asarray(self.load(*p)) for p in self.segment_pieces(k)])
         starts = self.bases()[k] + indices * self.stride
-        windows = data[starts[:, None] + np.arange(self.window)]
         ids = self.first_ids()[k] + indices
         global_starts = self.offsets()[k] + starts
-        return [{"x": windows[i], "id": int(ids[i]), "start": int(global_starts[i])} for i in range(len(indices))]
+        return [
+            {"x": self._steps(k, int(s), int(s) + self.window), "id": int(i), "start": int(g)}
+            for s, i, g in zip(starts, ids, global_starts, strict=True)
+        ]
+
+    def _steps(self, item: int, start: int, stop: int) -> npt.NDArray[Any]:
+        """Steps ``[start, stop)`` counted from item ``item``'s first step, running into later items."""
+        lengths = self._require_listing()
+        parts = []
+        while start < stop:
+            n = int(lengths[item])
+            if start < n:
+                parts.append(np.asarray(self.load(self._keys[item], start, min(stop, n))))
+            start, stop, item = max(0, start - n), stop - n, item + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class NpyWindows(WindowedReader):
