@@ -27,6 +27,8 @@ from lightning_sharding.rangeset import RangeSet
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.world import World
 
+STRATEGIES: tuple[str, ...] = ("shard", "broadcast")
+
 
 class ShardedDataModule(pl.LightningDataModule):
     """Exactly-once, two-level sharded data for Lightning.
@@ -64,6 +66,10 @@ class ShardedDataModule(pl.LightningDataModule):
             transformed, naming its item and index; ``"skip"`` leaves such samples out, counts
             them as consumed-and-skipped (reported in the summary), and fills their place in the
             batch with flagged padding. Storage outages are never skipped.
+        strategy: ``"shard"`` (each worker reads its own items) or ``"broadcast"`` (each rank loads
+            an item once into shared memory and its workers crop disjoint windows from it; needs a
+            :class:`~lightning_sharding.readers.windows.WindowedReader`).
+        prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
     """
 
     def __init__(
@@ -88,6 +94,8 @@ class ShardedDataModule(pl.LightningDataModule):
         allow_data_change: bool = False,
         audit_dir: str | None = None,
         on_error: OnError = "raise",
+        strategy: str = "shard",
+        prefetch_items: int = 1,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -103,9 +111,14 @@ class ShardedDataModule(pl.LightningDataModule):
             raise ValueError(f"`{name}(prefetch_factor={prefetch_factor})` needs num_workers > 0 and a value >= 1")
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"`{name}(on_error={on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"`{name}(strategy={strategy!r})` must be one of {list(STRATEGIES)}")
+        if isinstance(prefetch_items, bool) or not isinstance(prefetch_items, int) or prefetch_items < 0:
+            raise ValueError(f"`{name}(prefetch_items={prefetch_items!r})` must be an integer >= 0")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"`{name}(seed={seed!r})` must be a non-negative integer or None")
         self._reader = reader
+        self.strategy, self.prefetch_items = strategy, prefetch_items
         self._val_reader, self._test_reader = val_reader, test_reader
         self.batch_size, self.num_workers = batch_size, num_workers
         self.seed, self.shuffle, self.even_batches = seed, shuffle, even_batches
@@ -213,7 +226,13 @@ class ShardedDataModule(pl.LightningDataModule):
         track: bool,
         even_batches: EvenBatches | None = None,
     ) -> ShardedLoader:
-        return ShardedLoader.build(
+        build: Callable[..., ShardedLoader] = ShardedLoader.build
+        extra: dict[str, Any] = {}
+        if self.strategy == "broadcast":
+            from lightning_sharding.broadcast import BroadcastLoader
+
+            build, extra = BroadcastLoader.build, {"prefetch_items": self.prefetch_items}
+        return build(
             reader,
             manifest.items,
             ledger,
@@ -232,7 +251,15 @@ class ShardedDataModule(pl.LightningDataModule):
             padding_key=self.padding_key,
             track=track,
             on_error=self.on_error,
+            **extra,
         )
+
+    @override
+    def teardown(self, stage: str) -> None:
+        """Release what the loaders hold outside Python (the broadcast strategy's shared memory)."""
+        close = getattr(self.train_loader, "close", None)
+        if close is not None:
+            close()
 
     # -- ledger bookkeeping, driven by ShardingCallback ------------------------------------------
 

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item
 from lightning_sharding.order import EpochOrder
-from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, plan_epoch
+from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import is_transient
 from lightning_sharding.world import SampleContext, ShardContext, World
@@ -241,6 +241,9 @@ class PlanSampler(Sampler[BatchTask]):
     from the next epoch's, and Lightning caches a loader's length for the whole run.
     """
 
+    # How the rank's batches are laid out over workers (see plan.py); a strategy's sampler may change it.
+    worker_layout: WorkerLayout = "runs"
+
     def __init__(
         self,
         ledger: Ledger,
@@ -275,6 +278,7 @@ class PlanSampler(Sampler[BatchTask]):
             num_workers=self.num_workers,
             batch_size=self.batch_size,
             even_batches=self.even_batches,
+            worker_layout=self.worker_layout,
         )
 
     def __iter__(self) -> Iterator[BatchTask]:

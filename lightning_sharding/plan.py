@@ -14,7 +14,9 @@ The whole sharding scheme, in four steps, all pure functions of integers:
    flagged and never counted. Policy ``drop``: the long rank leaves its last sample unserved this
    epoch (reported).
 4. Workers take contiguous runs of the rank's batches, so each worker reads its items in
-   sequence. Tasks are interleaved round-robin, the order in which the DataLoader deals them.
+   sequence (layout ``runs``, the ``shard`` strategy). With layout ``interleaved`` (the
+   ``broadcast`` strategy) batch ``i`` goes to worker ``i % W`` instead, so all workers read the
+   same item at the same time. Tasks are dealt round-robin, the order in which the DataLoader deals them.
 
 Every rank can compute every other rank's plan without communicating, so batch counts agree.
 """
@@ -32,6 +34,8 @@ from lightning_sharding.rangeset import RangeSet
 
 EvenBatches = Literal["pad", "drop"]
 EVEN_BATCH_POLICIES: tuple[str, ...] = ("pad", "drop")
+WorkerLayout = Literal["runs", "interleaved"]
+WORKER_LAYOUTS: tuple[str, ...] = ("runs", "interleaved")
 Int64Array = npt.NDArray[np.int64]
 
 
@@ -88,6 +92,7 @@ class RankPlan:
     num_padding: int
     num_dropped: int
     pad_position: int
+    worker_layout: WorkerLayout = "runs"
 
     @property
     def num_served(self) -> int:
@@ -95,7 +100,9 @@ class RankPlan:
         return len(self.positions) - self.num_dropped
 
     def worker_batches(self, worker: int) -> range:
-        """Batch indices planned for ``worker`` (a contiguous run)."""
+        """Batch indices planned for ``worker``: a contiguous run, or every ``W``-th batch when interleaved."""
+        if self.worker_layout == "interleaved":
+            return range(worker, self.num_batches, max(1, self.num_workers))
         start, end = _split(self.num_batches, max(1, self.num_workers), worker)
         return range(start, end)
 
@@ -148,6 +155,7 @@ class EpochPlan:
     even_batches: EvenBatches
     rank_counts: Int64Array
     num_batches: int
+    worker_layout: WorkerLayout = "runs"
 
     def rank(self, rank: int) -> RankPlan:
         """The plan of one rank."""
@@ -168,6 +176,7 @@ class EpochPlan:
             num_padding=int(self.padding_per_rank[rank]),
             num_dropped=int(self.dropped_per_rank[rank]),
             pad_position=pad_position,
+            worker_layout=self.worker_layout,
         )
 
     @property
@@ -190,6 +199,7 @@ def plan_epoch(
     num_workers: int,
     batch_size: int,
     even_batches: EvenBatches = "pad",
+    worker_layout: WorkerLayout = "runs",
 ) -> EpochPlan:
     """Plan the rest of an epoch of ``total`` positions, of which ``consumed`` are done.
 
@@ -205,6 +215,8 @@ def plan_epoch(
         raise ValueError(f"plan_epoch(batch_size={batch_size}) must be positive")
     if even_batches not in EVEN_BATCH_POLICIES:
         raise ValueError(f"plan_epoch(even_batches={even_batches!r}) must be one of {EVEN_BATCH_POLICIES}")
+    if worker_layout not in WORKER_LAYOUTS:
+        raise ValueError(f"plan_epoch(worker_layout={worker_layout!r}) must be one of {WORKER_LAYOUTS}")
     if consumed and int(consumed.ends[-1]) > total:
         raise ValueError(f"the ledger holds position {int(consumed.ends[-1]) - 1}, outside an epoch of {total} samples")
     remaining = consumed.complement(total)
@@ -223,4 +235,5 @@ def plan_epoch(
         even_batches=even_batches,
         rank_counts=counts,
         num_batches=num_batches,
+        worker_layout=worker_layout,
     )

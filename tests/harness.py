@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,13 @@ class Job:
     data: dict[str, Any] | None = None
     on_error: str = "raise"
     loader: str = "dataloader"  # "dataloader": ShardedDataModule; "dali": DaliDataModule (CPU pipeline)
+    strategy: str = "shard"
+    months: str | None = None  # broadcast: a directory of month-NN.npy files (tests/jobs/windows_data.py)
+    window: int = 4
+    stride: int = 1
+    halo: bool = False
+    prefetch_items: int = 1
+    raise_at_step: int | None = None  # raise an exception after this step (instead of dying)
 
 
 @dataclass
@@ -195,12 +203,19 @@ def assert_exactly_once(seen: dict[int, Counter[int]], total: int, epochs: int, 
 
 
 def check_resume(
-    out: Path, first: Job, then: list[Job], *, checkpoint_every: int, die_after: int = 3
+    out: Path,
+    first: Job,
+    then: list[Job],
+    *,
+    checkpoint_every: int,
+    die_after: int = 3,
+    after_segment: Callable[[Segment], None] | None = None,
 ) -> tuple[dict[int, Counter[int]], list[Segment]]:
     """Train ``first`` with checkpoints, kill it ``die_after`` steps after its first checkpoint,
     then resume from the newest checkpoint with each job of ``then`` in turn (every job but the
     last is killed the same way after its own first checkpoint). Returns the per-epoch counts of
-    every sample over the kept steps of all segments, and the segments."""
+    every sample over the kept steps of all segments, and the segments. ``after_segment`` is called
+    after each segment ends (to look at what a killed segment left behind)."""
     jobs = [first, *then]
     segments: list[Segment] = []
     kept: list[dict[str, Any]] = []
@@ -217,6 +232,8 @@ def check_resume(
         )
         segment = run_segment(out, f"seg{i}", job, expect_death=not last)
         segments.append(segment)
+        if after_segment is not None:
+            after_segment(segment)
         if last:
             kept += kept_records(segment, None)
             break

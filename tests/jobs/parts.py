@@ -54,6 +54,21 @@ class DieAtStep(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class RaiseAtStep(pl.Callback):
+    """Raise an exception in this rank when the given global step has completed, like a bug in training code."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            # What this process holds in /dev/shm right now, so the test can check it is gone afterwards.
+            token = f"-{os.getpid()}."
+            held = sorted(p.name for p in Path("/dev/shm").glob("lsh-*") if token in p.name)
+            Path(trainer.default_root_dir, f"held-rank{trainer.global_rank}.json").write_text(json.dumps(held))
+            raise RuntimeError(f"RaiseAtStep: deliberate failure after step {self.step}")
+
+
 class WriteResult(pl.Callback):
     """Rank 0 writes the ShardingCallback's epoch reports (inside the rank process, also under ddp_spawn)."""
 

@@ -22,14 +22,19 @@ def main(config_path: str) -> None:
     from lightning_sharding import ShardedDataModule, SyntheticReader
     from lightning_sharding.callbacks import ReleaseProcessGroup
     from lightning_sharding.datasets import to_regression
-    from tests.jobs.parts import DieAtStep, RecordingModel, SkewedReader, WriteResult, file_reader
+    from tests.jobs.parts import DieAtStep, RaiseAtStep, RecordingModel, SkewedReader, WriteResult, file_reader
+    from tests.jobs.windows_data import MonthWindows
 
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
-    if cfg["data"]:
+    transform = None
+    if cfg["strategy"] == "broadcast":
+        months = sorted(str(p) for p in Path(cfg["months"]).glob("month-*.npy"))
+        reader = MonthWindows(months, window=cfg["window"], stride=cfg["stride"], halo=cfg["halo"])
+    elif cfg["data"]:
         reader, transform = file_reader(cfg["data"], cache_dir=out / "cache"), to_regression
     else:
-        reader, transform = (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]), None
+        reader = (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"])
     common = dict(
         transform=transform,
         on_error=cfg["on_error"],
@@ -48,6 +53,8 @@ def main(config_path: str) -> None:
             reader,
             persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
             multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
+            strategy=cfg["strategy"],
+            prefetch_items=cfg["prefetch_items"],
             **common,
         )
     model = RecordingModel(str(out / f"seen-{cfg['segment']}"))
@@ -63,6 +70,8 @@ def main(config_path: str) -> None:
         )
     if cfg["die_at_step"]:
         callbacks.append(DieAtStep(cfg["die_at_step"]))
+    if cfg["raise_at_step"]:
+        callbacks.append(RaiseAtStep(cfg["raise_at_step"]))
     world, nodes = cfg["world_size"], cfg["num_nodes"]
     if cfg["launcher"] == "torchrun":  # one process per rank, started by torchrun on each node
         strategy, devices = "ddp", world // nodes
@@ -80,6 +89,7 @@ def main(config_path: str) -> None:
         enable_checkpointing=bool(cfg["checkpoint_every"]),
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=str(out),
     )
     trainer.fit(model, datamodule=dm, ckpt_path=cfg["resume_from"])
 

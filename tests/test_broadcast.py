@@ -1,0 +1,216 @@
+"""Strategy broadcast: one shared-memory copy per rank, workers crop disjoint windows of the same item.
+
+The loader tests run real spawned DataLoader workers; the process tests run the real training job
+(Lightning, DDP over gloo, spawned workers) through the shared harness.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lightning_sharding import Ledger, Manifest, World
+from lightning_sharding.broadcast import BroadcastLoader
+from lightning_sharding.segments import SHM_DIR
+from tests.harness import Job, Segment, assert_exactly_once, check_resume, kept_records, run_segment, served_per_epoch
+from tests.jobs.windows_data import MonthWindows, write_months
+
+MONTHS = (37, 41, 29, 53, 40)
+
+
+def shm_files() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("lsh-*")}
+
+
+def build(
+    paths: list[str], *, window: int = 4, halo: bool = False, rank: int = 0, world_size: int = 1, **options: Any
+) -> BroadcastLoader:
+    reader = MonthWindows(paths, window=window, halo=halo)
+    manifest = Manifest.from_items(reader.items())
+    ledger = Ledger(seed=11, total=manifest.total, manifest=manifest.summary())
+    options.setdefault("batch_size", 6)
+    options.setdefault("num_workers", 2)
+    return BroadcastLoader.build(
+        reader,
+        manifest.items,
+        ledger,
+        world=World(rank=rank, world_size=world_size),
+        multiprocessing_context="spawn" if options["num_workers"] else None,
+        **options,
+    )
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_workers_crop_disjoint_windows_of_the_same_item_from_one_copy(tmp_path: Path) -> None:
+    paths = write_months(tmp_path, [60, 60, 60])
+    before = shm_files()
+    loader = build(paths, num_workers=2, prefetch_items=1)
+    counts = [it.num_samples for it in Manifest.from_items(MonthWindows(paths, window=4).items()).items]
+    first_ids = np.concatenate(([0], np.cumsum(counts)))
+    by_item: dict[int, dict[int, set[int]]] = {}
+    live_max = 0
+    batches = list[dict[str, Any]]()
+    for batch in loader:
+        assert loader.sampler.pool is not None
+        live_max = max(live_max, len(shm_files() - before))
+        batches.append(batch)
+    for i, batch in enumerate(batches):
+        workers = set(batch["worker"].tolist())
+        assert workers == {i % 2}, f"batch {i} came from workers {workers}, expected {i % 2}"
+        # The window's content is the series itself: step t holds t.
+        assert np.array_equal(batch["first"].numpy(), batch["start"].numpy()[:, None] + np.arange(4))
+        ids = batch["id"][~batch["is_padding"]].numpy()
+        items = np.searchsorted(first_ids, ids, side="right") - 1
+        for item, wid in zip(items.tolist(), ids.tolist(), strict=True):
+            by_item.setdefault(item, {}).setdefault(i % 2, set()).add(wid)
+    for item, per_worker in by_item.items():
+        assert set(per_worker) == {0, 1}, f"item {item} was cropped by workers {set(per_worker)} only"
+        assert not per_worker[0] & per_worker[1], f"item {item}: both workers cropped the same windows"
+        assert per_worker[0] | per_worker[1] == set(range(first_ids[item], first_ids[item + 1]))
+    # One segment per item in use plus one prefetched; none once the epoch is over.
+    assert 1 <= live_max <= 2
+    assert shm_files() - before == set()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_an_abandoned_or_failed_epoch_unlinks_its_segments(tmp_path: Path) -> None:
+    paths = write_months(tmp_path, list(MONTHS))
+    before = shm_files()
+    loader = build(paths, num_workers=1, prefetch_items=2)
+    it = iter(loader)
+    next(it)
+    assert len(shm_files() - before) >= 1
+    loader.close()  # what teardown does
+    assert shm_files() - before == set()
+    with pytest.raises(ZeroDivisionError):
+        for _ in loader:
+            raise ZeroDivisionError("a failing training step")  # closes the loader's generator
+    assert shm_files() - before == set()
+
+
+def test_more_ranks_than_items_is_an_error_naming_the_items(tmp_path: Path) -> None:
+    paths = write_months(tmp_path, [30, 30])
+    with pytest.raises(ValueError, match=r"3 ranks but only 2 items with windows \('.*month-00\.npy', '.*month-01"):
+        build(paths, rank=0, world_size=3, num_workers=0)
+
+
+def test_a_transform_runs_per_window_with_its_sample_context(tmp_path: Path) -> None:
+    paths = write_months(tmp_path, [20, 20])
+    loader = build(paths, num_workers=0, transform=add_position, batch_size=5)
+    seen = Counter[int]()
+    for batch in loader:
+        assert (batch["position"] >= 0).all()
+        seen.update(batch["id"][~batch["is_padding"]].tolist())
+    assert sorted(seen) == list(range(34)) and set(seen.values()) == {1}
+
+
+def add_position(sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    return {**sample, "position": ctx.position}
+
+
+# -- real training jobs -------------------------------------------------------------------------
+
+
+def broadcast_job(months: Path, **fields: Any) -> Job:
+    return replace(Job(strategy="broadcast", months=str(months), batch_size=8), **fields)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothing(tmp_path: Path) -> None:
+    """2 ranks x 2 workers, SIGKILLed mid-epoch, resumed on 1 rank x 3 workers. The halo makes the
+    epoch exactly the windows of the continuous series; the next run sweeps the killed run's segments."""
+    write_months(tmp_path / "months", MONTHS)
+    total = sum(MONTHS) - 4 + 1  # every window of the continuous series, stride 1
+    before = shm_files()
+    left: list[set[str]] = []
+
+    def look(segment: Segment) -> None:
+        left.append(shm_files() - before)
+
+    first = broadcast_job(tmp_path / "months", halo=True, world_size=2, num_workers=2)
+    then = broadcast_job(tmp_path / "months", halo=True, world_size=1, num_workers=3)
+    seen, segments = check_resume(tmp_path / "run", first, [then], checkpoint_every=3, after_segment=look)
+    assert_exactly_once(seen, total, epochs=1)
+    assert segments[-1].report is not None and segments[-1].report["epochs"][0]["consumed"] == total
+    assert left[0], "the SIGKILLed run left no segment behind: this test would not test the sweep"
+    assert all("-r0-" in n or "-r1-" in n for n in left[0])
+    assert left[1] == set(), f"segments survived the next run: {sorted(left[1])}"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+def test_an_exception_in_training_leaves_no_segment(tmp_path: Path) -> None:
+    write_months(tmp_path / "months", MONTHS)
+    before = shm_files()
+    job = broadcast_job(tmp_path / "months", world_size=1, num_workers=2, raise_at_step=4)
+    segment = run_segment(tmp_path, "fail", job, expect_death=True)
+    assert "RaiseAtStep: deliberate failure after step 4" in segment.output
+    held = set(json.loads((tmp_path / "held-rank0.json").read_text()))
+    assert held, "the run held no segment when it failed: this test would not test the cleanup"
+    assert not held & shm_files() and shm_files() - before == set()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
+    """Two jobs on this machine at the same time, two epochs each (one with persistent workers)."""
+    write_months(tmp_path / "months", MONTHS)
+    before = shm_files()
+    jobs = {
+        "a": broadcast_job(tmp_path / "months", world_size=1, num_workers=2, epochs=2),
+        "b": broadcast_job(
+            tmp_path / "months", world_size=1, num_workers=2, epochs=2, persistent_workers=True, seed=99
+        ),
+    }
+    results: dict[str, Segment] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            results[name] = run_segment(tmp_path / name, "run", jobs[name])
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    total = sum(n - 3 for n in MONTHS)
+    for segment in results.values():
+        assert_exactly_once(served_per_epoch(kept_records(segment, None)), total, epochs=2)
+    assert shm_files() - before == set()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("lengths", "world_size", "message"),
+    [
+        ((40,), 2, r"2 ranks but only 1 items with windows \('.*month-00\.npy'\)"),
+        ((40, 3, 40), 1, r"item '.*month-01\.npy' has 3 steps, fewer than the window of 4"),
+    ],
+    ids=["more-ranks-than-items", "window-longer-than-item"],
+)
+def test_bad_configuration_fails_on_every_rank_with_the_item_named(
+    tmp_path: Path, lengths: tuple[int, ...], world_size: int, message: str
+) -> None:
+    """Two DDP ranks that both raise (no rank is left waiting in a collective), and one rank."""
+    write_months(tmp_path / "months", lengths)
+    job = broadcast_job(tmp_path / "months", world_size=world_size, num_workers=1)
+    segment = run_segment(tmp_path, "bad", job, expect_death=True)
+    # Ranks share one log, so two tracebacks can interleave: any one intact line will do.
+    found = re.search(message, segment.output) or re.search(message, segment.output.replace("\n", ""))
+    assert found, segment.output[-3000:]
