@@ -331,9 +331,15 @@ class BroadcastLoader(ShardedLoader):
         transform: Transform | None = None,
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         prefetch_items: int = 1,
+        on_error: str = "raise",
         **options: Any,
     ) -> BroadcastLoader:
         """The loader of ``world.rank``; ``prefetch_items`` is how many items are loaded ahead."""
+        if on_error != "raise":
+            raise ValueError(
+                f"strategy 'broadcast' does not support on_error={on_error!r}: a window is cut from an item "
+                "already loaded, so an unreadable item fails when it is loaded, naming it"
+            )
         if not isinstance(reader, WindowedReader):
             raise TypeError(
                 f"strategy 'broadcast' needs a WindowedReader (such as NpyWindows), got {type(reader).__name__}"
