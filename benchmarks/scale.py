@@ -49,9 +49,7 @@ def planning_seconds(repeats: int) -> dict[str, Any]:
 
 def _consume_half(ledger: Ledger, world_size: int, workers: int, batch: int) -> None:
     """Every rank's every worker completes the first half of its batches, as a run stopped mid-epoch does."""
-    plan = plan_epoch(
-        ledger.total, ledger.done, epoch=0, world_size=world_size, num_workers=workers, batch_size=batch
-    )
+    plan = plan_epoch(ledger.total, ledger.done, epoch=0, world_size=world_size, num_workers=workers, batch_size=batch)
     for rank in range(world_size):
         rank_plan = plan.rank(rank)
         for worker in range(max(1, workers)):
