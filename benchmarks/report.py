@@ -30,7 +30,10 @@ def markdown(results: dict[str, Any]) -> str:
             why, target = row["unavailable"], row["target"]
             lines.append(f"| throughput ({setting}) | {name} | not run: {why} | - | >= {target}x | not measured |")
             continue
-        ratio = f"{row['ratio']:.3f}x" if "ratio" in row else "1x"
+        ratio = "1x"
+        if "ratio" in row:
+            rounds = [a / b for a, b in zip(tp["systems"]["lightning_sharding"]["runs"], row["runs"], strict=True)]
+            ratio = f"{row['ratio']:.2f}x (rounds {min(rounds):.2f}-{max(rounds):.2f})"
         target = f">= {row['target']}x" if "target" in row else "-"
         figure = f"{row['samples_per_s']:,.0f} samples/s"
         lines.append(f"| throughput ({setting}) | {name} | {figure} | {ratio} | {target} | {_status(row)} |")
@@ -61,7 +64,8 @@ def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines += [
         "",
-        f"Machine: {m['cpus']} CPUs, {m['processor']}, {m['platform']}, Python {m['python']}, torch {m['torch']}.",
+        f"Machine: {m['cpus']} CPUs, {m['processor']}, {m['platform']}, Python {m['python']}, torch {m['torch']}; "
+        f"load average {m['load_average'][0]:.1f} during the run (shared with other jobs).",
     ]
     return "\n".join(lines)
 
