@@ -1,0 +1,143 @@
+"""The whole suite: ``python -m benchmarks [--quick] [--repeats R] [--out DIR]``.
+
+Prints one Markdown table, writes ``DIR/latest.json`` and ``DIR/latest.png`` (default
+``benchmarks/results``). Every figure is a median over R runs; every ratio compares systems run
+alternately in the same process, round by round, and is the median of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
+
+from benchmarks import peers, resume_cost, scale, throughput  # noqa: E402
+from benchmarks.report import markdown, plot  # noqa: E402
+
+OURS = "lightning_sharding"
+TARGETS = {"DataLoader + DistributedSampler": 1.0, "torchdata StatefulDataLoader": 1.0}
+TARGETS.update(dict.fromkeys(peers.PEERS, 1.2))
+
+
+def run_throughput(root: Path, samples: int, repeats: int, workers: int, log: Any) -> dict[str, Any]:
+    pattern = throughput.write_npy(root, samples)
+    builders = dict(throughput.SYSTEMS)
+    unavailable: dict[str, str] = {}
+    for name in peers.PEERS:
+        module, reason = peers.load(name)
+        if module is None:
+            unavailable[name] = reason or "unknown"
+            continue
+        out = root / name.replace(" ", "_")
+        module.prepare(pattern, out)
+        builders[name] = peers.builder(module, out)
+    work = throughput.Work()
+    runs: dict[str, list[float]] = {name: [] for name in builders}
+    names = list(builders)
+    for r in range(repeats):
+        # Rotate who goes first: the first run of a process pays for cold caches and imports.
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            runs[name].append(throughput.measure(builders[name], pattern, workers, work))
+            log(f"  throughput round {r + 1}/{repeats}: {name} {runs[name][-1]:,.0f} samples/s")
+    systems: dict[str, Any] = {}
+    for name in list(builders) + list(unavailable):
+        if name in unavailable:
+            systems[name] = {"unavailable": unavailable[name], "target": TARGETS[name]}
+            continue
+        row: dict[str, Any] = {"samples_per_s": statistics.median(runs[name]), "runs": runs[name]}
+        if name != OURS:
+            ratio = statistics.median(a / b for a, b in zip(runs[OURS], runs[name], strict=True))
+            row.update(ratio=ratio, target=TARGETS[name], met=ratio >= TARGETS[name])
+        systems[name] = row
+    return {"samples": samples, "workers": workers, "batch": throughput.BATCH, "systems": systems}
+
+
+def run_worker_scaling(root: Path, samples: int, repeats: int, burn_rounds: int) -> dict[str, Any]:
+    pattern = throughput.write_npy(root / "scaling", samples)
+    work = throughput.Work(burn_rounds)
+    runs: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(repeats):
+        for workers in runs:
+            runs[workers].append(throughput.measure(throughput.ours, pattern, workers, work))
+    ratio = statistics.median(b / a for a, b in zip(runs[1], runs[2], strict=True))
+    return {
+        "samples": samples,
+        "burn_rounds": burn_rounds,
+        "samples_per_s": {str(w): statistics.median(r) for w, r in runs.items()},
+        "ratio_2_to_1": ratio,
+    }
+
+
+def run_resume(repeats: int) -> dict[str, Any]:
+    fns = {OURS: resume_cost.ours_first_batch, "torchdata StatefulDataLoader": resume_cost.stateful_first_batch}
+    rows: dict[str, Any] = {}
+    for name, fn in fns.items():
+        t = {str(f): resume_cost.median_time(fn, f, 0, repeats) for f in (0.0, 0.5, 0.9)}
+        ratio = t["0.9"] / t["0.0"]
+        rows[name] = {"seconds": t, "ratio_90_to_0": ratio}
+    rows[OURS].update(target=1.2, met=rows[OURS]["ratio_90_to_0"] <= 1.2)
+    return {"samples": resume_cost.TOTAL, "batch": resume_cost.BATCH, "workers": 0, "systems": rows}
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, 1-2 minutes: a smoke test")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per figure (default 3, quick 2)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    repeats = args.repeats or (2 if args.quick else 3)
+    samples = 12_000 if args.quick else 100_000
+    started = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    results: dict[str, Any] = {"command": "python -m benchmarks" + (" --quick" if args.quick else "")}
+    results.update(machine=machine(), repeats=repeats, quick=args.quick)
+    with tempfile.TemporaryDirectory(prefix="lightning-sharding-bench-") as tmp:
+        log("throughput")
+        results["throughput"] = run_throughput(Path(tmp), samples, repeats, 2, log)
+        log("worker scaling")
+        results["worker_scaling"] = run_worker_scaling(Path(tmp), samples // 4, repeats, 8)
+    log("resume cost")
+    results["resume"] = run_resume(5 if args.quick else 15)  # cheap: more runs tame the noise
+    log("planning scale")
+    results["planning"] = scale.planning_seconds(max(3, repeats)) | {"target_seconds": 1.0}
+    results["planning"]["met"] = results["planning"]["seconds"] < 1.0
+    log("checkpoint")
+    results["checkpoint"] = scale.checkpoint(repeats)
+    memory = Path(__file__).parent / "broadcast_memory.py"
+    results["memory"] = {"status": "measured by benchmarks/broadcast_memory.py" if memory.exists() else None}
+    results["seconds"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out / "latest.png")
+    print(markdown(results))
+    log(f"wrote {args.out / 'latest.json'} and {args.out / 'latest.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""MosaicML Streaming as a peer: MDS shards written by its own ``MDSWriter``, read by its
+``StreamingDataset`` through a plain DataLoader (spawned workers), with the same per-sample work.
+
+``import streaming`` imports ``streaming.vision`` and so torchvision, whose registry wheel cannot
+load beside a CPU-only torch; ``streaming.base`` imports transformers for its own DataLoader.
+Neither is needed to write or read MDS shards, so the two packages are registered here without
+running their ``__init__`` and only the writer and dataset modules are imported. Workers unpickle
+the dataset by importing this module, which repeats the same registration first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def _register_packages() -> None:
+    spec = importlib.util.find_spec("streaming")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("mosaicml-streaming is not installed (see benchmarks/requirements.txt)")
+    root = Path(list(spec.submodule_search_locations)[0])
+    for name, path in (("streaming", root), ("streaming.base", root / "base")):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]
+            sys.modules[name] = package
+
+
+_register_packages()
+
+import numpy as np  # noqa: E402
+from streaming.base.dataset import StreamingDataset  # noqa: E402
+from streaming.base.format.mds.writer import MDSWriter  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from benchmarks.throughput import BATCH, DIM, Work, rows_of  # noqa: E402
+
+
+def prepare(pattern: str, out: Path) -> None:
+    with MDSWriter(out=str(out), columns={"row": f"ndarray:float32:{DIM + 2}"}, size_limit=16 << 20) as writer:
+        for rows in rows_of(pattern):
+            for row in rows:
+                writer.write({"row": np.asarray(row)})
+
+
+class WorkedRows(StreamingDataset):  # type: ignore[misc]
+    def __init__(self, local: str, work: Work) -> None:
+        super().__init__(local=local, shuffle=True, shuffle_seed=0, batch_size=BATCH)
+        self.work = work
+
+    def __getitem__(self, index: int) -> Any:
+        return self.work(super().__getitem__(index)["row"])
+
+
+def loader(out: Path, workers: int, work: Work) -> Iterable[Any]:
+    context = "spawn" if workers else None
+    return DataLoader(
+        WorkedRows(str(out), work), batch_size=BATCH, num_workers=workers, multiprocessing_context=context
+    )

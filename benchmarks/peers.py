@@ -1,0 +1,31 @@
+"""The streaming peers by name: import each lazily, so a missing or broken one becomes a reason
+printed in the table (never a figure) while the rest of the suite runs."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from benchmarks.throughput import Work
+
+PEERS = {"LitData": "benchmarks.peer_litdata", "MosaicML Streaming": "benchmarks.peer_streaming"}
+
+
+def load(name: str) -> tuple[ModuleType | None, str | None]:
+    """``(module, None)`` when peer ``name`` imports here, else ``(None, reason)``."""
+    try:
+        return importlib.import_module(PEERS[name]), None
+    except Exception as err:  # noqa: BLE001 - any failure to import is the reason to print
+        return None, f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def builder(module: ModuleType, out: Path) -> Any:
+    """A throughput builder ``(pattern, workers, work) -> loader`` over the peer's prepared chunks."""
+
+    def build(pattern: str, workers: int, work: Work) -> Iterable[Any]:
+        return module.loader(out, workers, work)  # type: ignore[no-any-return]
+
+    return build

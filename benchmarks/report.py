@@ -1,0 +1,97 @@
+"""The suite's results as one Markdown table and one picture (throughput by system, resume time
+against position)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MEMORY_ELSEWHERE = "see benchmarks/broadcast_memory.py (broadcast branch)"
+
+
+def _status(row: dict[str, Any]) -> str:
+    if "met" not in row:
+        return ""
+    return "met" if row["met"] else "**missed**"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """One table: measure, system or setting, figure, ratio, target, status."""
+    tp, rs, pl, ws = results["throughput"], results["resume"], results["planning"], results["worker_scaling"]
+    lines = [
+        f"Medians of {results['repeats']} runs; ratios are ours / peer, taken round by round in the same run.",
+        "",
+        "| measure | system / setting | figure | ratio | target | status |",
+        "|---|---|---:|---:|---|---|",
+    ]
+    setting = f"{tp['samples']:,} samples, batch {tp['batch']}, 1 rank x {tp['workers']} workers"
+    for name, row in tp["systems"].items():
+        if "unavailable" in row:
+            why, target = row["unavailable"], row["target"]
+            lines.append(f"| throughput ({setting}) | {name} | not run: {why} | - | >= {target}x | not measured |")
+            continue
+        ratio = "1x"
+        if "ratio" in row:
+            rounds = [a / b for a, b in zip(tp["systems"]["lightning_sharding"]["runs"], row["runs"], strict=True)]
+            ratio = f"{row['ratio']:.2f}x (rounds {min(rounds):.2f}-{max(rounds):.2f})"
+        target = f">= {row['target']}x" if "target" in row else "-"
+        figure = f"{row['samples_per_s']:,.0f} samples/s"
+        lines.append(f"| throughput ({setting}) | {name} | {figure} | {ratio} | {target} | {_status(row)} |")
+    for name, row in rs["systems"].items():
+        t = row["seconds"]
+        figure = " / ".join(f"{t[k] * 1000:.1f}" for k in ("0.0", "0.5", "0.9")) + " ms at 0/50/90%"
+        target = "<= 1.2 (90%/0%)" if "target" in row else "-"
+        lines.append(
+            f"| resume: time to first batch ({rs['samples']:,} samples, {rs['workers']} workers) | {name} | "
+            f"{figure} | {row['ratio_90_to_0']:.2f} | {target} | {_status(row)} |"
+        )
+    lines.append(
+        f"| planning: one rank + all ranks' counts (4,096 ranks x 8 workers x 10^6 items, 10,000-range ledger) | "
+        f"lightning_sharding | {pl['seconds'] * 1000:.1f} ms | - | < 1 s | {_status(pl)} |"
+    )
+    for name, row in results["checkpoint"].items():
+        lines.append(
+            f"| checkpoint: ledger entry, gather + save at 2 ranks | {name} | {row['bytes']:,} bytes "
+            f"({row['ranges']} ranges), {row['gather_save_seconds'] * 1000:.1f} ms | - | - | |"
+        )
+    sps = ws["samples_per_s"]
+    lines.append(
+        f"| worker scaling (CPU-bound transform, {ws['samples']:,} samples) | lightning_sharding 1 -> 2 workers | "
+        f"{sps['1']:,.0f} -> {sps['2']:,.0f} samples/s | {ws['ratio_2_to_1']:.2f}x | - | |"
+    )
+    memory = results["memory"]["status"] or MEMORY_ELSEWHERE
+    lines.append(f"| memory: broadcast PSS vs one copy per worker | - | {memory} | - | - | not measured here |")
+    m = results["machine"]
+    lines += [
+        "",
+        f"Machine: {m['cpus']} CPUs, {m['processor']}, {m['platform']}, Python {m['python']}, torch {m['torch']}; "
+        f"load average {m['load_average'][0]:.1f} during the run (shared with other jobs).",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Throughput by system (bars) and resume time against position (lines) in one PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2, width_ratios=(3, 2))
+    systems = {n: r for n, r in results["throughput"]["systems"].items() if "samples_per_s" in r}
+    names = list(systems)
+    left.barh(
+        names, [systems[n]["samples_per_s"] for n in names], color=["tab:green"] + ["tab:gray"] * (len(names) - 1)
+    )
+    left.invert_yaxis()
+    left.set_xlabel("samples/s (median)")
+    tp = results["throughput"]
+    left.set_title(f"throughput, 1 rank x {tp['workers']} workers, batch {tp['batch']}", fontsize=10)
+    for name, row in results["resume"]["systems"].items():
+        fractions = sorted(row["seconds"], key=float)
+        right.plot([100 * float(f) for f in fractions], [1000 * row["seconds"][f] for f in fractions], "o-", label=name)
+    right.set_xlabel("resume position (% of epoch)")
+    right.set_ylabel("time to first batch (ms)")
+    right.set_title(f"resume cost, epoch of {results['resume']['samples']:,} samples", fontsize=10)
+    right.legend(fontsize=8)
+    fig.savefig(path, dpi=100)

@@ -1,0 +1,131 @@
+"""Planning at scale, and the checkpointed ledger: its size and its gather-plus-save cost at 2 ranks.
+
+Planning: one rank's plan (every batch task built) plus all ranks' batch counts, padding and drops,
+for 4,096 ranks x 8 workers x 10^6 items with a ledger of 10,000 ranges.
+
+Checkpoint: ledgers as real runs leave them, built by planning and consuming half of every
+worker's run: once mid-epoch on 2 ranks x 2 workers, then after three rescales (3x2, 1x1, 4x2).
+Two gloo processes each hold their rank's share; rank 0 times the gather and union (the
+checkpoint callback's ``gather_objects`` and ``Ledger.merge``) and the ``torch.save`` of the entry.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_sharding._distributed import gather_objects
+from lightning_sharding.ledger import Ledger
+from lightning_sharding.plan import plan_epoch
+from lightning_sharding.rangeset import RangeSet
+
+ITEMS, RANKS, WORKERS, LEDGER_RANGES, PLAN_BATCH = 1_000_000, 4096, 8, 10_000, 16
+
+
+def planning_seconds(repeats: int) -> dict[str, Any]:
+    """Median seconds to plan one rank (all its tasks built) and every rank's counts."""
+    starts = np.arange(LEDGER_RANGES, dtype=np.int64) * (ITEMS // LEDGER_RANGES)
+    consumed = RangeSet(starts, starts + ITEMS // LEDGER_RANGES // 2)
+    assert consumed.num_ranges == LEDGER_RANGES
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan = plan_epoch(ITEMS, consumed, epoch=0, world_size=RANKS, num_workers=WORKERS, batch_size=PLAN_BATCH)
+        tasks = list(plan.rank(RANKS - 1).tasks())
+        counts = (plan.num_batches, plan.rank_counts, plan.padding_per_rank, plan.dropped_per_rank)
+        times.append(time.perf_counter() - start)
+        assert len(tasks) == counts[0] and len(counts[1]) == RANKS
+    return {"seconds": statistics.median(times), "runs": times, "batches_per_rank": plan.num_batches}
+
+
+def _consume_half(ledger: Ledger, world_size: int, workers: int, batch: int) -> None:
+    """Every rank's every worker completes the first half of its batches, as a run stopped mid-epoch does."""
+    plan = plan_epoch(ledger.total, ledger.done, epoch=0, world_size=world_size, num_workers=workers, batch_size=batch)
+    for rank in range(world_size):
+        rank_plan = plan.rank(rank)
+        for worker in range(max(1, workers)):
+            run = rank_plan.worker_batches(worker)
+            for index in list(run)[: len(run) // 2]:
+                task = rank_plan.batch(index)
+                ledger.record(task.positions[: len(task.positions) - task.num_padding])
+    ledger.commit()
+
+
+def ledgers(total: int, batch: int) -> dict[str, Ledger]:
+    """The ledger after a mid-epoch stop on 2x2, and after three more stops on other topologies."""
+    ledger = Ledger(seed=0, total=total, manifest={"fingerprint": "bench"})
+    _consume_half(ledger, 2, 2, batch)
+    mid = Ledger.from_state_dict(ledger.state_dict())
+    for world_size, workers in ((3, 2), (1, 1), (4, 2)):
+        _consume_half(ledger, world_size, workers, batch)
+    return {"mid-epoch (2x2)": mid, "after 3 rescales": ledger}
+
+
+def entry_bytes(ledger: Ledger) -> int:
+    """Bytes of the ledger's checkpoint entry as ``torch.save`` writes it."""
+    state = ledger.state_dict()
+    state["consumed"] = torch.from_numpy(state["consumed"])
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.tell()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gather_and_save(rank: int, port: int, states: list[dict[str, Any]], repeats: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for name_state in states:
+            times = []
+            for _ in range(repeats):
+                ledger = Ledger.from_state_dict(name_state["shares"][rank])
+                dist.barrier()
+                start = time.perf_counter()
+                for state in gather_objects(ledger.consumed.to_state(), 2):
+                    ledger.merge(RangeSet.from_state(state))
+                entry = ledger.state_dict()
+                entry["consumed"] = torch.from_numpy(entry["consumed"])
+                if rank == 0:
+                    torch.save({"lightning_sharding": entry}, io.BytesIO())
+                times.append(time.perf_counter() - start)
+            if rank == 0:
+                out.put((name_state["name"], statistics.median(times)))
+    finally:
+        dist.destroy_process_group()
+
+
+def checkpoint(repeats: int, total: int = ITEMS, batch: int = 256) -> dict[str, Any]:
+    """Ledger bytes and median gather-plus-save seconds at 2 ranks, per ledger of :func:`ledgers`."""
+    rows: dict[str, Any] = {}
+    states = []
+    for name, ledger in ledgers(total, batch).items():
+        rows[name] = {"ranges": ledger.consumed.num_ranges, "bytes": entry_bytes(ledger)}
+        # Each rank holds the positions of its own half of the epoch, as after a restore and more steps.
+        halves = (RangeSet.interval(0, total // 2), RangeSet.interval(total // 2, total))
+        shares = []
+        for half in halves:
+            share = Ledger.from_state_dict(ledger.state_dict())
+            share.consumed = ledger.consumed.intersection(half)
+            shares.append(share.state_dict())
+        states.append({"name": name, "shares": shares})
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_gather_and_save, args=(_free_port(), states, repeats, out), nprocs=2, start_method="spawn")
+    while not out.empty():
+        name, seconds = out.get()
+        rows[name]["gather_save_seconds"] = seconds
+    return rows

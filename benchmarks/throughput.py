@@ -1,0 +1,143 @@
+"""Samples/s of every system on the same local data with the same per-sample work, side by side.
+
+The data: ``.npy`` files of rows ``[id, x (64 float32), y]`` written by
+:func:`lightning_sharding.datasets.write_regression`; the streaming peers get the same rows in
+their own formats, written by their own writers (see ``peers.py``). The per-sample work is
+:func:`lightning_sharding.datasets.to_regression` for every system. Batch 256, shuffle on, one
+rank, spawned workers. The clock starts at the first batch, so worker start-up is left out.
+"""
+
+from __future__ import annotations
+
+import glob
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_sharding import Ledger, Manifest, ShardedLoader, World
+from lightning_sharding.datasets import to_regression, write_regression
+from lightning_sharding.readers import NpyReader
+from lightning_sharding.world import SampleContext
+
+DIM, BATCH, FILES = 64, 256, 16
+
+
+def write_npy(root: Path, samples: int) -> str:
+    """Write ``samples`` rows in ``FILES`` files under ``root / "npy"``; returns the glob pattern."""
+    per_file = samples // FILES
+    write_regression(str(root / "npy"), "npy", [per_file] * FILES, dim=DIM)
+    return str(root / "npy" / "*.npy")
+
+
+def rows_of(pattern: str) -> Iterable[np.ndarray]:
+    """Every file's rows, shape ``(n, DIM + 2)`` float32, in file order (the peers' writers read these)."""
+    for path in sorted(glob.glob(pattern)):
+        yield np.load(path, mmap_mode="r")
+
+
+def burn(x: np.ndarray, rounds: int) -> np.ndarray:
+    """CPU-bound per-sample work for the worker-scaling row: ``rounds`` small matrix products."""
+    m = np.outer(x[:16], x[:16])
+    for _ in range(rounds):
+        m = np.tanh(m @ m)
+    return x + np.float32(m.mean())
+
+
+class Work:
+    """The per-sample work every system does: the row to ``{"id", "x", "y"}``, optionally burning CPU."""
+
+    def __init__(self, burn_rounds: int = 0) -> None:
+        self.burn_rounds = burn_rounds
+
+    def __call__(self, sample: Any, ctx: SampleContext | None = None) -> dict[str, Any]:
+        out = to_regression(sample if isinstance(sample, dict) else {"x": sample})
+        if self.burn_rounds:
+            out["x"] = burn(out["x"], self.burn_rounds)
+        return out
+
+
+class NpyRows(Dataset[dict[str, Any]]):
+    """Map-style view of the same ``.npy`` files for the plain DataLoader baselines (one row per index)."""
+
+    def __init__(self, pattern: str, work: Work) -> None:
+        self.paths = sorted(glob.glob(pattern))
+        sizes = [np.load(p, mmap_mode="r").shape[0] for p in self.paths]
+        self.starts = np.concatenate(([0], np.cumsum(sizes)))
+        self.work = work
+        self._maps: dict[int, np.ndarray] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": {}}  # memory maps are reopened in each worker
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        f = int(np.searchsorted(self.starts, i, side="right") - 1)
+        mm = self._maps.get(f)
+        if mm is None:
+            mm = self._maps[f] = np.load(self.paths[f], mmap_mode="r")
+        return self.work(np.asarray(mm[i - self.starts[f]]))
+
+
+def epoch_rate(loader: Iterable[Any], workers: int) -> float:
+    """Samples/s over one epoch, from the arrival of one batch per worker (all started) to the last."""
+    it = iter(loader)
+    for _ in range(max(1, workers)):
+        next(it)
+    n = 0
+    start = time.perf_counter()
+    for batch in it:
+        n += len(batch["id"])
+    return n / (time.perf_counter() - start)
+
+
+def ours(pattern: str, workers: int, work: Work) -> Iterable[Any]:
+    reader = NpyReader(pattern)
+    manifest = Manifest.from_items(reader.items())
+    ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
+    return ShardedLoader.build(
+        reader,
+        manifest.items,
+        ledger,
+        world=World(),
+        batch_size=BATCH,
+        num_workers=workers,
+        transform=work,
+        multiprocessing_context="spawn" if workers else None,
+        padding_key=None,
+    )
+
+
+def _sampled(cls: type[DataLoader[Any]], pattern: str, workers: int, work: Work) -> Iterable[Any]:
+    dataset = NpyRows(pattern, work)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    context = "spawn" if workers else None
+    return cls(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers, multiprocessing_context=context)
+
+
+def plain(pattern: str, workers: int, work: Work) -> Iterable[Any]:
+    return _sampled(DataLoader, pattern, workers, work)
+
+
+def stateful(pattern: str, workers: int, work: Work) -> Iterable[Any]:
+    return _sampled(StatefulDataLoader, pattern, workers, work)
+
+
+Builder = Callable[[str, int, Work], Iterable[Any]]
+SYSTEMS: dict[str, Builder] = {
+    "lightning_sharding": ours,
+    "DataLoader + DistributedSampler": plain,
+    "torchdata StatefulDataLoader": stateful,
+}
+
+
+def measure(build: Builder, pattern: str, workers: int, work: Work) -> float:
+    torch.manual_seed(0)
+    return epoch_rate(build(pattern, workers, work), workers)

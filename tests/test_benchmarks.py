@@ -1,0 +1,40 @@
+"""Smoke test of the benchmark suite: `python -m benchmarks --quick` runs, and writes its table,
+JSON and plot. It asserts the shape of the results, never a speed (speeds live in the suite)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(420)
+def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((tmp_path / "latest.json").read_text())
+    systems = results["throughput"]["systems"]
+    for name in ("lightning_sharding", "DataLoader + DistributedSampler", "torchdata StatefulDataLoader"):
+        assert systems[name]["samples_per_s"] > 0
+        assert len(systems[name]["runs"]) == results["repeats"]
+    for name in ("LitData", "MosaicML Streaming"):  # a figure, or the reason there is none
+        assert systems[name].get("samples_per_s", 0) > 0 or systems[name]["unavailable"]
+    assert set(results["resume"]["systems"]["lightning_sharding"]["seconds"]) == {"0.0", "0.5", "0.9"}
+    assert results["planning"]["seconds"] > 0
+    assert all(row["bytes"] > 0 and row["gather_save_seconds"] > 0 for row in results["checkpoint"].values())
+    assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = done.stdout
+    assert "| measure | system / setting |" in table and "planning" in table and "memory" in table
