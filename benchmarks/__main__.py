@@ -129,8 +129,10 @@ def main() -> None:
     results["planning"]["met"] = results["planning"]["seconds"] < 1.0
     log("checkpoint")
     results["checkpoint"] = scale.checkpoint(repeats)
-    memory = Path(__file__).parent / "broadcast_memory.py"
-    results["memory"] = {"status": "measured by benchmarks/broadcast_memory.py" if memory.exists() else None}
+    log("memory (broadcast)")
+    from benchmarks import broadcast_memory
+
+    results["memory"] = broadcast_memory.summary(32 if args.quick else 256)
     results["seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -180,8 +180,8 @@ def iterate(loader: Any) -> tuple[PeakMemory, int, float]:
     return peak, windows, time.perf_counter() - start
 
 
-def table(tmp: Path, count: int, item_mb: int, idle: PeakMemory) -> None:
-    item = item_mb * MB
+def measure(tmp: Path, count: int, item_mb: int) -> list[tuple[str, PeakMemory, int, float, float | None]]:
+    """Rows ``(configuration, peak, windows, seconds, target)`` for ``count`` items of ``item_mb``."""
     directory = tmp / f"items-{count}"
     directory.mkdir()
     paths = write_items(directory, count, item_mb)
@@ -193,6 +193,32 @@ def table(tmp: Path, count: int, item_mb: int, idle: PeakMemory) -> None:
     ]
     for path in paths:
         os.unlink(path)
+    return rows
+
+
+def idle_memory(tmp: Path) -> PeakMemory:
+    """What the main process and its workers hold with a 1 MB item: subtracted from every figure."""
+    (tmp / "tiny").mkdir()
+    return run_broadcast(write_items(tmp / "tiny", 1, 1), 0)[0]
+
+
+def summary(item_mb: int) -> dict[str, Any]:
+    """One item of ``item_mb``: each configuration's data / item (PSS above idle), for the suite's table."""
+    with tempfile.TemporaryDirectory(prefix="lsh-bench-") as name:
+        tmp = Path(name)
+        idle = idle_memory(tmp)
+        rows = measure(tmp, 1, item_mb)
+    return {
+        "item_mb": item_mb,
+        "workers": WORKERS,
+        "data_per_item": {row[0]: (row[1].pss - idle.pss) / (item_mb * MB) for row in rows},
+        "targets": {row[0]: row[4] for row in rows if row[4] is not None},
+    }
+
+
+def table(tmp: Path, count: int, item_mb: int, idle: PeakMemory) -> None:
+    item = item_mb * MB
+    rows = measure(tmp, count, item_mb)
     print(f"\n{count} item(s) of {item_mb} MB, 1 rank x {WORKERS} workers")
     head = f"{'configuration':<29} {'windows':>7} {'s':>6} {'peak PSS':>9} {'data':>8} {'data/item':>9}"
     head += f" {'/dev/shm':>9} {'footprint':>9} {'target (data/item)':>18}"
@@ -216,8 +242,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # 4 workers on 2 cores: on purpose
     with tempfile.TemporaryDirectory(prefix="lsh-bench-") as name:
         tmp = Path(name)
-        (tmp / "tiny").mkdir()
-        idle, _, _ = run_broadcast(write_items(tmp / "tiny", 1, 1), 0)
+        idle = idle_memory(tmp)
         print(
             f"float32 items of {FEATURES} features per step, windows T={WINDOW} S={STRIDE}, batch {BATCH}; "
             f"idle (main + {idle.workers} child processes on a 1 MB item): sum of PSS {idle.pss / MB:.0f} MB"

@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-MEMORY_ELSEWHERE = "see benchmarks/broadcast_memory.py (broadcast branch)"
-
 
 def _status(row: dict[str, Any]) -> str:
     if "met" not in row:
@@ -59,8 +57,17 @@ def markdown(results: dict[str, Any]) -> str:
         f"| worker scaling (CPU-bound transform, {ws['samples']:,} samples) | lightning_sharding 1 -> 2 workers | "
         f"{sps['1']:,.0f} -> {sps['2']:,.0f} samples/s | {ws['ratio_2_to_1']:.2f}x | - | |"
     )
-    memory = results["memory"]["status"] or MEMORY_ELSEWHERE
-    lines.append(f"| memory: broadcast PSS vs one copy per worker | - | {memory} | - | - | not measured here |")
+    mem = results["memory"]
+    per_item = mem["data_per_item"]
+    baseline = per_item["baseline: a copy per worker"]
+    for name, ratio in per_item.items():
+        target = mem["targets"].get(name)
+        verdict = "" if target is None else ("met" if ratio <= target else "MISSED")
+        lines.append(
+            f"| memory: PSS above idle / item ({mem['item_mb']} MB item, 1 rank x {mem['workers']} workers) | "
+            f"{name} | {ratio:.2f}x the item | {baseline / max(ratio, 1e-9):.2f}x less than a copy per worker | "
+            f"{'-' if target is None else f'<= {target}x'} | {verdict} |"
+        )
     m = results["machine"]
     lines += [
         "",
