@@ -67,6 +67,9 @@ class Job:
     num_nodes: int = 1
     skew_rank1: bool = False  # rank 1 lists one more item than rank 0
     audit: bool = False  # write the audit trail to <out>/audit
+    strategy: str = "shard"
+    source: dict[str, Any] | None = None  # strategy "dispatch": see tests/jobs/sources.py::make_source
+    limit_train_batches: int | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def main(config_path: str) -> None:
@@ -25,8 +26,15 @@ def main(config_path: str) -> None:
 
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
+    data: dict[str, Any] = {}
+    if cfg["strategy"] == "dispatch":
+        from tests.jobs.sources import make_source, row_to_sample
+
+        data = dict(source=make_source(cfg["source"]), strategy="dispatch", transform=row_to_sample)
+    else:
+        data = dict(reader=(SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]))
     dm = ShardedDataModule(
-        (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]),
+        **data,
         batch_size=cfg["batch_size"],
         num_workers=cfg["num_workers"],
         seed=cfg["seed"],
@@ -65,6 +73,7 @@ def main(config_path: str) -> None:
         enable_checkpointing=bool(cfg["checkpoint_every"]),
         enable_progress_bar=False,
         enable_model_summary=False,
+        limit_train_batches=cfg["limit_train_batches"],
     )
     trainer.fit(model, datamodule=dm, ckpt_path=cfg["resume_from"])
 
