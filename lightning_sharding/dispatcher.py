@@ -179,6 +179,8 @@ def run_dispatcher(source: Source, control: Any, queues: list[Any], alive: Conne
     while spec is not None:
         interrupted, following = _serve(source, spec, control, queues)
         spec = following if interrupted else _wait_command(control)
+    for q in queues:  # undelivered batches are of no use now: do not wait at exit to flush them
+        q.cancel_join_thread()
     alive.close()
 
 
