@@ -1,6 +1,7 @@
 """Real non-replicable sources for the dispatch tests: a SQLite file and a TCP stream on loopback.
 
-Everything here is module level so it pickles into the dispatch process and the workers.
+Everything here is module level so it pickles into the dispatch process and the workers. torch is
+imported inside the transforms only: the dispatch process unpickles this module and never needs it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from lightning_sharding.sources import Source, SqliteSource
 from lightning_sharding.world import SampleContext, ShardContext
@@ -35,8 +35,10 @@ def make_db(path: Path, n: int) -> Path:
     return path
 
 
-def row_to_sample(row: dict[str, Any], ctx: SampleContext) -> dict[str, torch.Tensor]:
-    """The replicable per-sample transform: a row becomes ``{"id", "x" (8,), "y"}``."""
+def row_to_sample(row: dict[str, Any], ctx: SampleContext) -> dict[str, Any]:
+    """The replicable per-sample transform: a row becomes tensors ``{"id", "x" (8,), "y"}``."""
+    import torch
+
     i = int(row["id"])
     x = np.sin(i * 0.618 + np.arange(8)).astype(np.float32)
     return {"id": torch.tensor(i), "x": torch.from_numpy(x), "y": torch.tensor(float(x.sum()))}
@@ -83,7 +85,7 @@ class ProgressSqlite(SqliteSource):
             yield row
 
 
-def slow_transform(row: dict[str, Any], ctx: SampleContext) -> dict[str, torch.Tensor]:
+def slow_transform(row: dict[str, Any], ctx: SampleContext) -> dict[str, Any]:
     """:func:`row_to_sample`, 20 ms slower: workers slower than the source."""
     time.sleep(0.02)
     return row_to_sample(row, ctx)
