@@ -44,6 +44,11 @@ def row_to_sample(row: dict[str, Any], ctx: SampleContext) -> dict[str, Any]:
     return {"id": torch.tensor(i), "x": torch.from_numpy(x), "y": torch.tensor(float(x.sum()))}
 
 
+def _mark_fault(db_path: str) -> None:
+    """Note when a fault happened (next to the database), so a test can time how fast it surfaces."""
+    Path(db_path).with_suffix(".fault").write_text(str(time.time()))
+
+
 class FailingSqlite(SqliteSource):
     """Raises when the dispatcher reaches ``fail_at`` (a corrupt row)."""
 
@@ -54,6 +59,7 @@ class FailingSqlite(SqliteSource):
     def open(self, ctx: ShardContext, start: int) -> Iterator[dict[str, Any]]:
         for position, row in enumerate(super().open(ctx, start), start):
             if position == self.fail_at:
+                _mark_fault(self.path)
                 raise ValueError(f"corrupt row at position {position}")
             yield row
 
@@ -68,6 +74,7 @@ class DyingSqlite(SqliteSource):
     def open(self, ctx: ShardContext, start: int) -> Iterator[dict[str, Any]]:
         for position, row in enumerate(super().open(ctx, start), start):
             if position == self.die_at:
+                _mark_fault(self.path)
                 os.kill(os.getpid(), signal.SIGKILL)
             yield row
 
