@@ -18,6 +18,7 @@ from lightning_sharding._version import __version__
 _EXPORTS = {
     "BatchTask": "plan",
     "CheckpointMismatchError": "ledger",
+    "DispatchLoader": "dispatch",
     "EpochOrder": "order",
     "EpochPlan": "plan",
     "EpochReport": "callbacks",
@@ -29,6 +30,8 @@ _EXPORTS = {
     "ReleaseProcessGroup": "callbacks",
     "Reader": "readers",
     "SampleContext": "world",
+    "Source": "sources",
+    "SqliteSource": "sources",
     "ShardedLoader": "loader",
     "ShardContext": "world",
     "ShardedDataModule": "datamodule",
@@ -41,6 +44,7 @@ _EXPORTS = {
 __all__ = [
     "BatchTask",
     "CheckpointMismatchError",
+    "DispatchLoader",
     "EpochOrder",
     "EpochPlan",
     "EpochReport",
@@ -53,6 +57,8 @@ __all__ = [
     "Reader",
     "SampleContext",
     "ShardedLoader",
+    "Source",
+    "SqliteSource",
     "ShardContext",
     "ShardedDataModule",
     "ShardingCallback",
@@ -65,6 +71,7 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_sharding.callbacks import EpochReport, ReleaseProcessGroup, ShardingCallback
     from lightning_sharding.datamodule import ShardedDataModule
+    from lightning_sharding.dispatch import DispatchLoader
     from lightning_sharding.ledger import CheckpointMismatchError, Ledger
     from lightning_sharding.loader import ShardedLoader
     from lightning_sharding.manifest import Item, Manifest
@@ -72,6 +79,7 @@ if TYPE_CHECKING:
     from lightning_sharding.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
     from lightning_sharding.rangeset import RangeSet
     from lightning_sharding.readers import Reader, SyntheticReader
+    from lightning_sharding.sources import Source, SqliteSource
     from lightning_sharding.world import SampleContext, ShardContext, World
 
 
