@@ -20,7 +20,7 @@ import torch
 
 from lightning_sharding import ShardedDataModule
 from lightning_sharding.dispatch import DispatchLoader
-from lightning_sharding.dispatcher import Chunk, Spec, deal
+from lightning_sharding.dispatcher import Chunk, SourceError, Spec, deal
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.plan import plan_epoch
 from lightning_sharding.rangeset import RangeSet
@@ -38,6 +38,7 @@ from tests.harness import (
 )
 from tests.jobs.sources import (
     ROTATING_QUERY,
+    FailingSqlite,
     LogServer,
     ProgressSqlite,
     TcpStream,
@@ -97,6 +98,14 @@ def test_an_unknown_strategy_names_the_value_and_the_choices() -> None:
 def test_a_query_without_order_by_is_refused(db: Path) -> None:
     with pytest.raises(ValueError, match="needs an ORDER BY"):
         SqliteSource(db, "SELECT id FROM samples")
+
+
+def test_a_failing_source_in_process_names_the_rank_the_dispatcher_and_the_error(db: Path) -> None:
+    source = FailingSqlite(str(db), ROTATING_QUERY, fail_at=20)
+    ledger = Ledger(seed=0, total=N, manifest=source_manifest(source).summary())
+    loader = DispatchLoader(source, ledger, world=World(), batch_size=8, transform=row_to_sample)
+    with pytest.raises(SourceError, match=r"rank 0: the dispatcher reading SqliteSource.*ValueError: corrupt row at"):
+        list(loader)
 
 
 # -- in the training process and with workers, without DDP ------------------------------------------
