@@ -31,10 +31,11 @@ class Source(ABC):
     - A *seekable* source (``seekable = True``, the default) starts ``open(ctx, start)`` exactly
       at position ``start``: it seeks, or replays the order and skips (:func:`skip`). Resume is
       then exactly-once through the ledger, also on another number of ranks or workers.
-    - A source that can do neither sets ``seekable = False``. It must resume where it was last
-      committed: at every checkpoint :meth:`commit` gets the position below which everything was
-      consumed. Elements consumed after the last checkpoint are delivered again after a crash,
-      so delivery is at-least-once.
+    - A source that can do neither sets ``seekable = False``. Once a checkpoint is saved,
+      :meth:`commit` gets the position below which everything was consumed; the source must
+      resume from its last commit, and ``open(ctx, start)`` (``start`` is at least the commit
+      of the checkpoint resumed from) skips forward from there. Elements consumed after the last
+      checkpoint are delivered again after a crash, so delivery is at-least-once.
     """
 
     seekable: ClassVar[bool] = True

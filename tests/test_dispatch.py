@@ -196,17 +196,19 @@ def test_an_epoch_stopped_early_leaks_nothing_into_the_next(tmp_path: Path, db: 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("fault", "expected"),
+    ("world", "fault", "expected"),
     [
-        ({"fail_at": 60}, ["rank 1", "dispatcher reading SqliteSource", "ValueError: corrupt row at position 60"]),
-        ({"die_at": 60}, ["rank 1", "dispatch process", "died"]),
+        (2, {"fail_at": 60}, ["rank 1", "dispatcher reading SqliteSource", "ValueError: corrupt row at position 60"]),
+        (1, {"die_at": 60}, ["rank 0: the dispatch process", "died", "was killed by SIGKILL"]),
     ],
     ids=["source-raises", "dispatcher-killed"],
 )
 def test_a_fault_fails_fast_naming_rank_dispatcher_and_cause(
-    tmp_path: Path, db: Path, fault: dict[str, int], expected: list[str]
+    tmp_path: Path, db: Path, world: int, fault: dict[str, int], expected: list[str]
 ) -> None:
-    job = dispatch_job(db, num_workers=1, source={"kind": "sqlite", "path": str(db), **fault})
+    """On 2 ranks, rank 1's source fails (rank 0 must not hang); on 1 rank, its dispatcher is killed."""
+    source = {"kind": "sqlite", "path": str(db), **fault}
+    job = dispatch_job(db, world_size=world, num_workers=1, source=source)
     segment = run_segment(tmp_path, "run", job, expect_death=True)
     ended = time.time()
     for text in expected:
