@@ -18,6 +18,7 @@ from lightning_sharding._version import __version__
 _EXPORTS = {
     "BatchTask": "plan",
     "CheckpointMismatchError": "ledger",
+    "DispatchLoader": "dispatch",
     "EpochOrder": "order",
     "EpochPlan": "plan",
     "EpochReport": "callbacks",
@@ -35,6 +36,8 @@ _EXPORTS = {
     "ReleaseProcessGroup": "callbacks",
     "SampleContext": "world",
     "SampleError": "loader",
+    "Source": "sources",
+    "SqliteSource": "sources",
     "ShardContext": "world",
     "ShardedDataModule": "datamodule",
     "ShardedLoader": "loader",
@@ -48,6 +51,7 @@ __all__ = [
     "__version__",
     "BatchTask",
     "CheckpointMismatchError",
+    "DispatchLoader",
     "EpochOrder",
     "EpochPlan",
     "EpochReport",
@@ -65,6 +69,8 @@ __all__ = [
     "ReleaseProcessGroup",
     "SampleContext",
     "SampleError",
+    "Source",
+    "SqliteSource",
     "ShardContext",
     "ShardedDataModule",
     "ShardedLoader",
@@ -77,6 +83,7 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_sharding.callbacks import EpochReport, ReleaseProcessGroup, ShardingCallback
     from lightning_sharding.datamodule import ShardedDataModule
+    from lightning_sharding.dispatch import DispatchLoader
     from lightning_sharding.ledger import CheckpointMismatchError, Ledger
     from lightning_sharding.loader import SampleError, ShardedLoader
     from lightning_sharding.manifest import Item, Manifest
@@ -92,6 +99,7 @@ if TYPE_CHECKING:
         SyntheticReader,
         TarReader,
     )
+    from lightning_sharding.sources import Source, SqliteSource
     from lightning_sharding.world import SampleContext, ShardContext, World
 
 

@@ -21,3 +21,38 @@ def gather_objects(obj: Any, world_size: int) -> list[Any]:
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def cpu_group(world_size: int) -> Any:
+    """A gloo group over all ranks (for small CPU tensors whatever the training backend); ``None``
+    for a single rank. A collective call: every rank must create it at the same point."""
+    if world_size <= 1:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"lightning_sharding needs torch.distributed to agree on batches across {world_size} ranks, "
+            "but no process group is initialised; use a Lightning strategy built on torch.distributed"
+        )
+    return dist.new_group(backend="gloo")
+
+
+def all_true(flag: bool, group: Any) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (one 1-element all_reduce; ``group=None``: this rank)."""
+    if group is None:
+        return flag
+    import torch
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
+
+
+def gather_counts(count: int, group: Any) -> list[int]:
+    """Every rank's ``count`` over ``group``, in rank order (``group=None``: this rank's only)."""
+    if group is None:
+        return [count]
+    import torch
+
+    values = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(values, torch.tensor([count], dtype=torch.int64), group=group)
+    return [int(v.item()) for v in values]

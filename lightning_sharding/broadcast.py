@@ -29,7 +29,7 @@ from torch.utils.data import default_collate
 
 from lightning_sharding import segments
 from lightning_sharding.ledger import Ledger
-from lightning_sharding.loader import PlannedBatches, PlanSampler, Provenance, ShardedLoader, Transform
+from lightning_sharding.loader import PlannedBatches, PlanSampler, Provenance, ShardedLoader, Transform, flag_padding
 from lightning_sharding.manifest import Item
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask, EvenBatches, WorkerLayout
@@ -393,7 +393,7 @@ class BroadcastLoader(ShardedLoader):
                     )
                 if self.track:
                     self.delivered.append(Provenance(epoch, positions, num_padding))
-                yield self._flag_padding(batch, len(positions), num_padding)
+                yield flag_padding(batch, len(positions), num_padding, self.padding_key)
         finally:
             self.sampler.close_pool(pool)
 

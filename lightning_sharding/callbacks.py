@@ -114,6 +114,7 @@ class ShardingCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._batch_start = time.perf_counter()
+        self._datamodule(trainer).flush_commit()  # the checkpoint of the previous step is saved by now
         if self._batch_end:  # the time since the last step ended went to waiting for this batch
             self._wait += self._batch_start - self._batch_end
 
@@ -215,6 +216,7 @@ class ShardingCallback(pl.Callback):
         if self._audit is not None:
             self._audit.close()
         dm = self._datamodule(trainer)
+        dm.flush_commit()
         self.worlds = gather_objects(dm.world, dm.world.world_size)
         if self.print_summary and trainer.is_global_zero:
             print(format_summary(self.reports, dm, self.worlds))

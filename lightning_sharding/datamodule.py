@@ -19,15 +19,17 @@ from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
+from lightning_sharding.dispatch import DISPATCH_EVEN_BATCHES, DispatchLoader
 from lightning_sharding.ledger import CheckpointMismatchError, Ledger
 from lightning_sharding.loader import ON_ERROR_POLICIES, OnError, Provenance, ShardedLoader, Transform
 from lightning_sharding.manifest import Manifest, describe_change
 from lightning_sharding.plan import EVEN_BATCH_POLICIES, EvenBatches
 from lightning_sharding.rangeset import RangeSet
 from lightning_sharding.readers.base import Reader
+from lightning_sharding.sources import Source, source_manifest
 from lightning_sharding.world import World
 
-STRATEGIES: tuple[str, ...] = ("shard", "broadcast")
+STRATEGIES: tuple[str, ...] = ("shard", "broadcast", "dispatch")
 
 
 class ShardedDataModule(pl.LightningDataModule):
@@ -66,10 +68,14 @@ class ShardedDataModule(pl.LightningDataModule):
             transformed, naming its item and index; ``"skip"`` leaves such samples out, counts
             them as consumed-and-skipped (reported in the summary), and fills their place in the
             batch with flagged padding. Storage outages are never skipped.
-        strategy: ``"shard"`` (each worker reads its own items) or ``"broadcast"`` (each rank loads
+        strategy: ``"shard"`` (each worker reads its own items), ``"broadcast"`` (each rank loads
             an item once into shared memory and its workers crop disjoint windows from it; needs a
-            :class:`~lightning_sharding.readers.windows.WindowedReader`).
+            :class:`~lightning_sharding.readers.windows.WindowedReader`), or ``"dispatch"`` (one
+            process per rank reads the non-replicable ``source`` and deals batches round-robin to
+            the workers, which run ``transform``; see :mod:`lightning_sharding.dispatch`).
         prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
+        source: the :class:`~lightning_sharding.sources.Source` of ``strategy="dispatch"``; a
+            source of unknown length needs ``even_batches="sync"``.
     """
 
     def __init__(
@@ -96,29 +102,35 @@ class ShardedDataModule(pl.LightningDataModule):
         on_error: OnError = "raise",
         strategy: str = "shard",
         prefetch_items: int = 1,
+        source: Source | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
+        if strategy not in STRATEGIES:
+            raise ValueError(f"`{name}(strategy={strategy!r})` is not a strategy; choose one of {list(STRATEGIES)}")
+        if (strategy == "dispatch") != (source is not None):
+            raise ValueError(
+                f"`{name}(strategy={strategy!r})`: `source=` goes with strategy='dispatch' and only with it"
+            )
+        policies = DISPATCH_EVEN_BATCHES if strategy == "dispatch" else EVEN_BATCH_POLICIES
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`{name}(batch_size={batch_size!r})` must be a positive integer")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"`{name}(num_workers={num_workers!r})` must be an integer >= 0 (0 loads in-process)")
-        if even_batches not in EVEN_BATCH_POLICIES:
-            raise ValueError(f"`{name}(even_batches={even_batches!r})` must be one of {list(EVEN_BATCH_POLICIES)}")
+        if even_batches not in policies:
+            raise ValueError(f"`{name}(even_batches={even_batches!r})` must be one of {list(policies)}")
         if persistent_workers and num_workers == 0:
             raise ValueError(f"`{name}(persistent_workers=True)` needs num_workers > 0")
         if prefetch_factor is not None and (num_workers == 0 or prefetch_factor < 1):
             raise ValueError(f"`{name}(prefetch_factor={prefetch_factor})` needs num_workers > 0 and a value >= 1")
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"`{name}(on_error={on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"`{name}(strategy={strategy!r})` must be one of {list(STRATEGIES)}")
         if isinstance(prefetch_items, bool) or not isinstance(prefetch_items, int) or prefetch_items < 0:
             raise ValueError(f"`{name}(prefetch_items={prefetch_items!r})` must be an integer >= 0")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"`{name}(seed={seed!r})` must be a non-negative integer or None")
         self._reader = reader
-        self.strategy, self.prefetch_items = strategy, prefetch_items
+        self.prefetch_items = prefetch_items
         self._val_reader, self._test_reader = val_reader, test_reader
         self.batch_size, self.num_workers = batch_size, num_workers
         self.seed, self.shuffle, self.even_batches = seed, shuffle, even_batches
@@ -131,10 +143,11 @@ class ShardedDataModule(pl.LightningDataModule):
         self.allow_data_change = allow_data_change
         self.audit_dir = audit_dir
         self.on_error = on_error
+        self.strategy, self.source = strategy, source
         self.world = World()
         self.manifest: Manifest | None = None
         self.ledger: Ledger | None = None
-        self.train_loader: ShardedLoader | None = None
+        self.train_loader: ShardedLoader | DispatchLoader | None = None
         self._train_reader: Reader | None = None
 
     def make_reader(self) -> Reader:
@@ -151,8 +164,11 @@ class ShardedDataModule(pl.LightningDataModule):
             self.world = World.from_trainer(self.trainer)
         if stage != "fit":
             return
-        self._train_reader = self.make_reader()
-        self.manifest = Manifest.from_items(self._train_reader.items())
+        if self.source is not None:
+            self.manifest = source_manifest(self.source)
+        else:
+            self._train_reader = self.make_reader()
+            self.manifest = Manifest.from_items(self._train_reader.items())
         self._check_same_data_on_every_rank(self.manifest)
         self.ledger = Ledger(seed=self._shared_seed(), total=self.manifest.total, manifest=self.manifest.summary())
         if self.trainer is not None:
@@ -180,17 +196,55 @@ class ShardedDataModule(pl.LightningDataModule):
         return seed
 
     @override
-    def train_dataloader(self) -> ShardedLoader:
+    def train_dataloader(self) -> ShardedLoader | DispatchLoader:
         """This rank's training loader; it yields the same number of batches on every rank."""
-        if self.ledger is None or self.manifest is None or self._train_reader is None:
+        if self.ledger is None or self.manifest is None or (self._train_reader is None and self.source is None):
             raise RuntimeError(
                 f"{type(self).__name__}.train_dataloader() was called before setup('fit'). "
                 "If your subclass overrides setup(), call super().setup(stage) in it."
             )
         if self.trainer is not None:
             self.ledger.start_epoch(_epoch_lightning_runs_next(self.trainer))
+        if self.source is not None:
+            self.train_loader = self._dispatch_loader(self.source, self.ledger)
+            return self.train_loader
+        assert self._train_reader is not None
         self.train_loader = self._loader(self._train_reader, self.manifest, self.ledger, self.shuffle, track=True)
         return self.train_loader
+
+    def _dispatch_loader(self, source: Source, ledger: Ledger) -> DispatchLoader:
+        if isinstance(self.train_loader, DispatchLoader):  # reloaded: its dispatch process goes first
+            self.train_loader.close()
+        return DispatchLoader(
+            source,
+            ledger,
+            world=self.world,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            even_batches=self.even_batches,
+            transform=self.transform,
+            collate_fn=self.collate_fn,
+            persistent_workers=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            multiprocessing_context=self.multiprocessing_context,
+            timeout=self.timeout,
+            padding_key=self.padding_key,
+            track=True,
+        )
+
+    @override
+    def teardown(self, stage: str) -> None:
+        """Release what the train loader holds outside Python: the broadcast strategy's shared
+        memory, the dispatch strategy's dispatch process."""
+        close = getattr(self.train_loader, "close", None)
+        if stage == "fit" and close is not None:
+            close()
+
+    def flush_commit(self) -> None:
+        """After a checkpoint was saved, tell a dispatch source its committed position."""
+        if isinstance(self.train_loader, DispatchLoader):
+            self.train_loader.flush_commit()
 
     # Exposed as properties so that Lightning sees an evaluation loader only when a reader was given
     # (it checks whether the method is overridden); a subclass may still define its own method.
@@ -254,13 +308,6 @@ class ShardedDataModule(pl.LightningDataModule):
             **extra,
         )
 
-    @override
-    def teardown(self, stage: str) -> None:
-        """Release what the loaders hold outside Python (the broadcast strategy's shared memory)."""
-        close = getattr(self.train_loader, "close", None)
-        if close is not None:
-            close()
-
     # -- ledger bookkeeping, driven by ShardingCallback ------------------------------------------
 
     def account_step(self, optimizer_stepped: bool) -> Provenance:
@@ -283,6 +330,8 @@ class ShardedDataModule(pl.LightningDataModule):
         """The checkpoint entry: the union of all ranks' ledgers (a collective call)."""
         assert self.ledger is not None
         self.gather_consumed()
+        if isinstance(self.train_loader, DispatchLoader):
+            self.train_loader.note_checkpoint()
         state = self.ledger.state_dict()
         # A tensor, not a NumPy array: checkpoints must load with torch.load(weights_only=True).
         state["consumed"] = torch.from_numpy(state["consumed"])

@@ -380,30 +380,37 @@ class ShardedLoader:
                 )
             if self.track:
                 self.delivered.append(Provenance(epoch, positions, num_padding, skipped))
-            yield self._flag_padding(batch, len(positions), num_padding)
-
-    def _flag_padding(self, batch: Any, size: int, num_padding: int) -> Any:
-        if self.padding_key is None or not isinstance(batch, Mapping):
-            return batch
-        if self.padding_key in batch:
-            raise KeyError(
-                f"the batch already has a key {self.padding_key!r}, where lightning_sharding puts its padding "
-                "flags; pass another `padding_key=` (or None) to ShardedDataModule"
-            )
-        flags = torch.zeros(size, dtype=torch.bool)
-        if num_padding:
-            flags[size - num_padding :] = True
-        return {**batch, self.padding_key: flags}
+            yield flag_padding(batch, len(positions), num_padding, self.padding_key)
 
     def pop_delivered(self) -> Provenance:
         """Provenance of the oldest delivered batch whose step has not been accounted yet."""
-        if not self.delivered:
-            raise RuntimeError(
-                "a training step ended but no batch of the sharded loader is waiting to be accounted. "
-                "Return the ShardedLoader from train_dataloader() as it is (no wrapping or re-batching), "
-                "and do not use `training_step(dataloader_iter)`, which this accounting does not support."
-            )
-        return self.delivered.popleft()
+        return pop_delivered(self.delivered)
+
+
+def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | None) -> Any:
+    """``batch`` with a boolean ``padding_key`` entry of shape ``(size,)`` when it is a dict."""
+    if padding_key is None or not isinstance(batch, Mapping):
+        return batch
+    if padding_key in batch:
+        raise KeyError(
+            f"the batch already has a key {padding_key!r}, where lightning_sharding puts its padding "
+            "flags; pass another `padding_key=` (or None) to ShardedDataModule"
+        )
+    flags = torch.zeros(size, dtype=torch.bool)
+    if num_padding:
+        flags[size - num_padding :] = True
+    return {**batch, padding_key: flags}
+
+
+def pop_delivered(delivered: deque[Provenance]) -> Provenance:
+    """The oldest delivered batch's provenance whose step has not been accounted yet."""
+    if not delivered:
+        raise RuntimeError(
+            "a training step ended but no batch of the sharded loader is waiting to be accounted. "
+            "Return the loader from train_dataloader() as it is (no wrapping or re-batching), "
+            "and do not use `training_step(dataloader_iter)`, which this accounting does not support."
+        )
+    return delivered.popleft()
 
 
 def _check_picklable(dataset: PlannedBatches, start_method: str) -> None:

@@ -80,6 +80,8 @@ class Job:
     halo: bool = False
     prefetch_items: int = 1
     raise_at_step: int | None = None  # raise an exception after this step (instead of dying)
+    source: dict[str, Any] | None = None  # strategy "dispatch": see tests/jobs/sources.py::make_source
+    limit_train_batches: int | None = None
 
 
 @dataclass

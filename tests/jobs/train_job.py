@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def main(config_path: str) -> None:
@@ -28,13 +29,19 @@ def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
     transform = None
-    if cfg["strategy"] == "broadcast":
+    data: dict[str, Any] = {}
+    if cfg["strategy"] == "dispatch":
+        from tests.jobs.sources import make_source, row_to_sample
+
+        data = dict(source=make_source(cfg["source"]))
+        transform = row_to_sample
+    elif cfg["strategy"] == "broadcast":
         months = sorted(str(p) for p in Path(cfg["months"]).glob("month-*.npy"))
-        reader = MonthWindows(months, window=cfg["window"], stride=cfg["stride"], halo=cfg["halo"])
+        data = dict(reader=MonthWindows(months, window=cfg["window"], stride=cfg["stride"], halo=cfg["halo"]))
     elif cfg["data"]:
-        reader, transform = file_reader(cfg["data"], cache_dir=out / "cache"), to_regression
+        data, transform = dict(reader=file_reader(cfg["data"], cache_dir=out / "cache")), to_regression
     else:
-        reader = (SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"])
+        data = dict(reader=(SkewedReader if cfg["skew_rank1"] else SyntheticReader)(sizes=cfg["sizes"]))
     common = dict(
         transform=transform,
         on_error=cfg["on_error"],
@@ -47,10 +54,10 @@ def main(config_path: str) -> None:
     if cfg.get("loader", "dataloader") == "dali":
         from lightning_sharding.dali import DaliDataModule
 
-        dm: ShardedDataModule = DaliDataModule(reader, **common)
+        dm: ShardedDataModule = DaliDataModule(data["reader"], **common)
     else:
         dm = ShardedDataModule(
-            reader,
+            **data,
             persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
             multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
             strategy=cfg["strategy"],
@@ -90,6 +97,7 @@ def main(config_path: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out),
+        limit_train_batches=cfg["limit_train_batches"],
     )
     trainer.fit(model, datamodule=dm, ckpt_path=cfg["resume_from"])
 
