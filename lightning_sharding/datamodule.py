@@ -125,6 +125,8 @@ class ShardedDataModule(pl.LightningDataModule):
             raise ValueError(f"`{name}(prefetch_factor={prefetch_factor})` needs num_workers > 0 and a value >= 1")
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"`{name}(on_error={on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
+        if on_error == "skip" and strategy != "shard":
+            raise ValueError(f"`{name}(on_error='skip')` works with strategy='shard' only, not {strategy!r}")
         if isinstance(prefetch_items, bool) or not isinstance(prefetch_items, int) or prefetch_items < 0:
             raise ValueError(f"`{name}(prefetch_items={prefetch_items!r})` must be an integer >= 0")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -215,13 +217,14 @@ class ShardedDataModule(pl.LightningDataModule):
     def _dispatch_loader(self, source: Source, ledger: Ledger) -> DispatchLoader:
         if isinstance(self.train_loader, DispatchLoader):  # reloaded: its dispatch process goes first
             self.train_loader.close()
-        return DispatchLoader(
-            source,
-            ledger,
+        return DispatchLoader(source, ledger, even_batches=self.even_batches, track=True, **self._loader_options())
+
+    def _loader_options(self) -> dict[str, Any]:
+        """What every strategy's loader takes from this datamodule's arguments."""
+        return dict(
             world=self.world,
             batch_size=self.batch_size,
             num_workers=self.num_workers,
-            even_batches=self.even_batches,
             transform=self.transform,
             collate_fn=self.collate_fn,
             persistent_workers=self.persistent_workers,
@@ -230,7 +233,6 @@ class ShardedDataModule(pl.LightningDataModule):
             multiprocessing_context=self.multiprocessing_context,
             timeout=self.timeout,
             padding_key=self.padding_key,
-            track=True,
         )
 
     @override
@@ -290,21 +292,11 @@ class ShardedDataModule(pl.LightningDataModule):
             reader,
             manifest.items,
             ledger,
-            world=self.world,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
             shuffle=shuffle,
             even_batches=even_batches or self.even_batches,
-            transform=self.transform,
-            collate_fn=self.collate_fn,
-            persistent_workers=self.persistent_workers,
-            prefetch_factor=self.prefetch_factor,
-            pin_memory=self.pin_memory,
-            multiprocessing_context=self.multiprocessing_context,
-            timeout=self.timeout,
-            padding_key=self.padding_key,
             track=track,
             on_error=self.on_error,
+            **self._loader_options(),
             **extra,
         )
 

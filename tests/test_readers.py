@@ -286,3 +286,10 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not() -> None:
     assert len(denied) == 1
     with pytest.raises(OSError, match="reading z failed after 2 attempts"):
         with_retries(lambda: (_ for _ in ()).throw(TimeoutError("slow")), "reading z", RetryPolicy(2, 0.001))
+
+
+def test_on_error_skip_is_refused_by_strategies_that_cannot_fill_a_batch() -> None:
+    from lightning_sharding import ShardedDataModule, SyntheticReader
+
+    with pytest.raises(ValueError, match=r"on_error='skip'\)` works with strategy='shard' only, not 'broadcast'"):
+        ShardedDataModule(SyntheticReader(), strategy="broadcast", on_error="skip")
