@@ -28,6 +28,7 @@ _EXPORTS = {
     "Ledger": "ledger",
     "Manifest": "manifest",
     "NpyReader": "readers",
+    "NpyWindows": "readers",
     "ParquetReader": "readers",
     "plan_epoch": "plan",
     "RangeSet": "rangeset",
@@ -44,6 +45,7 @@ _EXPORTS = {
     "ShardingCallback": "callbacks",
     "SyntheticReader": "readers",
     "TarReader": "readers",
+    "WindowedReader": "readers",
     "World": "world",
 }
 
@@ -61,6 +63,7 @@ __all__ = [
     "Ledger",
     "Manifest",
     "NpyReader",
+    "NpyWindows",
     "ParquetReader",
     "plan_epoch",
     "RangeSet",
@@ -77,6 +80,7 @@ __all__ = [
     "ShardingCallback",
     "SyntheticReader",
     "TarReader",
+    "WindowedReader",
     "World",
 ]
 
@@ -94,10 +98,12 @@ if TYPE_CHECKING:
         FileReader,
         JsonlReader,
         NpyReader,
+        NpyWindows,
         ParquetReader,
         Reader,
         SyntheticReader,
         TarReader,
+        WindowedReader,
     )
     from lightning_sharding.sources import Source, SqliteSource
     from lightning_sharding.world import SampleContext, ShardContext, World

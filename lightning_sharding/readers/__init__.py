@@ -10,6 +10,7 @@ from lightning_sharding.readers.npy import NpyReader
 from lightning_sharding.readers.parquet import ParquetReader
 from lightning_sharding.readers.synthetic import SyntheticReader
 from lightning_sharding.readers.tar import TarReader
+from lightning_sharding.readers.windows import NpyWindows, WindowedReader
 
 #: The file reader of each format name, as recipes and ``data.format=`` spell it.
 FILE_READERS: dict[str, type[FileReader]] = {
@@ -24,8 +25,10 @@ __all__ = [
     "FileReader",
     "JsonlReader",
     "NpyReader",
+    "NpyWindows",
     "ParquetReader",
     "Reader",
     "SyntheticReader",
     "TarReader",
+    "WindowedReader",
 ]
