@@ -91,7 +91,7 @@ def test_a_source_without_length_needs_the_sync_policy(tmp_path: Path) -> None:
 
 
 def test_an_unknown_strategy_names_the_value_and_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"strategy='dispatcher'.*\['shard', 'dispatch'\]"):
+    with pytest.raises(ValueError, match=r"strategy='dispatcher'.*\['shard', 'broadcast', 'dispatch'\]"):
         ShardedDataModule(strategy="dispatcher")
 
 
