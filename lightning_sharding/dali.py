@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import importlib
 import os
-import random
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import numpy.typing as npt
 import torch
 
 from lightning_sharding.ledger import Ledger
-from lightning_sharding.loader import PlannedBatches, PlanSampler, Provenance, Transform
+from lightning_sharding.loader import PlannedBatches, PlanSampler, Provenance, Transform, seed_rngs
 from lightning_sharding.manifest import Item
 from lightning_sharding.order import derive_seed
 from lightning_sharding.plan import BatchTask, EvenBatches, RankPlan, plan_epoch
@@ -171,10 +170,7 @@ class _SourceBatches(PlannedBatches):
                 seed=self.seed,
             )
             if os.getpid() != self._main_pid:  # never reseed the training process itself
-                s = self._context.worker_seed
-                torch.manual_seed(s)
-                np.random.seed(s % 2**32)
-                random.seed(s)
+                seed_rngs(self._context.worker_seed)
         return self._context
 
 

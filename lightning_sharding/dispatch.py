@@ -19,7 +19,6 @@ import itertools
 import multiprocessing
 import pickle
 import queue
-import random
 import signal
 import warnings
 from collections import deque
@@ -29,14 +28,13 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_worker_info
 
 from lightning_sharding._distributed import all_true, cpu_group, gather_counts
 from lightning_sharding.dispatcher import POLL_SECONDS, Chunk, End, Failure, SourceError, Spec, deal, failure_message
 from lightning_sharding.dispatcher import run_dispatcher as _run_dispatcher
 from lightning_sharding.ledger import Ledger
-from lightning_sharding.loader import Provenance, Transform, flag_padding, pop_delivered
+from lightning_sharding.loader import Provenance, Transform, flag_padding, pop_delivered, seed_rngs
 from lightning_sharding.plan import EpochPlan, plan_epoch
 from lightning_sharding.sources import Source
 from lightning_sharding.world import SampleContext, ShardContext, World
@@ -139,10 +137,8 @@ class DispatchedBatches(Dataset[tuple[str, int, npt.NDArray[np.int64], int, Any]
             self._context = ShardContext(
                 self.world.rank, self.world.world_size, info.id if info else 0, self.num_workers, epoch, self.seed
             )
-            s = self._context.worker_seed
-            torch.manual_seed(s)
-            np.random.seed(s % 2**32)
-            random.seed(s)
+            if info is not None:  # never reseed the training process itself (num_workers=0)
+                seed_rngs(self._context.worker_seed)
         return self._context
 
     def __getitem__(self, task: DispatchTask) -> tuple[str, int, npt.NDArray[np.int64], int, Any]:

@@ -79,6 +79,13 @@ class _Failed:
     message: str
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed torch, NumPy and ``random`` of this process (a worker) with one derived seed."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 def _pass_through(data: Any) -> Any:
     return data
 
@@ -135,10 +142,7 @@ class PlannedBatches(Dataset[Delivery]):
                 seed=self.seed,
             )
             if info is not None:  # never reseed the training process itself
-                s = self._context.worker_seed
-                torch.manual_seed(s)
-                np.random.seed(s % 2**32)
-                random.seed(s)
+                seed_rngs(self._context.worker_seed)
         return self._context
 
     def _epoch_order(self, epoch: int) -> EpochOrder:
