@@ -159,13 +159,16 @@ class PlannedBatches(Dataset[Delivery]):
         for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(item_ids)])), strict=True):
             samples.extend(self._read_run(self.items[int(item_ids[lo])], indices[lo:hi], task.positions[lo:hi], ctx))
         if self.transform is not None:
+            transform = self._transform  # the per-sample loop is the hot path: plain ints, no lookups
             samples = [
-                self._transform(s, SampleContext(ctx, int(p), int(i), int(j)))
-                for s, p, i, j in zip(samples, task.positions, item_ids, indices, strict=True)
+                transform(s, SampleContext(ctx, p, i, j))
+                for s, p, i, j in zip(
+                    samples, task.positions.tolist(), item_ids.tolist(), indices.tolist(), strict=True
+                )
             ]
-        bad = np.array([isinstance(s, _Failed) for s in samples], dtype=bool)
-        if not bad.any():
+        if _Failed not in map(type, samples):
             return self.collate_fn(samples), task.epoch, task.positions, task.num_padding, _NO_POSITIONS
+        bad = np.array([isinstance(s, _Failed) for s in samples], dtype=bool)
         return self._without_failed(task, samples, bad)
 
     def _read_run(

@@ -61,7 +61,7 @@ class ShardContext:
         return derive_seed(self.seed, _WORKER_SEEDS, self.epoch, self.rank, self.worker_id)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per sample: slots make it cheap to build
 class SampleContext:
     """What a per-sample transform gets: the shard context and the sample's identity.
 
