@@ -34,7 +34,7 @@ from lightning_sharding._distributed import all_true, cpu_group, gather_counts
 from lightning_sharding.dispatcher import POLL_SECONDS, Chunk, End, Failure, SourceError, Spec, deal, failure_message
 from lightning_sharding.dispatcher import run_dispatcher as _run_dispatcher
 from lightning_sharding.ledger import Ledger
-from lightning_sharding.loader import Provenance, Transform, flag_padding, pop_delivered, seed_rngs
+from lightning_sharding.loader import Provenance, SampleError, Transform, flag_padding, pop_delivered, seed_rngs
 from lightning_sharding.plan import EpochPlan, plan_epoch
 from lightning_sharding.sources import Source
 from lightning_sharding.world import SampleContext, ShardContext, World
@@ -96,9 +96,25 @@ def make_batch(chunk: Chunk, ctx: ShardContext, transform: Transform | None, col
     """Transform every element of ``chunk`` (with its :class:`SampleContext`) and collate them."""
     elements = chunk.elements
     if transform is not None:
-        pairs = zip(elements, chunk.positions.tolist(), strict=True)
-        elements = [transform(e, SampleContext(ctx, p, 0, p)) for e, p in pairs]
-    return collate_fn(elements)
+        elements = [_transform(transform, e, ctx, p) for e, p in zip(elements, chunk.positions.tolist(), strict=True)]
+    try:
+        return collate_fn(elements)
+    except Exception as err:
+        raise SampleError(
+            f"rank {ctx.rank}, worker {ctx.worker_id}: collate_fn failed on the batch of positions "
+            f"{chunk.positions.tolist()} (epoch {ctx.epoch}): {type(err).__name__}: {err}"
+        ) from err
+
+
+def _transform(transform: Transform, element: Any, ctx: ShardContext, position: int) -> Any:
+    try:
+        return transform(element, SampleContext(ctx, position, 0, position))
+    except Exception as err:
+        raise SampleError(
+            f"rank {ctx.rank}, worker {ctx.worker_id}: the transform failed on the element at position {position} "
+            f"of epoch {ctx.epoch}: {type(err).__name__}: {err}. Fix the source's data or the transform "
+            "(strategy 'dispatch' cannot skip elements)."
+        ) from err
 
 
 class DispatchedBatches(Dataset[tuple[str, int, npt.NDArray[np.int64], int, Any]]):

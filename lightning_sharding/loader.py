@@ -86,6 +86,42 @@ def seed_rngs(seed: int) -> None:
     random.seed(seed)
 
 
+def structure(sample: Any) -> Any:
+    """A hashable summary of a sample's layout: the shape and dtype of every array, the type of the rest."""
+    if isinstance(sample, Mapping):
+        return ("dict", tuple((str(k), structure(v)) for k, v in sample.items()))
+    if isinstance(sample, (list, tuple)):
+        return ("seq", tuple(structure(v) for v in sample))
+    if isinstance(sample, (torch.Tensor, np.ndarray)):
+        return ("array", tuple(sample.shape), str(sample.dtype))
+    return ("type", type(sample).__name__)
+
+
+def describe_structure(layout: Any) -> str:
+    """``structure(sample)`` as text, e.g. ``{'x': shape (8,) float32, 'id': int}``."""
+    kind = layout[0]
+    if kind == "dict":
+        return "{" + ", ".join(f"{k!r}: {describe_structure(v)}" for k, v in layout[1]) + "}"
+    if kind == "seq":
+        return "(" + ", ".join(describe_structure(v) for v in layout[1]) + ")"
+    if kind == "array":
+        return f"shape {layout[1]} {layout[2]}"
+    return str(layout[1])
+
+
+def difference(layout: Any, common: Any) -> str:
+    """How sample layout ``layout`` differs from ``common``, naming the fields of dict samples."""
+    if layout[0] == common[0] == "dict":
+        mine, theirs = dict(layout[1]), dict(common[1])
+        return "; ".join(
+            f"field {key!r} is {describe_structure(mine[key]) if key in mine else 'missing'}, "
+            f"the other samples' is {describe_structure(theirs[key]) if key in theirs else 'missing'}"
+            for key in dict.fromkeys([*mine, *theirs])
+            if mine.get(key) != theirs.get(key)
+        )
+    return f"it is {describe_structure(layout)}, the other samples are {describe_structure(common)}"
+
+
 def _pass_through(data: Any) -> Any:
     return data
 
@@ -166,10 +202,54 @@ class PlannedBatches(Dataset[Delivery]):
                     samples, task.positions.tolist(), item_ids.tolist(), indices.tolist(), strict=True
                 )
             ]
-        if _Failed not in map(type, samples):
-            return self.collate_fn(samples), task.epoch, task.positions, task.num_padding, _NO_POSITIONS
-        bad = np.array([isinstance(s, _Failed) for s in samples], dtype=bool)
-        return self._without_failed(task, samples, bad)
+        while True:  # each pass marks at least one more misfit as failed, or raises
+            try:
+                if _Failed not in map(type, samples):
+                    return self.collate_fn(samples), task.epoch, task.positions, task.num_padding, _NO_POSITIONS
+                bad = np.array([isinstance(s, _Failed) for s in samples], dtype=bool)
+                return self._without_failed(task, samples, bad)
+            except SampleError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a collate failure: name the sample that does not fit
+                for i, failure in self._misfits(samples, err, task, item_ids, indices, ctx):
+                    samples[i] = _Failed(str(failure))
+
+    def _misfits(
+        self,
+        samples: list[Any],
+        err: Exception,
+        task: BatchTask,
+        item_ids: npt.NDArray[np.int64],
+        indices: npt.NDArray[np.int64],
+        ctx: ShardContext,
+    ) -> list[tuple[int, SampleError]]:
+        """The samples whose shapes or dtypes differ from the rest of the batch, which ``collate_fn``
+        could not stack (``err``); raises unless ``on_error="skip"`` or when none differs."""
+        shapes = [None if isinstance(s, _Failed) else structure(s) for s in samples]
+        counts: dict[Any, int] = {}
+        for shape in shapes:
+            if shape is not None:
+                counts[shape] = counts.get(shape, 0) + 1
+        common = max(counts, key=lambda k: counts[k]) if counts else None
+        odd = [i for i, shape in enumerate(shapes) if shape is not None and shape != common]
+        if not odd:
+            keys = sorted({self.items[int(k)].key for k in item_ids})
+            raise SampleError(
+                f"collate_fn failed on batch {task.index} (epoch {task.epoch}, items {keys}, rank {ctx.rank}, "
+                f"worker {ctx.worker_id}): {type(err).__name__}: {err}"
+            ) from err
+        out = []
+        for i in odd:
+            failure = SampleError(
+                f"sample {int(indices[i])} of item {self.items[int(item_ids[i])].key!r} (epoch {task.epoch}, "
+                f"position {int(task.positions[i])}, rank {ctx.rank}, worker {ctx.worker_id}) does not fit in a "
+                f"batch with the others: {difference(shapes[i], common)} ({type(err).__name__}: {err}). "
+                "Fix or remove the data, or pass on_error='skip' to skip bad samples (counted and reported)."
+            )
+            if self.on_error == "raise":
+                raise failure from err
+            out.append((i, failure))
+        return out
 
     def _read_run(
         self, item: Item, indices: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], ctx: ShardContext
@@ -191,7 +271,11 @@ class PlannedBatches(Dataset[Delivery]):
             return self.reader.read(item, index, ctx)
         except Exception as err:
             if is_transient(err):  # storage down beyond the retry budget is not bad data: never skip it
-                raise SampleError(f"cannot read item {item.key!r}: {err}") from err
+                raise SampleError(
+                    f"cannot read item {item.key!r} (rank {ctx.rank}, worker {ctx.worker_id}): the storage "
+                    f"failed beyond the retry budget: {err}. No sample of this batch counts as consumed; once "
+                    "the storage is back, resume from the last checkpoint (or raise the reader's retry=RetryPolicy)."
+                ) from err
             failure = SampleError(
                 f"cannot read sample {index} of item {item.key!r} (epoch {ctx.epoch}, position {position}, "
                 f"rank {ctx.rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}. "

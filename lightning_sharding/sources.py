@@ -121,6 +121,8 @@ class SqliteSource(Source):
         try:
             params = {k: 0 for k in self._params(None)}
             return int(con.execute(f"SELECT COUNT(*) FROM ({self.query})", params).fetchone()[0])
+        except sqlite3.DatabaseError as err:  # a corrupt file or a query that does not fit it
+            raise ValueError(f"SqliteSource({self.path!r}): cannot run the query on this database: {err}") from err
         finally:
             con.close()
 

@@ -98,12 +98,6 @@ def test_an_abandoned_or_failed_epoch_unlinks_its_segments(tmp_path: Path) -> No
     assert shm_files() - before == set()
 
 
-def test_more_ranks_than_items_is_an_error_naming_the_items(tmp_path: Path) -> None:
-    paths = write_months(tmp_path, [30, 30])
-    with pytest.raises(ValueError, match=r"3 ranks but only 2 items with windows \('.*month-00\.npy', '.*month-01"):
-        build(paths, rank=0, world_size=3, num_workers=0)
-
-
 def test_a_transform_runs_per_window_with_its_sample_context(tmp_path: Path) -> None:
     paths = write_months(tmp_path, [20, 20])
     loader = build(paths, num_workers=0, transform=add_position, batch_size=5)

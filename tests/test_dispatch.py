@@ -90,11 +90,6 @@ def test_a_source_without_length_needs_the_sync_policy(tmp_path: Path) -> None:
         DispatchLoader(TcpStream(1), ledger, world=World(), batch_size=4, even_batches="pad")
 
 
-def test_an_unknown_strategy_names_the_value_and_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"strategy='dispatcher'.*\['shard', 'broadcast', 'dispatch'\]"):
-        ShardedDataModule(strategy="dispatcher")
-
-
 def test_a_query_without_order_by_is_refused(db: Path) -> None:
     with pytest.raises(ValueError, match="needs an ORDER BY"):
         SqliteSource(db, "SELECT id FROM samples")

@@ -4,7 +4,6 @@ resume inside an item reads only what it needs, and bad input is named."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import tarfile
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from lightning_sharding import Ledger, Manifest, SampleError, ShardedLoader, World
+from lightning_sharding import Ledger, Manifest, ShardedLoader, World
 from lightning_sharding.datasets import FORMATS, to_regression, write_regression
 from lightning_sharding.readers import FILE_READERS, JsonlReader, NpyReader, ParquetReader, TarReader
 from lightning_sharding.storage import RetryPolicy, with_retries
@@ -195,29 +194,7 @@ def test_resuming_inside_an_item_reads_only_what_is_left(tmp_path: Path, fmt: st
     assert manifest.total == 256
 
 
-# -- bad input is named ---------------------------------------------------------------------------
-
-
-def test_a_missing_file_and_an_empty_glob_are_named(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nope.tar"):
-        TarReader(str(tmp_path / "nope.tar"), cache_dir=tmp_path).items()
-    with pytest.raises(FileNotFoundError, match=r"no file matches .*\*\.parquet"):
-        ParquetReader(str(tmp_path / "*.parquet"), cache_dir=tmp_path).items()
-
-
-def test_a_truncated_npy_names_the_file_and_both_sizes(tmp_path: Path) -> None:
-    np.save(tmp_path / "a.npy", np.zeros((100, 4), dtype=np.float32))
-    data = (tmp_path / "a.npy").read_bytes()
-    (tmp_path / "a.npy").write_bytes(data[:-10])
-    with pytest.raises(ValueError, match=r"a\.npy.*truncated.*\(100, 4\).*1728 bytes.*1718"):
-        NpyReader(str(tmp_path / "a.npy"), cache_dir=tmp_path / "c").items()
-
-
-def test_a_truncated_parquet_file_is_named(tmp_path: Path) -> None:
-    (url,) = write_regression(str(tmp_path), "parquet", [100])
-    Path(url).write_bytes(Path(url).read_bytes()[:-100])
-    with pytest.raises(ValueError, match=r"part-00000\.parquet: cannot index this parquet file"):
-        ParquetReader(url, cache_dir=tmp_path / "c").items()
+# -- bad samples under on_error='skip' (every bad-input case: tests/test_bad_input.py) -------------
 
 
 def corrupt_tar_member(url: str, key: str) -> None:
@@ -227,25 +204,6 @@ def corrupt_tar_member(url: str, key: str) -> None:
     with open(url, "r+b") as f:
         f.seek(member.offset_data)
         f.write(b"\xff" * member.size)
-
-
-def test_a_corrupt_tar_member_names_the_url_the_item_and_the_sample(tmp_path: Path) -> None:
-    (url,) = write_regression(str(tmp_path), "tar", [30])
-    corrupt_tar_member(url, "sample00000011")
-    reader = TarReader(url, cache_dir=tmp_path / "c")
-    with pytest.raises(SampleError) as err:
-        serve_epoch(reader, shuffle=False)
-    message = str(err.value)
-    assert "cannot read sample 11 of item" in message and url in message and "sample00000011" in message
-
-
-def test_a_sample_missing_a_field_the_transform_needs_is_named(tmp_path: Path) -> None:
-    (url,) = write_regression(str(tmp_path), "jsonl", [5])
-    lines = Path(url).read_text().splitlines()
-    lines[3] = json.dumps({"id": 3, "y": 0.0})  # no "x"
-    Path(url).write_text("\n".join(lines) + "\n")
-    with pytest.raises(SampleError, match=r"transform failed on sample 3 of item '.*part-00000.jsonl'.*KeyError: 'x'"):
-        serve_epoch(JsonlReader(url, cache_dir=tmp_path / "c"), shuffle=False)
 
 
 def test_on_error_skip_counts_bad_samples_keeps_batches_full_and_serves_the_rest_once(tmp_path: Path) -> None:
@@ -286,10 +244,3 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not() -> None:
     assert len(denied) == 1
     with pytest.raises(OSError, match="reading z failed after 2 attempts"):
         with_retries(lambda: (_ for _ in ()).throw(TimeoutError("slow")), "reading z", RetryPolicy(2, 0.001))
-
-
-def test_on_error_skip_is_refused_by_strategies_that_cannot_fill_a_batch() -> None:
-    from lightning_sharding import ShardedDataModule, SyntheticReader
-
-    with pytest.raises(ValueError, match=r"on_error='skip'\)` works with strategy='shard' only, not 'broadcast'"):
-        ShardedDataModule(SyntheticReader(), strategy="broadcast", on_error="skip")

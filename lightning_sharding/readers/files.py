@@ -148,6 +148,12 @@ class FileReader(Reader):
         """The options that change how a file is indexed (part of the cache name and fingerprint)."""
         return ""
 
+    def check_indexes(self, files: Sequence[FileInfo], indexes: Sequence[FileIndex]) -> None:
+        """Check that the files agree with each other (same row shape...); raise naming the odd one.
+
+        Runs before the listing is cached, so a listing that failed it is checked again next time.
+        """
+
     @abstractmethod
     def scan(self, info: FileInfo) -> FileIndex:
         """Index one file: its items, their sample counts and the offsets needed to seek."""
@@ -183,6 +189,7 @@ class FileReader(Reader):
         with ThreadPoolExecutor(max_workers=min(self.scan_threads, len(files))) as pool:
             indexes = list(pool.map(index, files))
         progress.done()
+        self.check_indexes(files, indexes)
         self.last_scan = {"files": len(files), "scanned": scanned, "cached": len(files) - scanned}
         items: list[Item] = []
         for info, idx in zip(files, indexes, strict=True):

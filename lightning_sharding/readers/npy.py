@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,21 @@ class NpyReader(FileReader):
             "dtype": np.array([dtype.str]),
         }
         return FileIndex([""], [int(count)], [arrays])
+
+    def check_indexes(self, files: Sequence[FileInfo], indexes: Sequence[FileIndex]) -> None:
+        """Every file's rows must have the first file's shape and dtype: batches stack rows of many files."""
+        first = None
+        for info, idx in zip(files, indexes, strict=True):
+            arrays = idx.arrays[0]
+            layout = (tuple(int(n) for n in arrays["row_shape"]), np.dtype(str(arrays["dtype"][0])))
+            if first is None:
+                first = (info.url, layout)
+            elif layout != first[1]:
+                raise ValueError(
+                    f"{info.url}: holds rows of shape {layout[0]} and dtype {layout[1]}, but the first file "
+                    f"{first[0]} holds rows of shape {first[1][0]} and dtype {first[1][1]}; every file must "
+                    "have the same row shape and dtype (convert it, or read the two kinds with two readers)"
+                )
 
     def _array(self, url: str) -> np.ndarray[Any, Any] | None:
         """A read-only memory map of a local file (``None`` for remote files)."""
