@@ -285,7 +285,11 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "dispatch_schema": DispatchSharding,
     },
     "trainer": {"trainer_schema": TrainerConfig},
-    "model": {"regressor_schema": RegressorModel, "forecaster_schema": ForecasterModel, "token_model_schema": TokenModel},
+    "model": {
+        "regressor_schema": RegressorModel,
+        "forecaster_schema": ForecasterModel,
+        "token_model_schema": TokenModel,
+    },
     "callbacks": {"callbacks_schema": CallbacksConfig},
     "logger": {"logger_schema": LoggerConfig},
 }
@@ -350,7 +354,9 @@ def check_config(cfg: DictConfig) -> None:
             f"choose one of {list(allowed)}" + ("" if strategy == "dispatch" else " (sync needs sharding=dispatch)")
         )
     if data.batch_size < 1 or data.num_workers < 0:
-        raise ConfigError(f"data.batch_size={data.batch_size} must be >= 1 and data.num_workers={data.num_workers} >= 0")
+        raise ConfigError(
+            f"data.batch_size={data.batch_size} must be >= 1 and data.num_workers={data.num_workers} >= 0"
+        )
     total = OmegaConf.to_object(data).known_total() if feeds is not None else None  # type: ignore[union-attr]
     if total is not None:
         check_batch_size(cfg, total)

@@ -90,7 +90,7 @@ def trainer_options(cfg: DictConfig) -> dict[str, Any]:
     """``cfg.trainer`` as ``pl.Trainer`` keyword arguments (unset optional ones left out)."""
     options = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(options, dict)
-    return {key: value for key, value in options.items() if value is not None}
+    return {str(key): value for key, value in options.items() if value is not None}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -128,9 +128,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
-    overridden = any(o.split("=", 1)[0].lstrip("+~") == "out_dir" for o in hydra_cfg.overrides.task)
-    if hydra_cfg.mode == RunMode.MULTIRUN and not overridden:
-        cfg.out_dir = hydra_cfg.runtime.output_dir  # each job of a sweep keeps its checkpoints apart
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # each job of a sweep keeps its checkpoints and logs apart
+        cfg.out_dir = hydra_cfg.runtime.output_dir  # <out_dir>/multirun/<date>_<time>/<job number>
     run(cfg)
 
 

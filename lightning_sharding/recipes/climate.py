@@ -92,6 +92,6 @@ def months(
     if shape != (variables,):
         raise ValueError(
             f"data.variables={variables} (the model's model.variables) does not match {files[0]}, whose steps "
-            f"have shape {shape}: set data.variables to the number of values per step (files must be (steps, variables))"
+            f"have shape {shape}: set data.variables to the values per step (files are (steps, variables))"
         )
     return datamodule(options, sharding, reader=reader, audit_dir=audit_dir)

@@ -76,7 +76,9 @@ class TokenModel(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.embed = torch.nn.Embedding(vocab_size, width)
-        self.head = torch.nn.Sequential(torch.nn.Linear(2 * width, width), torch.nn.ReLU(), torch.nn.Linear(width, vocab_size))
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(2 * width, width), torch.nn.ReLU(), torch.nn.Linear(width, vocab_size)
+        )
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -50,6 +50,8 @@ def sqlite_rows(
 ) -> ShardedDataModule:
     """``data=sqlite``: rows of ``query`` on the database ``path`` (generated when ``path`` is empty)."""
     if not path:
-        where = generated(options["cache_dir"], f"sqlite-{rows}x{dim}", lambda d: write_table(d / "samples.db", rows, dim))
+        where = generated(
+            options["cache_dir"], f"sqlite-{rows}x{dim}", lambda d: write_table(d / "samples.db", rows, dim)
+        )
         path = str(where / "samples.db")
     return datamodule(options, sharding, source=SqliteSource(path, query), transform=decode, audit_dir=audit_dir)

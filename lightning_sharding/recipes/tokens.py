@@ -54,9 +54,7 @@ def token_files(
 
     if not urls:
         name = f"tokens-{num_files}x{tokens_per_file}-v{vocab_size}"
-        where = generated(
-            options["cache_dir"], name, lambda d: write_tokens(d, num_files, tokens_per_file, vocab_size)
-        )
+        where = generated(options["cache_dir"], name, lambda d: write_tokens(d, num_files, tokens_per_file, vocab_size))
         urls = [str(where / "tokens-*.npy")]
     reader = NpyReader(
         list(urls),
