@@ -1,86 +1,121 @@
-"""The train entry point: ``python -m lightning_sharding.train`` or ``lightning-sharding-train``.
+"""The train entry point: ``lightning-sharding-train`` or ``python -m lightning_sharding.train``.
 
 A thin ``@hydra.main`` around :func:`run`, which tests call directly with a composed config.
-The default job trains a small regression model on the built-in synthetic data set and prints the
-data summary (epochs, samples consumed, padding, throughput) when it ends.
+``recipe=NAME`` picks a packaged recipe (``lightning_sharding/conf/recipe/NAME.yaml``); the default
+job trains a small regression model on the built-in synthetic data set and prints the data
+summary (epochs, samples consumed, padding, throughput) when it ends.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import sys
 from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
-from lightning_sharding.config import CONF_DIR, build_reader, register_configs
+from lightning_sharding.config import (
+    CONF_DIR,
+    ConfigError,
+    check_batch_size,
+    check_config,
+    register_configs,
+    resolve_ckpt_path,
+)
 from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.recipes.models import Regressor
+
+__all__ = ["CONF_DIR", "Regressor", "build_callbacks", "build_datamodule", "main", "run"]
 
 
-class Regressor(pl.LightningModule):
-    """A two-layer MLP for the synthetic data's ``{"x", "y"}`` samples."""
+def build_datamodule(cfg: DictConfig) -> ShardedDataModule:
+    """Instantiate ``cfg.data`` with the ``sharding`` options and the audit directory."""
+    sharding = OmegaConf.to_container(cfg.sharding, resolve=True)
+    audit_dir = cfg.audit.dir if cfg.audit.enabled else None
+    dm = instantiate(cfg.data, sharding=sharding, audit_dir=audit_dir, _convert_="all")
+    if not isinstance(dm, ShardedDataModule):
+        raise ConfigError(f"data._target_={cfg.data._target_} returned {type(dm).__name__}, not a ShardedDataModule")
+    return dm
 
-    def __init__(self, dim: int, hidden: int, learning_rate: float) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Mean squared error of the prediction of ``y`` from ``x``."""
-        loss = torch.nn.functional.mse_loss(self.net(batch["x"]).squeeze(-1), batch["y"])
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+def _check_data(cfg: DictConfig, dm: ShardedDataModule) -> None:
+    """The checks that need the data itself: windows for broadcast, a reachable batch size."""
+    from lightning_sharding.readers.windows import WindowedReader
+    from lightning_sharding.sources import UNKNOWN_LENGTH
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Plain SGD."""
-        return torch.optim.SGD(self.parameters(), lr=self.hparams["learning_rate"])
+    if dm.strategy == "broadcast" and not isinstance(dm._reader, WindowedReader):
+        raise ConfigError(
+            f"sharding.strategy='broadcast' needs a reader that can window, but data._target_={cfg.data._target_} "
+            f"built a {type(dm._reader).__name__}: use sharding=shard, or a WindowedReader (data=months)"
+        )
+    if dm.source is not None:
+        length = dm.source.length()
+        total = UNKNOWN_LENGTH if length is None else length
+    else:
+        total = sum(item.num_samples for item in dm.make_reader().items())
+    check_batch_size(cfg, total)
+
+
+def build_callbacks(cfg: DictConfig) -> tuple[ShardingCallback, list[pl.Callback]]:
+    """The summary callback, and every callback the trainer gets (checkpoints if enabled)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    c = cfg.callbacks
+    sharding = ShardingCallback(print_summary=c.print_summary, log_every_n_steps=c.log_every_n_steps)
+    callbacks: list[pl.Callback] = [sharding, ReleaseProcessGroup()]
+    if c.checkpoint:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=c.dirpath,
+                every_n_train_steps=c.every_n_train_steps,
+                save_top_k=c.save_top_k,
+                save_last=c.save_last,
+            )
+        )
+    return sharding, callbacks
+
+
+def build_logger(cfg: DictConfig) -> Any:
+    """The configured Lightning logger, or ``False`` for ``logger=none``."""
+    if not cfg.logger.get("_target_"):
+        return False
+    return instantiate(cfg.logger)
+
+
+def trainer_options(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.trainer`` as ``pl.Trainer`` keyword arguments (unset optional ones left out)."""
+    options = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(options, dict)
+    return {str(key): value for key, value in options.items() if value is not None}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; returns ``{"epochs": [...reports...], "world_size": ..., ...}``."""
-    d = cfg.data
-    reader, transform = build_reader(d)
-    dm = ShardedDataModule(
-        reader,
-        transform=transform,
-        on_error=d.on_error,
-        batch_size=d.batch_size,
-        num_workers=d.num_workers,
-        seed=d.seed,
-        shuffle=d.shuffle,
-        even_batches=d.even_batches,
-        persistent_workers=d.persistent_workers and d.num_workers > 0,
-        multiprocessing_context=d.multiprocessing_context,
-        audit_dir=cfg.audit.dir if cfg.audit.enabled else None,
-    )
-    sharding = ShardingCallback()
-    callbacks: list[pl.Callback] = [sharding, ReleaseProcessGroup()]
-    if cfg.checkpoint_every_n_steps:
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=Path(cfg.out_dir) / "checkpoints",
-                every_n_train_steps=cfg.checkpoint_every_n_steps,
-                save_top_k=-1,
-                save_last=True,
-            )
-        )
+    """Train as ``cfg`` says; returns ``{"epochs": [...reports...], "world_size", "global_rank", "seed",
+    "ckpt_path"}``. Bad combinations of options fail here, before any data is read."""
+    check_config(cfg)
+    ckpt_path = resolve_ckpt_path(cfg)
+    dm = build_datamodule(cfg)
+    _check_data(cfg, dm)
+    model = instantiate(cfg.model, _convert_="all")
+    sharding, callbacks = build_callbacks(cfg)
     trainer = pl.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]
+        **trainer_options(cfg),
         callbacks=callbacks,
         default_root_dir=cfg.out_dir,
-        logger=False,
-        enable_checkpointing=bool(cfg.checkpoint_every_n_steps),
+        logger=build_logger(cfg),
+        enable_checkpointing=bool(cfg.callbacks.checkpoint),
     )
-    trainer.fit(Regressor(d.dim, cfg.hidden, cfg.learning_rate), datamodule=dm, ckpt_path=cfg.ckpt_path)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return {
         "epochs": sharding.summary(),
         "world_size": trainer.world_size,
         "global_rank": trainer.global_rank,
         "seed": dm.seed,
+        "ckpt_path": ckpt_path,
     }
 
 
@@ -89,11 +124,20 @@ register_configs()
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # each job of a sweep keeps its checkpoints and logs apart
+        cfg.out_dir = hydra_cfg.runtime.output_dir  # <out_dir>/multirun/<date>_<time>/<job number>
     run(cfg)
 
 
 def main() -> None:
-    """Console-script entry."""
+    """Console-script entry. Puts the working directory on ``sys.path`` (as ``python -m`` does), so
+    a recipe's ``_target_`` may name a module next to it."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     _hydra_main()
 
 

@@ -1,99 +1,179 @@
-"""The Hydra entry: compose the real config, run the main job, refuse misspelt keys."""
+"""The train entry: every recipe end to end with a tiny budget, resume with ckpt_path=last, and the
+launchers (python with multirun, Lightning's DDP launcher, torchrun)."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig
 
 from lightning_sharding.train import CONF_DIR, run
+from tests.harness import ROOT, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
+QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "logger=none"]
+# Tiny data for each recipe: (overrides, samples per epoch).
+TINY: dict[str, tuple[list[str], int]] = {
+    "climate": (
+        ["data.months=3", "data.steps_per_month=100", "data.window=8", "data.stride=4", "data.batch_size=8"],
+        74,
+    ),
+    "tokens": (["data.num_files=2", "data.tokens_per_file=1000", "data.sample_length=15", "data.batch_size=8"], 124),
+    "stream": (["data.rows=120", "data.batch_size=16"], 120),
+    "webdataset": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
+    "parquet": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
+    "npy": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
+    "jsonl": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
+}
 
-def test_run_trains_the_synthetic_job_and_reports_every_epoch(tmp_path: Path) -> None:
-    overrides = [
-        "data.num_items=4",
-        "data.samples_per_item=50",
-        "data.batch_size=16",
-        "data.num_workers=0",
-        "data.seed=3",
-        "trainer.enable_progress_bar=false",
-        f"out_dir={tmp_path}",
-    ]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(config_name="train", overrides=overrides)
-    result = run(cfg)
+
+def make(tmp_path: Path, *overrides: str, config_dir: str = CONF_DIR, name: str = "train") -> DictConfig:
+    common = [f"out_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", *QUIET]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(name, overrides=[*common, *overrides])
+
+
+def test_the_main_job_trains_the_synthetic_set_and_reports_every_epoch(tmp_path: Path) -> None:
+    overrides = ["data.num_items=4", "data.samples_per_item=50", "data.batch_size=16", "data.num_workers=0"]
+    result = run(make(tmp_path, *overrides, "data.seed=3"))
     assert [e["consumed"] for e in result["epochs"]] == [200, 200]
     assert result["seed"] == 3 and result["world_size"] == 1
-
-
-@pytest.mark.parametrize(
-    ("override", "key"), [("data.batch_sise=8", "batch_sise"), ("data.num_workers=two", "num_workers")]
-)
-def test_a_misspelt_key_or_wrong_type_fails_at_compose_time(override: str, key: str) -> None:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        with pytest.raises(ConfigCompositionException) as err:
-            compose(config_name="train", overrides=[override])
-    assert key in str(err.value) + str(err.value.__cause__)
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
 
 
 @pytest.mark.processes
-def test_the_console_entry_prints_the_summary(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_sharding.train",
-        "data.num_items=3",
-        "data.samples_per_item=40",
+@pytest.mark.parametrize("recipe", sorted(TINY))
+def test_every_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str) -> None:
+    overrides, total = TINY[recipe]
+    # One spawned worker for the strategies with processes of their own, in-process for the rest (time).
+    workers = ["data.num_workers=1", "data.multiprocessing_context=spawn"] if recipe == "climate" else []
+    workers = workers or ["data.num_workers=0"]
+    cfg = make(tmp_path, f"recipe={recipe}", *overrides, *workers, "trainer.max_epochs=1", "data.seed=5")
+    result = run(cfg)
+    assert [e["consumed"] for e in result["epochs"]] == [total]
+    assert list((tmp_path / "cache" / "datasets").iterdir()), "the recipe wrote no data set"
+
+
+@pytest.mark.processes
+def test_webdataset_s3_reads_tar_shards_from_a_bucket(tmp_path: Path, s3_server) -> None:  # type: ignore[no-untyped-def]
+    from lightning_sharding.datasets import write_regression
+
+    bucket = s3_server.bucket("shards")
+    write_regression(f"{bucket}/train", "tar", [40, 40, 40], dim=16, storage_options=s3_server.storage_options)
+    overrides = [
+        "recipe=webdataset_s3",
+        f"data.urls=[{bucket}/train/part-*.tar]",
+        f"data.endpoint_url={s3_server.endpoint}",
+        "+data.storage_options={key: testing, secret: testing, client_kwargs: {region_name: us-east-1}}",
+        "data.batch_size=16",
         "data.num_workers=1",
         "data.multiprocessing_context=spawn",
         "trainer.max_epochs=1",
-        "trainer.enable_progress_bar=false",
-        f"out_dir={tmp_path}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "lightning_sharding summary" in proc.stdout
-    assert "      120       120" in proc.stdout  # samples and consumed of epoch 0
+    result = run(make(tmp_path, *overrides))
+    assert [e["consumed"] for e in result["epochs"]] == [120]
+    assert not (tmp_path / "cache" / "datasets").exists(), "given urls, nothing is generated"
 
 
 @pytest.mark.processes
-def test_the_ddp_cpu_recipe_runs_on_two_ranks(tmp_path: Path) -> None:
-    from tests.harness import ROOT, free_port
+def test_ckpt_path_last_resumes_the_run_on_another_number_of_workers(tmp_path: Path) -> None:
+    """tokens: stop after 4 steps (0 workers), resume from the newest checkpoint with 1 worker."""
+    overrides, total = TINY["tokens"]
+    first = make(tmp_path, "recipe=tokens", *overrides, "data.num_workers=0", "checkpoint_every_n_steps=2")
+    first.trainer.max_steps = 4
+    assert run(first)["epochs"][0]["consumed"] == 4 * 8
+    then = make(tmp_path, "recipe=tokens", *overrides, "ckpt_path=last", "data.num_workers=1")
+    then.data.multiprocessing_context = "spawn"
+    result = run(then)
+    assert result["ckpt_path"] == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert [e["consumed"] for e in result["epochs"]] == [total]  # the first 32 samples were not served again
+    assert result["epochs"][0]["served_this_run"] == total - 32
 
+
+def test_a_recipe_of_your_own_next_to_the_packaged_ones(tmp_path: Path) -> None:
+    """The README's 'Write your own recipe': copy a packaged recipe into my_conf/recipe/, edit it,
+    and point it at your files."""
+    import numpy as np
+
+    from lightning_sharding.recipes.climate import write_months
+
+    (tmp_path / "era5").mkdir()
+    write_months(tmp_path / "era5", months=2, steps=60, variables=4)
+    mine = tmp_path / "my_conf" / "recipe"
+    mine.mkdir(parents=True)
+    text = (Path(CONF_DIR) / "recipe" / "climate.yaml").read_text()
+    text = text.replace("  window: 48", f"  paths: [{tmp_path}/era5/*.npy]\n  variables: 4\n  window: 12")
+    (mine / "my_climate.yaml").write_text(text)
+    search = f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]"  # what --config-dir my_conf does
+    cfg = make(tmp_path, search, "recipe=my_climate", "data.batch_size=8", "data.num_workers=0", "trainer.max_epochs=1")
+    assert run(cfg)["epochs"][0]["consumed"] == (120 - 12) // 6 + 1
+    assert np.load(tmp_path / "era5" / "2000-01.npy").shape == (60, 4)
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _consumed(stdout: str, samples: int) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(rf"^\s+\d+\s+{samples}\s+(\d+)\s", stdout, flags=re.M)]
+
+
+@pytest.mark.processes
+def test_the_tokens_recipe_under_torchrun_on_two_ranks(tmp_path: Path) -> None:
+    overrides, total = TINY["tokens"]
+    env = _env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={env['MASTER_PORT']}"]
+    cmd += ["-m", "lightning_sharding.train", "recipe=tokens", "trainer=ddp_cpu", *overrides, "data.num_workers=0"]
+    cmd += [f"out_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", *QUIET]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "world 2 rank(s) x 0 worker(s)" in proc.stdout
+    assert "rank 0 = node 0 local 0 | rank 1 = node 0 local 1" in proc.stdout
+    assert _consumed(proc.stdout, total) == [total]
+
+
+@pytest.mark.processes
+def test_a_config_dir_of_your_own_under_lightnings_launcher(tmp_path: Path) -> None:
+    """recipes/ddp_cpu.yaml: 2 DDP ranks started by Lightning's own launcher (1 worker each, for time)."""
     cmd = [sys.executable, "-m", "lightning_sharding.train", "--config-dir", str(ROOT / "recipes")]
     cmd += ["--config-name", "ddp_cpu", "data.num_items=2", "data.samples_per_item=64", "trainer.max_epochs=1"]
-    cmd += ["data.multiprocessing_context=spawn", "trainer.enable_progress_bar=false", f"out_dir={tmp_path}"]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    cmd += ["data.num_workers=1", "data.multiprocessing_context=spawn", f"out_dir={tmp_path}", *QUIET]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "world 2 rank(s) x 2 worker(s)" in proc.stdout
-    assert "      128       128" in proc.stdout
+    assert "world 2 rank(s) x 1 worker(s)" in proc.stdout
+    assert _consumed(proc.stdout, 128) == [128]
 
 
-@pytest.mark.parametrize("recipe", ["webdataset", "parquet", "npy", "jsonl"])
-def test_every_reader_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str) -> None:
-    from tests.harness import ROOT
+@pytest.mark.processes
+def test_multirun_keeps_every_jobs_checkpoints_apart(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "lightning_sharding.train", "-m", "data.batch_size=8,16", "data.num_items=3"]
+    cmd += ["data.samples_per_item=40", "data.num_workers=0", "trainer.max_epochs=1", f"out_dir={tmp_path}", *QUIET]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_env())
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert _consumed(proc.stdout, 120) == [120, 120]
+    assert "batch 8," in proc.stdout and "batch 16," in proc.stdout
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    assert sorted(p.parent.parent.name for p in sweep.glob("*/checkpoints/last.ckpt")) == ["0", "1"]
+    assert not (tmp_path / "checkpoints").exists()
 
-    overrides = [
-        "data.num_items=3",
-        "data.samples_per_item=40",
-        "data.num_workers=0",
-        "data.batch_size=16",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "trainer.max_epochs=1",
-        "trainer.enable_progress_bar=false",
-        f"out_dir={tmp_path}",
-        f"hydra.searchpath=[file://{CONF_DIR}]",  # where a recipe's `defaults: [train]` comes from
-    ]
-    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base=None):
-        cfg = compose(config_name=recipe, overrides=overrides)
-    result = run(cfg)
-    assert [e["consumed"] for e in result["epochs"]] == [120]
-    assert list((tmp_path / "cache" / "datasets").iterdir()), "the recipe wrote no data set"
+
+def test_the_packaged_config_needs_no_repository(tmp_path: Path) -> None:
+    """recipe=NAME resolves from the installed package: a copy of the package alone composes it."""
+    copy = tmp_path / "site" / "lightning_sharding"
+    shutil.copytree(ROOT / "lightning_sharding", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    code = "from lightning_sharding.config import CONF_DIR; print(CONF_DIR)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    conf = Path(proc.stdout.strip())
+    assert conf == copy / "conf" and (conf / "recipe" / "climate.yaml").is_file()

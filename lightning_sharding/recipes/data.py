@@ -1,0 +1,114 @@
+"""Builders shared by every ``data`` option: the datamodule from loader options, generated data sets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.loader import Transform
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.sources import Source
+
+# The loader options of config.LoaderOptions that go to ShardedDataModule unchanged.
+_PASSED = ("batch_size", "num_workers", "seed", "shuffle", "even_batches", "multiprocessing_context", "on_error")
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    """``cache_dir``, or the readers' default cache (``$LIGHTNING_SHARDING_CACHE``, ``~/.cache/...``)."""
+    from lightning_sharding.readers.files import default_cache_dir
+
+    return Path(cache_dir) if cache_dir else default_cache_dir()
+
+
+def generated(cache_dir: str | None, name: str, write: Callable[[Path], object]) -> Path:
+    """The directory ``<cache>/datasets/<name>``, written once by ``write(directory)``.
+
+    ``write`` fills a private temporary directory that is renamed into place, so ranks and jobs
+    that start together never read a half-written set: the first rename wins, the others are
+    discarded.
+    """
+    final = cache_root(cache_dir) / "datasets" / name
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{name}.{uuid.uuid4().hex}")
+    tmp.mkdir()
+    try:
+        write(tmp)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def datamodule(
+    options: Mapping[str, Any],
+    sharding: Mapping[str, Any],
+    *,
+    reader: Reader | None = None,
+    source: Source | None = None,
+    transform: Transform | None = None,
+    audit_dir: str | None = None,
+) -> ShardedDataModule:
+    """A :class:`ShardedDataModule` over ``reader`` (or ``source``) with the config's loader options."""
+    kwargs = {key: options[key] for key in _PASSED}
+    kwargs["persistent_workers"] = bool(options["persistent_workers"]) and options["num_workers"] > 0
+    strategy = dict(sharding)
+    return ShardedDataModule(reader, source=source, transform=transform, audit_dir=audit_dir, **kwargs, **strategy)
+
+
+def synthetic(
+    *,
+    num_items: int,
+    samples_per_item: int,
+    dim: int,
+    sharding: Mapping[str, Any],
+    audit_dir: str | None = None,
+    **options: Any,
+) -> ShardedDataModule:
+    """``data=synthetic``: the built-in regression set, computed on the fly (no files)."""
+    from lightning_sharding.readers.synthetic import SyntheticReader
+
+    reader = SyntheticReader(num_items, samples_per_item, dim)
+    return datamodule(options, sharding, reader=reader, audit_dir=audit_dir)
+
+
+def files(
+    *,
+    format: str,
+    urls: list[str] | None,
+    storage_options: Mapping[str, Any],
+    endpoint_url: str | None,
+    num_items: int,
+    samples_per_item: int,
+    dim: int,
+    sharding: Mapping[str, Any],
+    audit_dir: str | None = None,
+    **options: Any,
+) -> ShardedDataModule:
+    """``data=files``: files of one reader format; with no ``urls`` a regression set is generated."""
+    from lightning_sharding.datasets import FORMATS, to_regression, write_regression
+    from lightning_sharding.readers import FILE_READERS
+
+    if format not in FILE_READERS:
+        raise ValueError(f"data.format={format!r} is unknown; choose one of {list(FORMATS)}")
+    storage = dict(storage_options)
+    if endpoint_url:
+        storage["client_kwargs"] = {**storage.get("client_kwargs", {}), "endpoint_url": endpoint_url}
+    if not urls:
+
+        def write(directory: Path) -> None:
+            write_regression(str(directory), format, [samples_per_item] * num_items, dim=dim)
+
+        where = generated(options["cache_dir"], f"{format}-{num_items}x{samples_per_item}x{dim}", write)
+        urls = [str(where / f"part-*.{format}")]
+    reader = FILE_READERS[format](list(urls), storage_options=storage, cache_dir=cache_root(options["cache_dir"]))
+    return datamodule(options, sharding, reader=reader, transform=to_regression, audit_dir=audit_dir)

@@ -1,0 +1,170 @@
+"""Config groups: every option composes and instantiates; bad keys, types and combinations fail early."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig
+
+from lightning_sharding.config import CONF_DIR, ConfigError, check_config, resolve_ckpt_path
+from lightning_sharding.train import build_callbacks, build_datamodule, build_logger, run, trainer_options
+
+GROUPS = {
+    group: sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+    for group in ("data", "sharding", "trainer", "model", "callbacks", "logger", "recipe")
+}
+# The data option each sharding and model option goes with.
+PARTNER = {"broadcast": "months", "dispatch": "sqlite", "forecaster": "months", "token_model": "tokens"}
+
+
+def make(tmp_path: Path, *overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("train", overrides=[f"out_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+
+
+def test_every_group_has_its_options() -> None:
+    assert GROUPS["sharding"] == ["broadcast", "dispatch", "shard"]
+    assert GROUPS["trainer"] == ["cpu", "ddp_cpu", "gpu", "multi_node"]
+    assert {"climate", "webdataset_s3", "tokens", "stream"} <= set(GROUPS["recipe"])
+    assert all(GROUPS[g] for g in GROUPS)
+
+
+@pytest.mark.parametrize("option", GROUPS["data"])
+def test_every_data_option_builds_its_datamodule(tmp_path: Path, option: str) -> None:
+    sharding = {"months": "broadcast", "sqlite": "dispatch"}.get(option, "shard")
+    cfg = make(tmp_path, f"data={option}", f"sharding={sharding}")
+    check_config(cfg)
+    dm = build_datamodule(cfg)
+    assert dm.strategy == sharding and dm.batch_size == cfg.data.batch_size
+    if dm.source is not None:
+        assert dm.source.length() == cfg.data.rows
+    else:
+        assert sum(i.num_samples for i in dm.make_reader().items()) > 0  # generated, then listed
+
+
+@pytest.mark.parametrize("option", GROUPS["sharding"])
+def test_every_sharding_option_reaches_the_datamodule(tmp_path: Path, option: str) -> None:
+    cfg = make(tmp_path, f"sharding={option}", f"data={PARTNER.get(option, 'synthetic')}")
+    check_config(cfg)
+    assert build_datamodule(cfg).strategy == option
+
+
+@pytest.mark.parametrize("option", GROUPS["model"])
+def test_every_model_option_instantiates(tmp_path: Path, option: str) -> None:
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    cfg = make(tmp_path, f"model={option}", f"data={PARTNER.get(option, 'synthetic')}")
+    model = instantiate(cfg.model)
+    assert isinstance(model, pl.LightningModule) and sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("option", GROUPS["trainer"])
+def test_every_trainer_option_instantiates(tmp_path: Path, option: str) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    cfg = make(tmp_path, f"trainer={option}")
+    options = trainer_options(cfg)
+    if option == "gpu" and not torch.cuda.is_available():  # this machine: the options are right, Lightning refuses
+        assert options["accelerator"] == "gpu"
+        with pytest.raises(Exception, match="(?i)gpu|cuda"):
+            pl.Trainer(**options, logger=False)
+        return
+    trainer = pl.Trainer(**options, logger=False, enable_checkpointing=False)
+    assert trainer.num_nodes == cfg.trainer.num_nodes
+    assert trainer.num_devices == (cfg.trainer.devices if cfg.trainer.devices > 0 else trainer.num_devices)
+
+
+@pytest.mark.parametrize("option", GROUPS["callbacks"])
+def test_every_callbacks_option_instantiates(tmp_path: Path, option: str) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cfg = make(tmp_path, f"callbacks={option}")
+    _, callbacks = build_callbacks(cfg)
+    checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    assert len(checkpoints) == (1 if option == "default" else 0)
+    if checkpoints:
+        assert checkpoints[0].dirpath == str(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("option", GROUPS["logger"])
+def test_every_logger_option_instantiates(tmp_path: Path, option: str) -> None:
+    logger = build_logger(make(tmp_path, f"logger={option}"))
+    assert (logger is False) == (option == "none")
+    if logger:
+        assert Path(logger.save_dir) == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.batch_sise=8", "batch_sise"),
+        ("data.num_workers=two", "num_workers"),
+        ("sharding.prefetch_itmes=2", "prefetch_itmes"),
+        ("trainer.devices=many", "devices"),
+        ("model.hiden=3", "hiden"),
+        ("callbacks.checkpont=false", "checkpont"),
+        ("recipe=climate data.windo=4", "windo"),
+        ("recipe=climate sharding.prefetch_items=x", "prefetch_items"),
+        ("recipe=nope", "nope"),
+    ],
+)
+def test_a_misspelt_key_or_wrong_type_fails_at_compose_time(tmp_path: Path, override: str, key: str) -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        make(tmp_path, *override.split())
+    assert key in str(err.value) + str(err.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["sharding=broadcast"], ["sharding.strategy='broadcast'", "data=synthetic", "window"]),
+        (["data=files", "sharding=broadcast"], ["sharding.strategy='broadcast'", "data=files"]),
+        (["data=sqlite"], ["data=sqlite", "sharding.strategy='shard'"]),
+        (["sharding=dispatch"], ["sharding.strategy='dispatch'", "data=synthetic"]),
+        (["recipe=climate", "data.on_error=skip"], ["data.on_error='skip'", "sharding.strategy"]),
+        (["data.even_batches=sync"], ["data.even_batches='sync'", "sharding.strategy='shard'"]),
+        (["data.num_items=2", "data.samples_per_item=50", "data.batch_size=128"],
+         ["data.batch_size=128", "100 samples"]),
+        (["trainer=ddp_cpu", "data.num_items=1", "data.samples_per_item=100", "data.batch_size=64"],
+         ["data.batch_size=64", "trainer.devices=2", "50 per rank"]),
+    ],
+)  # fmt: skip
+def test_a_combination_that_cannot_work_names_both_keys(tmp_path: Path, overrides: list[str], named: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        check_config(make(tmp_path, *overrides))
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_a_reader_of_your_own_that_cannot_window_is_refused_for_broadcast(tmp_path: Path) -> None:
+    """An untyped data config (no schema) is checked once built: its reader is not a WindowedReader."""
+    overrides = ["sharding=broadcast", "data=files", "data.num_items=2", "data.samples_per_item=10"]
+    cfg = make(tmp_path, *overrides)
+    from omegaconf import OmegaConf
+
+    cfg.data = OmegaConf.create(OmegaConf.to_container(cfg.data))  # as a YAML without a schema
+    with pytest.raises(ConfigError, match=r"sharding.strategy='broadcast'.*TarReader"):
+        run(cfg)
+
+
+def test_ckpt_path_last_without_a_checkpoint_says_where_it_looked(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=f"ckpt_path=last: no checkpoint in {tmp_path / 'checkpoints'}"):
+        resolve_ckpt_path(make(tmp_path, "ckpt_path=last"))
+    with pytest.raises(FileNotFoundError, match="ckpt_path=nothing.ckpt: no such checkpoint file"):
+        resolve_ckpt_path(make(tmp_path, "ckpt_path=nothing.ckpt"))
+
+
+def test_ckpt_path_last_takes_the_newest_checkpoint(tmp_path: Path) -> None:
+    import os
+
+    where = tmp_path / "checkpoints"
+    where.mkdir()
+    for age, name in enumerate(["epoch=0-step=4.ckpt", "last.ckpt", "epoch=0-step=2.ckpt"]):
+        (where / name).write_bytes(b"")
+        os.utime(where / name, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
+    assert resolve_ckpt_path(make(tmp_path, "ckpt_path=last")) == str(where / "epoch=0-step=4.ckpt")
