@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import lightning.pytorch as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
 from lightning_sharding.config import (
     CONF_DIR,
     ConfigError,
@@ -26,14 +24,31 @@ from lightning_sharding.config import (
     register_configs,
     resolve_ckpt_path,
 )
-from lightning_sharding.datamodule import ShardedDataModule
-from lightning_sharding.recipes.models import Regressor
+
+# Lightning is imported inside the functions, not here: spawned processes (DataLoader workers, the
+# dispatch process, DALI's) re-import the main module, and `import lightning` costs seconds each.
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_sharding.callbacks import ShardingCallback
+    from lightning_sharding.datamodule import ShardedDataModule
+    from lightning_sharding.recipes.models import Regressor
 
 __all__ = ["CONF_DIR", "Regressor", "build_callbacks", "build_datamodule", "main", "run"]
 
 
+def __getattr__(name: str) -> Any:
+    if name == "Regressor":  # kept importable from here, loaded only when asked for
+        from lightning_sharding.recipes.models import Regressor
+
+        return Regressor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def build_datamodule(cfg: DictConfig) -> ShardedDataModule:
     """Instantiate ``cfg.data`` with the ``sharding`` options and the audit directory."""
+    from lightning_sharding.datamodule import ShardedDataModule
+
     sharding = OmegaConf.to_container(cfg.sharding, resolve=True)
     audit_dir = cfg.audit.dir if cfg.audit.enabled else None
     dm = instantiate(cfg.data, sharding=sharding, audit_dir=audit_dir, _convert_="all")
@@ -63,6 +78,8 @@ def _check_data(cfg: DictConfig, dm: ShardedDataModule) -> None:
 def build_callbacks(cfg: DictConfig) -> tuple[ShardingCallback, list[pl.Callback]]:
     """The summary callback, and every callback the trainer gets (checkpoints if enabled)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
 
     c = cfg.callbacks
     sharding = ShardingCallback(print_summary=c.print_summary, log_every_n_steps=c.log_every_n_steps)
@@ -96,6 +113,8 @@ def trainer_options(cfg: DictConfig) -> dict[str, Any]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns ``{"epochs": [...reports...], "world_size", "global_rank", "seed",
     "ckpt_path"}``. Bad combinations of options fail here, before any data is read."""
+    import lightning.pytorch as pl
+
     check_config(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
     dm = build_datamodule(cfg)
