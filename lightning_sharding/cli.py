@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
 
-from lightning_sharding.config import CONF_DIR
+from lightning_sharding.config import CONF_DIR, STRATEGIES
 from lightning_sharding.ledger import CHECKPOINT_KEY
 from lightning_sharding.plan import EVEN_BATCH_POLICIES
 from lightning_sharding.rangeset import RangeSet
@@ -24,11 +24,11 @@ from lightning_sharding.rangeset import RangeSet
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from lightning_sharding.manifest import Manifest
     from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import EpochPlan, EvenBatches, RankPlan
 
 PROG = "lightning-sharding"
-STRATEGIES = ("shard",)
 # World sizes above this print the first and last RANKS_SHOWN // 2 ranks only; likewise workers.
 MAX_RANKS = 16
 RANKS_SHOWN = 16
@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan",
         help="show which samples, batches and items each rank and worker gets",
-        description="Plan one epoch of the train config's synthetic data set for a topology and print, per "
-        "rank and per (rank, worker), the samples, batches, padding, dropped samples and items touched.",
+        description="Plan one epoch of the train config's data (any data option or recipe) for a topology and "
+        "print, per rank and per (rank, worker), the samples, batches, padding, dropped samples and items touched.",
         epilog=f"example: {PROG} plan data.num_items=16 data.samples_per_item=1000 --world-size 4 --workers 2",
     )
     plan.add_argument(
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--config-name", default="train", metavar="NAME", help="the recipe in --config-dir (default: train)"
     )
-    plan.add_argument("--strategy", choices=STRATEGIES, default="shard", help="sharding strategy (default shard)")
+    plan.add_argument("--strategy", choices=STRATEGIES, help="sharding strategy (default: sharding.strategy)")
     plan.add_argument("--plot", metavar="FILE.png", help="also draw the assignment into this image")
     plan.set_defaults(func=_plan)
 
@@ -185,9 +185,6 @@ def _first_line(err: BaseException) -> str:
 class _DataSettings:
     """What ``plan`` takes from the train config (its ``data`` group and the world size)."""
 
-    num_items: int
-    samples_per_item: int
-    dim: int
     batch_size: int
     seed: int
     shuffle: bool
@@ -202,9 +199,6 @@ def _data_settings(cfg: DictConfig) -> _DataSettings:
     try:
         data = cfg.data
         return _DataSettings(
-            num_items=int(data.num_items),
-            samples_per_item=int(data.samples_per_item),
-            dim=int(data.dim),
             batch_size=int(data.batch_size),
             seed=int(data.seed or 0),
             shuffle=bool(data.shuffle),
@@ -364,14 +358,38 @@ def _check_plot_path(text: str | None) -> Path | None:
     return path
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _manifest(cfg: DictConfig) -> Manifest:
+    """The items the config's data holds (any data option or recipe: built as training builds it)."""
     from lightning_sharding.manifest import Manifest
-    from lightning_sharding.order import EpochOrder
-    from lightning_sharding.plan import plan_epoch
     from lightning_sharding.readers.synthetic import SyntheticReader
 
+    data = cfg.data
+    if str(data.get("_target_", "")).endswith(".synthetic"):  # no Lightning import for the common case
+        try:
+            return Manifest.from_items(SyntheticReader(data.num_items, data.samples_per_item, data.dim).items())
+        except ValueError as err:
+            raise CliError(str(err)) from None
+    from lightning_sharding.sources import source_manifest
+    from lightning_sharding.train import build_datamodule
+
+    try:
+        dm = build_datamodule(cfg)
+        if dm.source is not None:
+            return source_manifest(dm.source)
+        return Manifest.from_items(dm.make_reader().items())
+    except Exception as err:  # noqa: BLE001 - a bad data option: say which and why
+        cause = err.__cause__ or err
+        raise CliError(f"cannot build data={cfg.data.get('_target_')}: {_first_line(cause)}") from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from lightning_sharding.order import EpochOrder
+    from lightning_sharding.plan import plan_epoch
+
     plot = _check_plot_path(args.plot)
-    data = _data_settings(_compose(args.overrides, args.config_dir, args.config_name))
+    cfg = _compose(args.overrides, args.config_dir, args.config_name)
+    data = _data_settings(cfg)
+    strategy = args.strategy or str(cfg.sharding.strategy)
     batch_size = args.batch_size if args.batch_size is not None else data.batch_size
     seed = args.seed if args.seed is not None else data.seed
     even_batches = args.even_batches or data.even_batches
@@ -381,12 +399,9 @@ def _plan(args: argparse.Namespace) -> int:
         raise CliError(f"data.seed={seed} must be 0 or more")
     if even_batches not in EVEN_BATCH_POLICIES:
         raise CliError(f"data.even_batches={even_batches!r} must be one of {', '.join(map(repr, EVEN_BATCH_POLICIES))}")
-    try:
-        reader = SyntheticReader(data.num_items, data.samples_per_item, data.dim)
-        manifest = Manifest.from_items(reader.items())
-    except ValueError as err:
-        raise CliError(str(err)) from None
-    order = EpochOrder(manifest.counts, seed, args.epoch, shuffle=data.shuffle)
+    manifest = _manifest(cfg)
+    # A dispatch source is read in its own order: the dispatch loader never shuffles.
+    order = EpochOrder(manifest.counts, seed, args.epoch, shuffle=data.shuffle and strategy != "dispatch")
     plan = plan_epoch(
         manifest.total,
         RangeSet(),
@@ -395,8 +410,9 @@ def _plan(args: argparse.Namespace) -> int:
         num_workers=args.workers if args.workers is not None else data.num_workers,
         batch_size=batch_size,
         even_batches=cast("EvenBatches", even_batches),
+        worker_layout="interleaved" if strategy == "broadcast" else "runs",  # as the strategy's sampler plans
     )
-    print(format_plan(plan, order, fingerprint=manifest.fingerprint, strategy=args.strategy))
+    print(format_plan(plan, order, fingerprint=manifest.fingerprint, strategy=strategy))
     if plot is not None:
         from lightning_sharding import plots
 

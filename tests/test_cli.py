@@ -344,3 +344,47 @@ def test_plan_reads_a_recipe_and_its_topology(capsys: pytest.CaptureFixture[str]
     assert "world 2 ranks x 2 workers" in out  # trainer.devices and data.num_workers of the recipe
     code, _, err = run(capsys, "plan", "--config-dir", recipes, "--config-name", "nope")
     assert code == 2 and "no recipe nope.yaml" in err
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "strategy", "total"),
+    [
+        # dispatch: a generated table of data.rows rows, read in the source's own order
+        ("stream", ["data.rows=300"], "dispatch", 300),
+        # shard: 4 token files of 1,000 tokens cut into samples of 24 + 1 tokens: 1000 // 25 = 40 per file
+        ("tokens", ["data.num_files=4", "data.tokens_per_file=1000", "data.sample_length=24"], "shard", 4 * 40),
+    ],
+)
+def test_plan_builds_any_recipes_data_with_its_strategy(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    recipe: str,
+    overrides: list[str],
+    strategy: str,
+    total: int,
+) -> None:
+    code, out, err = run(
+        capsys,
+        "plan",
+        f"recipe={recipe}",
+        f"data.cache_dir={tmp_path}",
+        *overrides,
+        "--world-size",
+        "2",
+        "--workers",
+        "2",
+    )
+    assert code == 0, err
+    assert f"strategy {strategy}" in out
+    assert f"{total} samples in" in out
+    assert ("not shuffled" in out) == (strategy == "dispatch")
+    ranks, _ = table(out)
+    assert sum(row[0] for row in ranks.values()) == total
+
+
+def test_plan_names_data_it_cannot_build(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(
+        capsys, "plan", "recipe=tokens", f"data.cache_dir={tmp_path}", f"data.urls=[{tmp_path}/none-*.npy]"
+    )
+    assert code == 2
+    assert "token_files" in err and f"{tmp_path}/none-*.npy" in err
