@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark suite: `python -m benchmarks --quick` runs, and writes its table,
+"""Smoke test of the benchmark suite: `python -m benchmarks --quick --repeats 1` runs, and writes its table,
 JSON and plot. It asserts the shape of the results, never a speed (speeds live in the suite)."""
 
 import json
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--repeats", "1", "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
