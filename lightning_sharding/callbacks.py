@@ -23,6 +23,7 @@ from lightning_sharding._distributed import gather_objects
 from lightning_sharding.audit import AuditWriter
 from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.ledger import CHECKPOINT_KEY
+from lightning_sharding.processes import dead
 from lightning_sharding.world import World
 
 
@@ -210,6 +211,14 @@ class ShardingCallback(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._audit is not None:
             self._audit.close()
+        # PyTorch raises a dead worker's error from a SIGCHLD handler, wherever this process was:
+        # name the rank and the process on the error itself (its traceback reaches the launcher).
+        dm = trainer.datamodule  # type: ignore[attr-defined]
+        helpers = getattr(getattr(dm, "train_loader", None), "helper_processes", None)
+        if isinstance(dm, ShardedDataModule) and helpers is not None:
+            for sentence in dead(helpers(), dm.world.rank):
+                if sentence not in str(exception):
+                    exception.add_note(sentence)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -34,6 +34,7 @@ from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
+from lightning_sharding.processes import reraise_if_dead, worker_processes
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import is_transient
 from lightning_sharding.world import SampleContext, ShardContext, World
@@ -319,6 +320,7 @@ class ShardedLoader:
         self.batch_sampler = None
         self.padding_key = padding_key
         self.track = track
+        self._iterator: Iterator[Any] | None = None
         self.delivered: deque[Provenance] = deque()
         start_method = multiprocessing_context or multiprocessing.get_start_method()
         if num_workers > 0 and start_method in ("spawn", "forkserver"):
@@ -376,7 +378,7 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()
-        for batch, epoch, positions, num_padding, skipped in self._loader:
+        for batch, epoch, positions, num_padding, skipped in self._guarded(iter(self._loader)):
             if epoch != self.sampler.epoch:
                 raise RuntimeError(
                     f"a batch planned for epoch {epoch} arrived in epoch {self.sampler.epoch}; "
@@ -389,6 +391,19 @@ class ShardedLoader:
     def pop_delivered(self) -> Provenance:
         """Provenance of the oldest delivered batch whose step has not been accounted yet."""
         return pop_delivered(self.delivered)
+
+    def _guarded(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The DataLoader iterator's output; a dead worker is re-raised naming this rank, the worker and its pid."""
+        self._iterator = iterator
+        try:
+            yield from iterator
+        except Exception as err:
+            reraise_if_dead(self.helper_processes(), self.sampler.world.rank, err, "this rank waited for batches")
+            raise
+
+    def helper_processes(self) -> dict[str, Any]:
+        """This rank's worker processes (``.pid``, ``.exitcode``) by name: ``"DataLoader worker 0"``..."""
+        return worker_processes(self._iterator)
 
 
 def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | None) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,40 @@ class DieAtStep(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillGroupAtStep(pl.Callback):
+    """SIGKILL the job's whole process group (every rank, worker and dispatch process) from ``rank``
+    once global step ``step`` has completed: ``"after"`` that step's hooks ran (checkpoints of that
+    step are written), or ``"before"`` the next step, holding a batch delivered but not trained on."""
+
+    def __init__(self, step: int, rank: int, moment: str) -> None:
+        self.step, self.rank, self.moment = step, rank, moment
+
+    def _kill(self, trainer: pl.Trainer, moment: str) -> None:
+        if moment == self.moment and trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._kill(trainer, "before")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._kill(trainer, "after")
+
+
+class KillHelperAtStep(pl.Callback):
+    """SIGKILL one helper process of ``rank`` (``"DataLoader worker 1"``, ``"dispatch process"``) once
+    step ``step`` has completed, like the out-of-memory killer; notes when and whom in ``mark``."""
+
+    def __init__(self, step: int, rank: int, process: str, mark: Path) -> None:
+        self.step, self.rank, self.process, self.mark = step, rank, process, mark
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        victim = trainer.datamodule.train_loader.helper_processes()[self.process]  # type: ignore[attr-defined]
+        self.mark.write_text(json.dumps({"time": time.time(), "pid": victim.pid}))
+        os.kill(victim.pid, signal.SIGKILL)
 
 
 class RaiseAtStep(pl.Callback):
