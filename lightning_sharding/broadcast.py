@@ -398,5 +398,6 @@ class BroadcastLoader(ShardedLoader):
             self.sampler.close_pool(pool)
 
     def close(self) -> None:
-        """Unlink every segment now (teardown, exceptions)."""
+        """Stop the workers and unlink every segment now (teardown, exceptions)."""
+        super().close()
         self.sampler.close_pool()

@@ -214,11 +214,19 @@ class ShardingCallback(pl.Callback):
         # PyTorch raises a dead worker's error from a SIGCHLD handler, wherever this process was:
         # name the rank and the process on the error itself (its traceback reaches the launcher).
         dm = trainer.datamodule  # type: ignore[attr-defined]
-        helpers = getattr(getattr(dm, "train_loader", None), "helper_processes", None)
-        if isinstance(dm, ShardedDataModule) and helpers is not None:
-            for sentence in dead(helpers(), dm.world.rank):
+        loader = getattr(dm, "train_loader", None)
+        helpers = getattr(loader, "helper_processes", None)
+        if not isinstance(dm, ShardedDataModule) or helpers is None:
+            return
+        try:
+            found = dead(helpers(), dm.world.rank)
+            for sentence in found:
                 if sentence not in str(exception):
                     exception.add_note(sentence)
+            if found:  # and stop the others now: PyTorch would raise about the dead one at every child exit
+                loader.close()  # type: ignore[union-attr]
+        except RuntimeError:  # that SIGCHLD handler firing right now: the original error stands
+            pass
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

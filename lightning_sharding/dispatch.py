@@ -348,7 +348,10 @@ class DispatchLoader:
         except Exception as err:
             code = self._process.exitcode
             if code is None or code == 0:
-                reraise_if_dead(worker_processes(self._iterator), self.world.rank, err, "this rank waited for batches")
+                helpers = self.helper_processes
+                reraise_if_dead(
+                    helpers, self.world.rank, self._iterator, err, "the training process waited for batches"
+                )
                 raise
             raise DispatchError(
                 f"rank {self.world.rank}: the dispatch process (pid {self._process.pid}) reading "

@@ -34,7 +34,7 @@ from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
-from lightning_sharding.processes import reraise_if_dead, worker_processes
+from lightning_sharding.processes import reraise_if_dead, stop_workers, worker_processes
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import is_transient
 from lightning_sharding.world import SampleContext, ShardContext, World
@@ -398,8 +398,14 @@ class ShardedLoader:
         try:
             yield from iterator
         except Exception as err:
-            reraise_if_dead(self.helper_processes(), self.sampler.world.rank, err, "this rank waited for batches")
+            reraise_if_dead(
+                self.helper_processes, self.sampler.world.rank, iterator, err, "the training process waited for batches"
+            )
             raise
+
+    def close(self) -> None:
+        """Stop the worker processes now (teardown, a dead worker) rather than when garbage collected."""
+        stop_workers(self._iterator)
 
     def helper_processes(self) -> dict[str, Any]:
         """This rank's worker processes (``.pid``, ``.exitcode``) by name: ``"DataLoader worker 0"``..."""

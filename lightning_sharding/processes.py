@@ -10,7 +10,11 @@ handler, that is, inside whatever the training process was running at the time).
 from __future__ import annotations
 
 import signal
+import time
+from collections.abc import Callable
 from typing import Any
+
+SETTLE_SECONDS = 2.0  # how long an error that may come from a dying worker waits for its exit status
 
 
 class HelperProcessError(RuntimeError):
@@ -44,11 +48,39 @@ def dead(processes: dict[str, Any], rank: int) -> list[str]:
     ]
 
 
-def reraise_if_dead(processes: dict[str, Any], rank: int, err: BaseException, doing: str) -> None:
-    """Raise :class:`HelperProcessError` from ``err`` when one of ``processes`` died; else return."""
-    found = dead(processes, rank)
-    if found:
-        raise HelperProcessError(
-            f"{'; '.join(found)} while {doing}. Training cannot continue without it: look for an out-of-memory "
-            "kill (dmesg) or a crash in native code, then resume from the last checkpoint"
-        ) from err
+def stop_workers(iterator: Any) -> None:
+    """Shut down a DataLoader iterator's workers; this also unregisters them from PyTorch's SIGCHLD
+    handler, which would otherwise raise about a dead one again at every later child exit."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def _may_be_a_death(err: BaseException) -> bool:
+    # How a killed worker first shows: its half-sent tensor's socket resets (OSError), its queue
+    # ends (EOFError), or PyTorch's own "DataLoader worker (pid N) ..." errors.
+    return isinstance(err, (OSError, EOFError)) or "DataLoader worker" in str(err)
+
+
+def reraise_if_dead(
+    helpers: Callable[[], dict[str, Any]], rank: int, iterator: Any, err: BaseException, doing: str
+) -> None:
+    """Raise :class:`HelperProcessError` from ``err`` when one of ``helpers()`` died; else return.
+
+    A connection reset by a killed worker can arrive before its exit status: give it a moment.
+    """
+    deadline = time.monotonic() + (SETTLE_SECONDS if _may_be_a_death(err) else 0.0)
+    found: list[str] = []
+    while not found:
+        try:
+            found = dead(helpers(), rank)
+            if not found and time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
+        except RuntimeError:  # PyTorch's SIGCHLD handler, raising about the same death meanwhile
+            continue
+    stop_workers(iterator)
+    raise HelperProcessError(
+        f"{'; '.join(found)} while {doing}. Training cannot continue without it: look for an out-of-memory "
+        "kill (dmesg) or a crash in native code, then resume from the last checkpoint"
+    ) from err

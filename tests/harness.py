@@ -86,6 +86,8 @@ class Job:
     kill_group: dict[str, Any] | None = None
     # SIGKILL one helper process of a rank: {"step": K, "rank": r, "process": "DataLoader worker 1"|"dispatch process"}
     kill_helper: dict[str, Any] | None = None
+    # Note what the job holds at a step, meeting another run there: {"step": K, "other": <its out dir>}
+    snapshot: dict[str, Any] | None = None
 
 
 @dataclass

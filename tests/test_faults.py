@@ -9,9 +9,13 @@ message; set ``LSH_FAULT_SEED`` to replay one.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
+import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ import pytest
 import torch
 
 from lightning_sharding.audit import audit, format_audit
+from lightning_sharding.datasets import write_regression
 from tests.harness import (
     Job,
     Segment,
@@ -140,6 +145,109 @@ def test_sigkill_of_the_whole_job_at_random_points_then_resume_on_random_topolog
         assert_exactly_once(served_per_epoch(kept), total, epochs=1)
     except AssertionError as err:
         raise AssertionError(f"{where}: {err}") from None
-    assert all(k.resumed_at < n.resumed_at for k, n in zip(kills, kills[1:], strict=False)), where
+    # A kill "after" a checkpoint step lands before Lightning's checkpoint callbacks (they run last):
+    # that checkpoint is never written and the next segment resumes from the one before.
+    assert all(k.resumed_at <= n.resumed_at for k, n in zip(kills, kills[1:], strict=False)), where
     final = segments[-1].report
     assert final is not None and final["epochs"][0]["consumed"] == total, where
+
+
+# -- dead helper processes ----------------------------------------------------------------------------
+
+HELPER_KILLS = {
+    # strategy: the helper killed in each failing segment (step, rank, process), then the topology that finishes
+    "shard": ([(3, 1, "DataLoader worker 1")], (1, 0)),
+    "dispatch": ([(3, 1, "DataLoader worker 1"), (3, 0, "dispatch process")], (1, 1)),
+}
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy", list(HELPER_KILLS))
+def test_a_killed_worker_or_dispatch_process_fails_fast_naming_it_and_the_resume_is_exactly_once(
+    tmp_path: Path, strategy: str
+) -> None:
+    """2 ranks x 2 workers: one helper process of one rank is SIGKILLed mid-epoch (steps after a
+    checkpoint); the job must end within 60 s with an error naming the rank and the process. Each
+    failed run is resumed from its newest checkpoint; the audit over all segments is exactly-once."""
+    job, total = strategy_job(strategy, tmp_path / "data")
+    out = tmp_path / "run"
+    kills, (ranks, workers) = HELPER_KILLS[strategy]
+    resume: Path | None = None
+    for i, (after, rank, process) in enumerate(kills):
+        start = checkpoint_step(resume) if resume is not None else 0
+        failing = replace(
+            job,
+            world_size=2,
+            num_workers=2,
+            audit=True,
+            checkpoint_every=EVERY,
+            resume_from=str(resume) if resume is not None else None,
+            kill_helper={"step": start + after, "rank": rank, "process": process},
+        )
+        segment = run_segment(out, f"seg{i}", failing, expect_death=True)
+        ended = time.time()
+        fault = json.loads((out / f"fault-seg{i}.json").read_text())
+        named = rf"rank {rank}: (the )?{process} \(pid {fault['pid']}\)[^\n]* was killed by SIGKILL"
+        assert re.search(named, segment.output), f"{named!r} missing from:\n{segment.output[-4000:]}"
+        print(f"{strategy}: {process} of rank {rank} killed; the job ended {ended - fault['time']:.1f} s later")
+        assert ended - fault["time"] < 60, f"the job took {ended - fault['time']:.0f} s to end after the kill"
+        resume = max((out / "checkpoints").glob("*.ckpt"), key=checkpoint_step)
+    final = replace(job, world_size=ranks, num_workers=workers, audit=True, resume_from=str(resume))
+    run_segment(out, f"seg{len(kills)}", final)
+    results = audit([out])
+    assert len(results) == 1 and results[0].complete and results[0].ok, format_audit(results)
+    assert results[0].consumed == total, format_audit(results)
+
+
+# -- two runs at once -----------------------------------------------------------------------------------
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_two_runs_at_once_share_no_shared_memory_cache_file_or_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two 2-rank x 1-worker jobs on other .npy data at the same time, with one cache directory (the
+    default one, $LIGHTNING_SHARDING_CACHE). Each notes, while the other is alive, every /dev/shm name
+    and local TCP port its processes hold; none may be the other's, nor may any cache file."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LIGHTNING_SHARDING_CACHE", str(cache))
+    sizes = {"a": (30, 41, 29), "b": (37, 33, 25, 12)}
+    jobs = {}
+    for name, other in (("a", "b"), ("b", "a")):
+        write_regression(str(tmp_path / name / "data"), "npy", sizes[name])
+        data = {"format": "npy", "urls": str(tmp_path / name / "data" / "*.npy"), "default_cache": True}
+        snap = {"step": 3, "other": str(tmp_path / other)}
+        jobs[name] = Job(data=data, world_size=2, num_workers=1, batch_size=4, snapshot=snap)
+    results: dict[str, Segment] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            results[name] = run_segment(tmp_path / name, "run", jobs[name])
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for name, segment in results.items():
+        assert_exactly_once(served_per_epoch(kept_records(segment, None)), sum(sizes[name]), epochs=1)
+    held = {name: json.loads((tmp_path / name / "resources.json").read_text()) for name in jobs}
+    for name in jobs:
+        print(
+            f"run {name}: {len(held[name]['pids'])} processes, {len(held[name]['shm'])} /dev/shm names, "
+            f"TCP ports {held[name]['ports']}"
+        )
+        assert held[name]["shm"] and held[name]["master_port"] in held[name]["ports"], held[name]
+    assert not set(held["a"]["pids"]) & set(held["b"]["pids"])
+    assert not set(held["a"]["shm"]) & set(held["b"]["shm"]), "both runs hold the same /dev/shm names"
+    assert not set(held["a"]["ports"]) & set(held["b"]["ports"]), "both runs hold the same TCP ports"
+    # One index per data file and one listing per run, none shared, no half-written leftovers.
+    files = sorted(p.name for p in (cache / "index").iterdir())
+    assert len(files) == len(sizes["a"]) + len(sizes["b"]) + 2, files
+    assert not [f for f in files if f.endswith(".tmp")], files

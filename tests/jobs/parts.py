@@ -57,8 +57,9 @@ class DieAtStep(pl.Callback):
 
 class KillGroupAtStep(pl.Callback):
     """SIGKILL the job's whole process group (every rank, worker and dispatch process) from ``rank``
-    once global step ``step`` has completed: ``"after"`` that step's hooks ran (checkpoints of that
-    step are written), or ``"before"`` the next step, holding a batch delivered but not trained on."""
+    once global step ``step`` has completed: ``"after"`` the step, before Lightning's checkpoint
+    callbacks (they run last: a checkpoint of that step is lost, as when killed while saving), or
+    ``"before"`` the next step, holding a batch delivered but not trained on."""
 
     def __init__(self, step: int, rank: int, moment: str) -> None:
         self.step, self.rank, self.moment = step, rank, moment
@@ -87,6 +88,33 @@ class KillHelperAtStep(pl.Callback):
         victim = trainer.datamodule.train_loader.helper_processes()[self.process]  # type: ignore[attr-defined]
         self.mark.write_text(json.dumps({"time": time.time(), "pid": victim.pid}))
         os.kill(victim.pid, signal.SIGKILL)
+
+
+class SnapshotAtStep(pl.Callback):
+    """Rank 0, once step ``step`` has completed: meet the other run (``<out>/ready`` and the other's),
+    note what this job's whole process group holds (``<out>/resources.json``, see resources.py),
+    and meet again, so that both notes are taken while both runs are alive."""
+
+    def __init__(self, step: int, out: Path, other: Path) -> None:
+        self.step, self.out, self.other = step, out, other
+
+    def _meet(self, name: str) -> None:
+        (self.out / name).write_text("")
+        deadline = time.time() + 120
+        while not (self.other / name).exists():
+            if time.time() > deadline:
+                raise TimeoutError(f"the other run never reached {self.other / name}")
+            time.sleep(0.05)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank != 0 or trainer.global_step != self.step:
+            return
+        from tests.jobs.resources import snapshot
+
+        self._meet("ready")
+        held = {**snapshot(os.getpgid(0)), "master_port": int(os.environ["MASTER_PORT"])}
+        (self.out / "resources.json").write_text(json.dumps(held))
+        self._meet("noted")
 
 
 class RaiseAtStep(pl.Callback):
@@ -128,7 +156,8 @@ class SkewedReader(SyntheticReader):
 
 
 def file_reader(spec: dict[str, Any], cache_dir: Path) -> Any:
-    """The file reader a Job's ``data`` names: ``{"format", "urls", "storage_options"}``."""
+    """The file reader a Job's ``data`` names: ``{"format", "urls", "storage_options", "default_cache"}``."""
     from lightning_sharding.readers import FILE_READERS
 
-    return FILE_READERS[spec["format"]](spec["urls"], storage_options=spec.get("storage_options"), cache_dir=cache_dir)
+    cache = None if spec.get("default_cache") else cache_dir  # None: $LIGHTNING_SHARDING_CACHE or ~/.cache
+    return FILE_READERS[spec["format"]](spec["urls"], storage_options=spec.get("storage_options"), cache_dir=cache)

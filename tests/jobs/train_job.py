@@ -30,6 +30,7 @@ def main(config_path: str) -> None:
         RaiseAtStep,
         RecordingModel,
         SkewedReader,
+        SnapshotAtStep,
         WriteResult,
         file_reader,
     )
@@ -92,6 +93,8 @@ def main(config_path: str) -> None:
     if cfg["kill_helper"]:
         kill, mark = cfg["kill_helper"], out / f"fault-{cfg['segment']}.json"
         callbacks.append(KillHelperAtStep(kill["step"], kill["rank"], kill["process"], mark))
+    if cfg["snapshot"]:
+        callbacks.append(SnapshotAtStep(cfg["snapshot"]["step"], out, Path(cfg["snapshot"]["other"])))
     if cfg["raise_at_step"]:
         callbacks.append(RaiseAtStep(cfg["raise_at_step"]))
     world, nodes = cfg["world_size"], cfg["num_nodes"]
