@@ -23,7 +23,6 @@ from lightning_sharding._distributed import gather_objects
 from lightning_sharding.audit import AuditWriter
 from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.ledger import CHECKPOINT_KEY
-from lightning_sharding.processes import dead
 from lightning_sharding.world import World
 
 
@@ -211,22 +210,6 @@ class ShardingCallback(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._audit is not None:
             self._audit.close()
-        # PyTorch raises a dead worker's error from a SIGCHLD handler, wherever this process was:
-        # name the rank and the process on the error itself (its traceback reaches the launcher).
-        dm = trainer.datamodule  # type: ignore[attr-defined]
-        loader = getattr(dm, "train_loader", None)
-        helpers = getattr(loader, "helper_processes", None)
-        if not isinstance(dm, ShardedDataModule) or helpers is None:
-            return
-        try:
-            found = dead(helpers(), dm.world.rank)
-            for sentence in found:
-                if sentence not in str(exception):
-                    exception.add_note(sentence)
-            if found:  # and stop the others now: PyTorch would raise about the dead one at every child exit
-                loader.close()  # type: ignore[union-attr]
-        except RuntimeError:  # that SIGCHLD handler firing right now: the original error stands
-            pass
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -35,7 +35,7 @@ from lightning_sharding.dispatcher import run_dispatcher as _run_dispatcher
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.loader import Provenance, Transform, flag_padding, pop_delivered, seed_rngs
 from lightning_sharding.plan import EpochPlan, plan_epoch
-from lightning_sharding.processes import how_it_ended, reraise_if_dead, worker_processes
+from lightning_sharding.processes import how_it_ended, reraise_if_dead, watch, worker_processes
 from lightning_sharding.sources import Source
 from lightning_sharding.world import SampleContext, ShardContext, World
 
@@ -342,6 +342,7 @@ class DispatchLoader:
                 shutdown()
             self._control.put(spec)  # before iter(): the source opens while workers start
             self._iterator = iter(loader)
+        watch(self._iterator, self.world.rank)
         try:
             for kind, epoch, positions, num_padding, batch in self._iterator:
                 yield None if kind == "end" else (epoch, positions, num_padding, batch)

@@ -34,7 +34,7 @@ from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
-from lightning_sharding.processes import reraise_if_dead, stop_workers, worker_processes
+from lightning_sharding.processes import reraise_if_dead, stop_workers, watch, worker_processes
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import is_transient
 from lightning_sharding.world import SampleContext, ShardContext, World
@@ -395,6 +395,7 @@ class ShardedLoader:
     def _guarded(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The DataLoader iterator's output; a dead worker is re-raised naming this rank, the worker and its pid."""
         self._iterator = iterator
+        watch(iterator, self.sampler.world.rank)
         try:
             yield from iterator
         except Exception as err:
@@ -406,6 +407,8 @@ class ShardedLoader:
     def close(self) -> None:
         """Stop the worker processes now (teardown, a dead worker) rather than when garbage collected."""
         stop_workers(self._iterator)
+        self._iterator = None
+        self._loader._iterator = None  # persistent workers: the next pass must start new ones, not reuse these
 
     def helper_processes(self) -> dict[str, Any]:
         """This rank's worker processes (``.pid``, ``.exitcode``) by name: ``"DataLoader worker 0"``..."""

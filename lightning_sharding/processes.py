@@ -1,15 +1,20 @@
 """The helper processes of one rank (DataLoader workers, a dispatch process): who they are, which died.
 
 PyTorch reports a dead worker as ``DataLoader worker (pid 1234) is killed by signal: Killed.``:
-no rank, no worker id, and on a multi-rank job no hint of which of many logs to read. The loaders
-re-raise that as :class:`HelperProcessError` naming the rank, the worker and how it ended; the
-callback adds the same sentence to an error raised elsewhere (PyTorch raises it from a ``SIGCHLD``
-handler, that is, inside whatever the training process was running at the time).
+no rank, no worker id, and on a multi-rank job no hint of which of many logs to read. It raises
+that from a ``SIGCHLD`` handler, that is, inside whatever the training process runs at the time
+(a collective of a checkpoint, or the launcher formatting an earlier error, which it then loses),
+and again at every later child exit. :func:`watch` wraps that handler once per process: the error
+becomes a :class:`HelperProcessError` naming the rank, the worker and the signal, raised once. The
+loaders also re-raise the errors a dead worker causes while they wait for batches the same way.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -84,3 +89,53 @@ def reraise_if_dead(
         f"{'; '.join(found)} while {doing}. Training cannot continue without it: look for an out-of-memory "
         "kill (dmesg) or a crash in native code, then resume from the last checkpoint"
     ) from err
+
+
+_NAMES: dict[int, str] = {}  # worker pid -> "rank R: DataLoader worker I", for the SIGCHLD handler
+_REPORTED: set[int] = set()
+_WRAPPED: list[bool] = []
+
+
+def watch(iterator: Any, rank: int) -> None:
+    """Name the workers of a DataLoader iterator in errors about their death (see module docstring)."""
+    for name, process in worker_processes(iterator).items():
+        _NAMES[process.pid] = f"rank {rank}: {name}"
+    while len(_NAMES) > 1024:  # fresh workers every epoch: keep the recent ones
+        del _NAMES[next(iter(_NAMES))]
+    if _WRAPPED or threading.current_thread() is not threading.main_thread():
+        return
+    torch_handler = signal.getsignal(signal.SIGCHLD)
+    if not callable(torch_handler):  # PyTorch set none (no workers yet)
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            torch_handler(signum, frame)
+        except RuntimeError as err:
+            found = re.search(r"pid (\d+)", str(err))
+            pid = int(found.group(1)) if found else -1
+            if pid in _REPORTED:  # raised once already: not again inside the handling of that error
+                return
+            _REPORTED.add(pid)
+            if pid not in _NAMES:
+                raise
+            raise HelperProcessError(
+                f"{_NAMES[pid]} (pid {pid}) {_exit_status(pid)}. Training cannot continue without it: look for an "
+                "out-of-memory kill (dmesg) or a crash in native code, then resume from the last checkpoint"
+            ) from err
+
+    signal.signal(signal.SIGCHLD, handler)
+    _WRAPPED.append(True)
+
+
+def _exit_status(pid: int) -> str:
+    """How a dead child ended, read without reaping it (PyTorch's own handler leaves it unreaped too)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        info = None
+    if info is None:
+        return "died"
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return how_it_ended(-info.si_status)
+    return how_it_ended(info.si_status)

@@ -14,6 +14,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -23,9 +25,12 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
 from lightning_sharding.audit import audit, format_audit
 from lightning_sharding.datasets import write_regression
+from lightning_sharding.processes import HelperProcessError
 from tests.harness import (
+    ROOT,
     Job,
     Segment,
     assert_exactly_once,
@@ -162,6 +167,37 @@ HELPER_KILLS = {
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_killed_worker_is_named_with_its_rank_wherever_the_error_surfaces() -> None:
+    """In-process, one rank of 2 workers: PyTorch reports the death from a SIGCHLD handler (inside
+    whatever runs, here the sleep) or the loader sees it while waiting; either way it is named."""
+    reader = SyntheticReader(num_items=4, samples_per_item=4096)
+    manifest = Manifest.from_items(reader.items())
+    ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
+    loader = ShardedLoader.build(
+        reader,
+        manifest.items,
+        ledger,
+        world=World(rank=1, world_size=2),
+        batch_size=8,
+        num_workers=2,
+        multiprocessing_context="spawn",
+    )
+    batches = iter(loader)
+    next(batches)
+    victim = loader.helper_processes()["DataLoader worker 1"]
+    os.kill(victim.pid, signal.SIGKILL)
+    named = rf"rank 1: DataLoader worker 1 \(pid {victim.pid}\) was killed by SIGKILL"
+    started = time.time()
+    with pytest.raises(HelperProcessError, match=named):
+        while time.time() - started < 30:
+            next(batches)
+            time.sleep(0.01)
+    print(f"named after {time.time() - started:.2f} s")
+    loader.close()
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("strategy", list(HELPER_KILLS))
 def test_a_killed_worker_or_dispatch_process_fails_fast_naming_it_and_the_resume_is_exactly_once(
@@ -251,3 +287,34 @@ def test_two_runs_at_once_share_no_shared_memory_cache_file_or_port(
     files = sorted(p.name for p in (cache / "index").iterdir())
     assert len(files) == len(sizes["a"]) + len(sizes["b"]) + 2, files
     assert not [f for f in files if f.endswith(".tmp")], files
+
+
+# -- a long run -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_short_long_run_with_persistent_workers_grows_no_memory_descriptors_or_shm(tmp_path: Path) -> None:
+    """``benchmarks/long_run.py`` with 5 epochs instead of 20, every strategy, 1 rank x 2 persistent
+    workers: from the end of epoch 2 on, no process's RSS grows by 5% and nothing else grows."""
+    report = tmp_path / "long_run.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.long_run", "--epochs", "5", "--json", str(report)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    tables = "\n".join(line for line in done.stdout.splitlines() if not line.startswith(("GPU", "TPU", "💡")))
+    print(tables)
+    results = json.loads(report.read_text())
+    assert set(results) == {"shard", "broadcast", "dispatch"}, done.stderr[-3000:]
+    for strategy, result in results.items():
+        assert result["same_processes"], f"{strategy}: the persistent workers were replaced\n{tables}"
+        assert max(result["rss_growth"].values()) < 0.05, f"{strategy}: RSS grew\n{tables}"
+        assert max(result["fd_growth"].values()) <= 0, f"{strategy}: file descriptors grew\n{tables}"
+        assert result["shm_growth"] <= 0 and result["shm_unlinked_growth"] <= 0, f"{strategy}: /dev/shm grew\n{tables}"
+        assert len(result["probes"][0]["rss_kib"]) == (4 if strategy == "dispatch" else 3), result["probes"][0]
+    assert done.returncode == 0, done.stderr[-3000:]
