@@ -66,6 +66,12 @@ class KillGroupAtStep(pl.Callback):
 
     def _kill(self, trainer: pl.Trainer, moment: str) -> None:
         if moment == self.moment and trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            from tests.jobs.resources import snapshot
+
+            # Python's named semaphores (multiprocessing queues) outlive a killed process group,
+            # whose resource tracker dies with it: note them so the test can remove them afterwards.
+            held = [n for n in snapshot(os.getpgid(0))["shm"] if Path(str(n)).name.startswith("sem.")]
+            Path(trainer.default_root_dir, "semaphores.json").write_text(json.dumps(held))
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
