@@ -63,8 +63,9 @@ def stop_workers(iterator: Any) -> None:
 
 def _may_be_a_death(err: BaseException) -> bool:
     # How a killed worker first shows: its half-sent tensor's socket resets (OSError), its queue
-    # ends (EOFError), or PyTorch's own "DataLoader worker (pid N) ..." errors.
-    return isinstance(err, (OSError, EOFError)) or "DataLoader worker" in str(err)
+    # ends (EOFError), or PyTorch's own "DataLoader worker (pid N) ..." errors. Not an exception a
+    # worker raised ("Caught ... in DataLoader worker process 0"): that one needs no waiting.
+    return isinstance(err, (OSError, EOFError)) or "DataLoader worker (pid" in str(err)
 
 
 def reraise_if_dead(
@@ -76,14 +77,17 @@ def reraise_if_dead(
     """
     deadline = time.monotonic() + (SETTLE_SECONDS if _may_be_a_death(err) else 0.0)
     found: list[str] = []
-    while not found:
+    while True:
         try:
             found = dead(helpers(), rank)
-            if not found and time.monotonic() >= deadline:
-                return
+            if found or time.monotonic() >= deadline:
+                break
             time.sleep(0.02)
         except RuntimeError:  # PyTorch's SIGCHLD handler, raising about the same death meanwhile
-            continue
+            if time.monotonic() >= deadline:
+                break
+    if not found:
+        return
     stop_workers(iterator)
     raise HelperProcessError(
         f"{'; '.join(found)} while {doing}. Training cannot continue without it: look for an out-of-memory "
