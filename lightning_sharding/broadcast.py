@@ -383,7 +383,7 @@ class BroadcastLoader(ShardedLoader):
         batches = iter(self._loader)  # creates this pass's pool (through the sampler)
         pool = self.sampler.pool
         try:
-            for batch, epoch, positions, num_padding, used in batches:
+            for batch, epoch, positions, num_padding, used in self._guarded(batches):
                 if pool is not None:
                     pool.release(used.tolist())
                 if epoch != self.sampler.epoch:
@@ -398,5 +398,6 @@ class BroadcastLoader(ShardedLoader):
             self.sampler.close_pool(pool)
 
     def close(self) -> None:
-        """Unlink every segment now (teardown, exceptions)."""
+        """Stop the workers and unlink every segment now (teardown, exceptions)."""
+        super().close()
         self.sampler.close_pool()

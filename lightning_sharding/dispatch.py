@@ -19,7 +19,6 @@ import itertools
 import multiprocessing
 import pickle
 import queue
-import signal
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from lightning_sharding.dispatcher import run_dispatcher as _run_dispatcher
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.loader import Provenance, SampleError, Transform, flag_padding, pop_delivered, seed_rngs
 from lightning_sharding.plan import EpochPlan, plan_epoch
+from lightning_sharding.processes import how_it_ended, reraise_if_dead, watch, worker_processes
 from lightning_sharding.sources import Source
 from lightning_sharding.world import SampleContext, ShardContext, World
 
@@ -358,17 +358,21 @@ class DispatchLoader:
                 shutdown()
             self._control.put(spec)  # before iter(): the source opens while workers start
             self._iterator = iter(loader)
+        watch(self._iterator, self.world.rank)
         try:
             for kind, epoch, positions, num_padding, batch in self._iterator:
                 yield None if kind == "end" else (epoch, positions, num_padding, batch)
         except Exception as err:
             code = self._process.exitcode
             if code is None or code == 0:
+                helpers = self.helper_processes
+                reraise_if_dead(
+                    helpers, self.world.rank, self._iterator, err, "the training process waited for batches"
+                )
                 raise
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             raise DispatchError(
                 f"rank {self.world.rank}: the dispatch process (pid {self._process.pid}) reading "
-                f"{self.source.describe()} {how}; training cannot continue without it"
+                f"{self.source.describe()} {how_it_ended(code)}; training cannot continue without it"
             ) from err
 
     def _start(self) -> DataLoader[Any]:
@@ -412,6 +416,11 @@ class DispatchLoader:
             **self._options,  # type: ignore[arg-type]
         )
         return self._loader
+
+    def helper_processes(self) -> dict[str, Any]:
+        """This rank's dispatch process and DataLoader workers (``.pid``, ``.exitcode``) by name."""
+        found = {} if self._process is None else {"dispatch process": self._process}
+        return {**found, **worker_processes(self._iterator)}
 
     def note_checkpoint(self) -> None:
         """A checkpoint is being written with the ledger as it is now: commit it once it is saved."""

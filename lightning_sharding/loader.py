@@ -34,6 +34,7 @@ from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
+from lightning_sharding.processes import reraise_if_dead, stop_workers, watch, worker_processes
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import is_transient
 from lightning_sharding.world import SampleContext, ShardContext, World
@@ -406,6 +407,7 @@ class ShardedLoader:
         self.batch_sampler = None
         self.padding_key = padding_key
         self.track = track
+        self._iterator: Iterator[Any] | None = None
         self.delivered: deque[Provenance] = deque()
         start_method = multiprocessing_context or multiprocessing.get_start_method()
         if num_workers > 0 and start_method in ("spawn", "forkserver"):
@@ -463,7 +465,7 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()
-        for batch, epoch, positions, num_padding, skipped in self._loader:
+        for batch, epoch, positions, num_padding, skipped in self._guarded(iter(self._loader)):
             if epoch != self.sampler.epoch:
                 raise RuntimeError(
                     f"a batch planned for epoch {epoch} arrived in epoch {self.sampler.epoch}; "
@@ -476,6 +478,28 @@ class ShardedLoader:
     def pop_delivered(self) -> Provenance:
         """Provenance of the oldest delivered batch whose step has not been accounted yet."""
         return pop_delivered(self.delivered)
+
+    def _guarded(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The DataLoader iterator's output; a dead worker is re-raised naming this rank, the worker and its pid."""
+        self._iterator = iterator
+        watch(iterator, self.sampler.world.rank)
+        try:
+            yield from iterator
+        except Exception as err:
+            reraise_if_dead(
+                self.helper_processes, self.sampler.world.rank, iterator, err, "the training process waited for batches"
+            )
+            raise
+
+    def close(self) -> None:
+        """Stop the worker processes now (teardown, a dead worker) rather than when garbage collected."""
+        stop_workers(self._iterator)
+        self._iterator = None
+        self._loader._iterator = None  # persistent workers: the next pass must start new ones, not reuse these
+
+    def helper_processes(self) -> dict[str, Any]:
+        """This rank's worker processes (``.pid``, ``.exitcode``) by name: ``"DataLoader worker 0"``..."""
+        return worker_processes(self._iterator)
 
 
 def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | None) -> Any:

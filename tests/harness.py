@@ -82,6 +82,12 @@ class Job:
     raise_at_step: int | None = None  # raise an exception after this step (instead of dying)
     source: dict[str, Any] | None = None  # strategy "dispatch": see tests/jobs/sources.py::make_source
     limit_train_batches: int | None = None
+    # SIGKILL the whole process group: {"step": K, "rank": r, "moment": "before"|"after"} (tests/jobs/parts.py)
+    kill_group: dict[str, Any] | None = None
+    # SIGKILL one helper process of a rank: {"step": K, "rank": r, "process": "DataLoader worker 1"|"dispatch process"}
+    kill_helper: dict[str, Any] | None = None
+    # Note what the job holds at a step, meeting another run there: {"step": K, "other": <its out dir>}
+    snapshot: dict[str, Any] | None = None
 
 
 @dataclass

@@ -23,7 +23,17 @@ def main(config_path: str) -> None:
     from lightning_sharding import ShardedDataModule, SyntheticReader
     from lightning_sharding.callbacks import ReleaseProcessGroup
     from lightning_sharding.datasets import to_regression
-    from tests.jobs.parts import DieAtStep, RaiseAtStep, RecordingModel, SkewedReader, WriteResult, file_reader
+    from tests.jobs.parts import (
+        DieAtStep,
+        KillGroupAtStep,
+        KillHelperAtStep,
+        RaiseAtStep,
+        RecordingModel,
+        SkewedReader,
+        SnapshotAtStep,
+        WriteResult,
+        file_reader,
+    )
     from tests.jobs.windows_data import MonthWindows
 
     cfg = json.loads(Path(config_path).read_text())
@@ -77,6 +87,14 @@ def main(config_path: str) -> None:
         )
     if cfg["die_at_step"]:
         callbacks.append(DieAtStep(cfg["die_at_step"]))
+    if cfg["kill_group"]:
+        kill = cfg["kill_group"]
+        callbacks.append(KillGroupAtStep(kill["step"], kill["rank"], kill["moment"]))
+    if cfg["kill_helper"]:
+        kill, mark = cfg["kill_helper"], out / f"fault-{cfg['segment']}.json"
+        callbacks.append(KillHelperAtStep(kill["step"], kill["rank"], kill["process"], mark))
+    if cfg["snapshot"]:
+        callbacks.append(SnapshotAtStep(cfg["snapshot"]["step"], out, Path(cfg["snapshot"]["other"])))
     if cfg["raise_at_step"]:
         callbacks.append(RaiseAtStep(cfg["raise_at_step"]))
     world, nodes = cfg["world_size"], cfg["num_nodes"]
