@@ -62,6 +62,19 @@ def test_every_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str)
     assert list((tmp_path / "cache" / "datasets").iterdir()), "the recipe wrote no data set"
 
 
+def test_tokens_outside_the_vocabulary_are_named_with_the_file(tmp_path: Path) -> None:
+    import numpy as np
+
+    from lightning_sharding.loader import SampleError
+
+    (tmp_path / "tok").mkdir()
+    np.save(tmp_path / "tok" / "a.npy", np.arange(400, dtype=np.int32) % 100)  # tokens 0..99
+    overrides = [f"data.urls=[{tmp_path}/tok/*.npy]", "data.vocab_size=50", "data.sample_length=15"]
+    cfg = make(tmp_path, "recipe=tokens", *overrides, "data.batch_size=8", "data.num_workers=0")
+    with pytest.raises(SampleError, match=r"a\.npy.*token \d+ is outside data\.vocab_size=50"):
+        run(cfg)
+
+
 @pytest.mark.processes
 def test_webdataset_s3_reads_tar_shards_from_a_bucket(tmp_path: Path, s3_server) -> None:  # type: ignore[no-untyped-def]
     from lightning_sharding.datasets import write_regression

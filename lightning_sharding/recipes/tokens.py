@@ -32,9 +32,28 @@ def write_tokens(directory: Path, num_files: int, tokens_per_file: int, vocab_si
         np.save(directory / f"tokens-{n:05d}.npy", tokens)
 
 
-def as_tokens(sample: Mapping[str, Any], ctx: SampleContext | None = None) -> dict[str, Any]:
-    """``{"x": (L + 1,) tokens}`` -> ``{"tokens": int64 (L + 1,)}`` (a transform, runs in the workers)."""
-    return {"tokens": np.asarray(sample["x"], dtype=np.int64)}
+class AsTokens:
+    """``{"x": (L + 1,) tokens}`` -> ``{"tokens": int64 (L + 1,)}`` (a transform, runs in the workers).
+
+    A token outside ``[0, vocab_size)`` would fail deep in the model's embedding with a bare
+    ``index out of range``; here it fails naming the token and ``data.vocab_size`` (and the loader
+    adds the file and the sample).
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, sample: Mapping[str, Any], ctx: SampleContext | None = None) -> dict[str, Any]:
+        """Check one sample's tokens and convert them."""
+        tokens = np.asarray(sample["x"], dtype=np.int64)
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"token {bad} is outside data.vocab_size={self.vocab_size} (tokens must be in [0, vocab_size)): "
+                "set data.vocab_size to your tokenizer's vocabulary size"
+            )
+        return {"tokens": tokens}
 
 
 def token_files(
@@ -62,4 +81,4 @@ def token_files(
         storage_options=dict(storage_options),
         cache_dir=cache_root(options["cache_dir"]),
     )
-    return datamodule(options, sharding, reader=reader, transform=as_tokens, audit_dir=audit_dir)
+    return datamodule(options, sharding, reader=reader, transform=AsTokens(vocab_size), audit_dir=audit_dir)
