@@ -126,6 +126,28 @@ def run_segment(out: Path, name: str, job: Job, *, expect_death: bool = False) -
     return Segment(name, returncode, records, report, output, sorted(after - before))
 
 
+def run_at_once(root: Path, jobs: dict[str, Job]) -> dict[str, Segment]:
+    """Run every job at the same time, each as segment ``run`` under ``root / name``."""
+    import threading
+
+    results: dict[str, Segment] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            results[name] = run_segment(root / name, "run", jobs[name])
+        except BaseException as err:  # noqa: BLE001 - reported by the calling thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
 def _launch(job: Job, config: Path, env: dict[str, str]) -> tuple[int, str]:
     """Start the job's processes (one, or one torchrun per node), wait with a timeout, kill on expiry."""
     if job.launcher == "spawn":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +19,16 @@ import pytest
 from lightning_sharding import Ledger, Manifest, World
 from lightning_sharding.broadcast import BroadcastLoader
 from lightning_sharding.segments import SHM_DIR
-from tests.harness import Job, Segment, assert_exactly_once, check_resume, kept_records, run_segment, served_per_epoch
+from tests.harness import (
+    Job,
+    Segment,
+    assert_exactly_once,
+    check_resume,
+    kept_records,
+    run_at_once,
+    run_segment,
+    served_per_epoch,
+)
 from tests.jobs.windows_data import MonthWindows, write_months
 
 MONTHS = (37, 41, 29, 53, 40)
@@ -167,21 +175,7 @@ def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
             tmp_path / "months", world_size=1, num_workers=2, epochs=2, persistent_workers=True, seed=99
         ),
     }
-    results: dict[str, Segment] = {}
-    errors: list[BaseException] = []
-
-    def run(name: str) -> None:
-        try:
-            results[name] = run_segment(tmp_path / name, "run", jobs[name])
-        except BaseException as err:  # noqa: BLE001 - reported by the main thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = run_at_once(tmp_path, jobs)
     total = sum(n - 3 for n in MONTHS)
     for segment in results.values():
         assert_exactly_once(served_per_epoch(kept_records(segment, None)), total, epochs=2)

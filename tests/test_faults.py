@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from tests.harness import (
     assert_exactly_once,
     checkpoint_step,
     kept_records,
+    run_at_once,
     run_segment,
     served_per_epoch,
 )
@@ -268,21 +268,7 @@ def test_two_runs_at_once_share_no_shared_memory_cache_file_or_port(
         data = {"format": "npy", "urls": str(tmp_path / name / "data" / "*.npy"), "default_cache": True}
         snap = {"step": 3, "other": str(tmp_path / other)}
         jobs[name] = Job(data=data, world_size=2, num_workers=1, batch_size=4, snapshot=snap)
-    results: dict[str, Segment] = {}
-    errors: list[BaseException] = []
-
-    def run(name: str) -> None:
-        try:
-            results[name] = run_segment(tmp_path / name, "run", jobs[name])
-        except BaseException as err:  # noqa: BLE001 - reported by the main thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = run_at_once(tmp_path, jobs)
     for name, segment in results.items():
         assert_exactly_once(served_per_epoch(kept_records(segment, None)), sum(sizes[name]), epochs=1)
     held = {name: json.loads((tmp_path / name / "resources.json").read_text()) for name in jobs}
