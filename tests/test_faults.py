@@ -108,9 +108,13 @@ def run_with_kills(out: Path, job: Job, total: int, rng: random.Random, seed: in
             left = total - (consumed_in(resume) if resume is not None else 0)
             fewest_steps = -(-left // (ranks * job.batch_size))  # no step serves more than ranks x batch
             first_checkpoint = (start // EVERY + 1) * EVERY
-            step = min(first_checkpoint + rng.randrange(EVERY), start + fewest_steps - 1)
-            assert step >= first_checkpoint, f"seed {seed}: data too small for {KILLS} kills: {kills}"
-            kill = replace(kill, step=step, rank=rng.randrange(ranks), moment=rng.choice(["before", "after"]))
+            moment = rng.choice(["before", "after"])
+            # A kill "after" a checkpoint's step loses that checkpoint. The first segment has no
+            # other to resume from, so there its kill lands at least one step later.
+            lowest = first_checkpoint + (1 if resume is None and moment == "after" else 0)
+            step = min(lowest + rng.randrange(EVERY), start + fewest_steps - 1)
+            assert step >= lowest, f"seed {seed}: data too small for {KILLS} kills: {kills}"
+            kill = replace(kill, step=step, rank=rng.randrange(ranks), moment=moment)
         kills.append(kill)
         segment_job = replace(
             job,
