@@ -130,7 +130,7 @@ def broadcast_job(months: Path, **fields: Any) -> Job:
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothing(tmp_path: Path) -> None:
-    """2 ranks x 2 workers, SIGKILLed mid-epoch, resumed on 1 rank x 3 workers. The halo makes the
+    """2 ranks x 2 workers, SIGKILLed mid-epoch, resumed on 1 rank x 1 worker. The halo makes the
     epoch exactly the windows of the continuous series; the next run sweeps the killed run's segments."""
     write_months(tmp_path / "months", MONTHS)
     total = sum(MONTHS) - 4 + 1  # every window of the continuous series, stride 1
@@ -141,7 +141,7 @@ def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothi
         left.append(shm_files() - before)
 
     first = broadcast_job(tmp_path / "months", halo=True, world_size=2, num_workers=2)
-    then = broadcast_job(tmp_path / "months", halo=True, world_size=1, num_workers=3)
+    then = broadcast_job(tmp_path / "months", halo=True, world_size=1, num_workers=1)
     seen, segments = check_resume(tmp_path / "run", first, [then], checkpoint_every=3, after_segment=look)
     assert_exactly_once(seen, total, epochs=1)
     assert segments[-1].report is not None and segments[-1].report["epochs"][0]["consumed"] == total
