@@ -1,7 +1,9 @@
 """``ShardingCallback``: keeps the ledger in step with training and inside Lightning checkpoints.
 
-- A step's samples count once its ``on_train_batch_end`` runs, and become checkpointable once an
-  optimizer step has applied their gradients (gradient accumulation).
+- A batch's samples join the ledger once its training step has run, and become checkpointable once
+  an optimizer step has applied their gradients (gradient accumulation). Both are read from the
+  trainer's progress whenever the ledger is read (:mod:`lightning_sharding.accounting`), so a
+  checkpoint saved from any hook or callback position holds exactly what its weights hold.
 - Lightning writes only global rank 0's checkpoint, but every rank runs the save hooks: the ledgers
   of all ranks are gathered there, and every rank restores the union on load.
 - At every epoch's end the consumed, padded and dropped counts are reported; the summary is
@@ -17,12 +19,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loops.progress import _ProcessedTracker
 from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
+from lightning_sharding.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.audit import AuditWriter
 from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.ledger import CHECKPOINT_KEY
+from lightning_sharding.loader import Provenance
 from lightning_sharding.world import World
 
 
@@ -53,7 +58,10 @@ class ShardingCallback(pl.Callback):
         self.print_summary = print_summary
         self.log_every_n_steps = log_every_n_steps
         self.reports: list[EpochReport] = []
-        self._last_step = -1
+        self._accounting = StepAccounting()
+        self._optimizer_steps = 0
+        self._step_hooks: list[Any] = []
+        self._unreported: list[Provenance] = []
         self._epoch_start = 0.0
         self._served = 0
         self._skipped = 0
@@ -78,6 +86,10 @@ class ShardingCallback(pl.Callback):
         dm = self._datamodule(trainer)
         if dm.audit_dir is not None:
             self._audit = self._open_audit(trainer, dm, dm.audit_dir)
+        # Counted when optimizer.step() returns, so that a save between the update and Lightning's own
+        # step counter (inside a user's `optimizer_step`) still sees the update.
+        self._step_hooks = [opt.register_step_post_hook(self._count_step) for opt in trainer.optimizers]
+        self._accounting.start_run(self._optimizer_steps)
         # Lightning skips on_train_epoch_start when it resumes mid-epoch; start the clock here too.
         self.on_train_epoch_start(trainer, pl_module)
 
@@ -106,7 +118,7 @@ class ShardingCallback(pl.Callback):
         self._served = 0
         self._skipped = 0
         self._consumed_at_start = len(dm.ledger.consumed) if dm.ledger is not None else 0
-        self._last_step = trainer.global_step
+        self._accounting.start_epoch()
         self._batch_end = 0.0
 
     @override
@@ -115,6 +127,7 @@ class ShardingCallback(pl.Callback):
     ) -> None:
         self._batch_start = time.perf_counter()
         self._datamodule(trainer).flush_commit()  # the checkpoint of the previous step is saved by now
+        self._accounting.batch_starts(self._progress(trainer))
         if self._batch_end:  # the time since the last step ended went to waiting for this batch
             self._wait += self._batch_start - self._batch_end
 
@@ -123,24 +136,46 @@ class ShardingCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         dm = self._datamodule(trainer)
-        stepped = trainer.global_step != self._last_step or not trainer.optimizers
-        self._last_step = trainer.global_step
-        provenance = dm.account_step(optimizer_stepped=stepped)
-        served = len(provenance.positions) - provenance.num_padding
-        self._served += served
-        self._skipped += len(provenance.skipped)
-        if self._audit is not None:
-            self._audit.step(
-                provenance.epoch,
-                trainer.global_step,
-                provenance.consumed_positions,
-                provenance.num_padding,
-                skipped=len(provenance.skipped),
-            )
+        self._report(trainer, self._sync(trainer, dm))
         self._batch_end = time.perf_counter()
         self._busy += self._batch_end - self._batch_start
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
             self._log_progress(trainer, pl_module, dm)
+
+    def _progress(self, trainer: pl.Trainer) -> TrainerProgress:
+        """The trainer's batch counters for the current epoch, and the optimizer steps that returned."""
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        assert isinstance(current, _ProcessedTracker)  # typed as its base class, which has no `processed`
+        return TrainerProgress(current.started, current.processed, self._optimizer_steps, bool(trainer.optimizers))
+
+    def _count_step(self, *args: Any) -> None:
+        self._optimizer_steps += 1
+
+    def _remove_step_hooks(self) -> None:
+        for hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks = []
+
+    def _report(self, trainer: pl.Trainer, provenances: list[Provenance]) -> None:
+        """Count and audit accounted batches, with those a checkpoint saved earlier in the hook accounted."""
+        for provenance in self._unreported + provenances:
+            self._served += len(provenance.positions) - provenance.num_padding
+            self._skipped += len(provenance.skipped)
+            if self._audit is not None:
+                self._audit.step(
+                    provenance.epoch,
+                    trainer.global_step,
+                    provenance.consumed_positions,
+                    provenance.num_padding,
+                    skipped=len(provenance.skipped),
+                )
+        self._unreported = []
+
+    def _sync(self, trainer: pl.Trainer, dm: ShardedDataModule) -> list[Provenance]:
+        """Bring the ledger to what the weights hold now; the newly accounted batches, oldest first."""
+        if dm.train_loader is None or dm.ledger is None:
+            return []
+        return self._accounting.sync(self._progress(trainer), dm.train_loader.pop_delivered, dm.ledger)
 
     def _log_progress(self, trainer: pl.Trainer, pl_module: pl.LightningModule, dm: ShardedDataModule) -> None:
         """Epoch progress (exact to within one sample per rank: other ranks are assumed in step),
@@ -160,7 +195,7 @@ class ShardingCallback(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dm = self._datamodule(trainer)
         assert dm.ledger is not None and dm.train_loader is not None
-        dm.ledger.commit()  # Lightning steps on an epoch's last batch whatever the accumulation
+        self._report(trainer, self._sync(trainer, dm))
         dm.gather_consumed()
         plan = dm.train_loader.sampler.epoch_plan
         # On the strategy's device (NCCL reduces only CUDA tensors) and int64 (counts beyond 2**24).
@@ -198,21 +233,27 @@ class ShardingCallback(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        checkpoint[CHECKPOINT_KEY] = self._datamodule(trainer).ledger_state()
+        # Whatever hook or signal handler saves, and wherever this callback sits in the list, the
+        # ledger is first brought to the batches whose gradients the weights being saved hold.
+        dm = self._datamodule(trainer)
+        self._unreported += self._sync(trainer, dm)
+        checkpoint[CHECKPOINT_KEY] = dm.ledger_state(global_step=trainer.global_step)
 
     @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._datamodule(trainer).restore_ledger(checkpoint.get(CHECKPOINT_KEY))
+        self._datamodule(trainer).restore_ledger(checkpoint.get(CHECKPOINT_KEY), checkpoint.get("global_step"))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._audit is not None:
             self._audit.close()
+        self._remove_step_hooks()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_step_hooks()
         if self._audit is not None:
             self._audit.close()
         dm = self._datamodule(trainer)

@@ -20,8 +20,8 @@ from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.dispatch import DISPATCH_EVEN_BATCHES, DispatchLoader
-from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-from lightning_sharding.loader import ON_ERROR_POLICIES, OnError, Provenance, ShardedLoader, Transform
+from lightning_sharding.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
+from lightning_sharding.loader import ON_ERROR_POLICIES, OnError, ShardedLoader, Transform
 from lightning_sharding.manifest import Manifest, describe_change
 from lightning_sharding.plan import EVEN_BATCH_POLICIES, EvenBatches
 from lightning_sharding.rangeset import RangeSet
@@ -302,24 +302,15 @@ class ShardedDataModule(pl.LightningDataModule):
 
     # -- ledger bookkeeping, driven by ShardingCallback ------------------------------------------
 
-    def account_step(self, optimizer_stepped: bool) -> Provenance:
-        """Record the batch whose training step just completed; returns its provenance."""
-        if self.train_loader is None or self.ledger is None:
-            raise RuntimeError("a training step ended before the sharded train loader was created")
-        provenance = self.train_loader.pop_delivered()
-        self.ledger.record(provenance.consumed_positions)
-        if optimizer_stepped:
-            self.ledger.commit()
-        return provenance
-
     def gather_consumed(self) -> None:
         """Union every rank's consumed positions into every rank's ledger (a collective call)."""
         assert self.ledger is not None
         for state in gather_objects(self.ledger.consumed.to_state(), self.world.world_size):
             self.ledger.merge(RangeSet.from_state(state))
 
-    def ledger_state(self) -> dict[str, Any]:
-        """The checkpoint entry: the union of all ranks' ledgers (a collective call)."""
+    def ledger_state(self, global_step: int | None = None) -> dict[str, Any]:
+        """The checkpoint entry: the union of all ranks' ledgers (a collective call), with the optimizer
+        step whose weights it matches."""
         assert self.ledger is not None
         self.gather_consumed()
         if isinstance(self.train_loader, DispatchLoader):
@@ -332,10 +323,13 @@ class ShardedDataModule(pl.LightningDataModule):
             "num_workers": self.num_workers,
             "batch_size": self.batch_size,
         }
+        if global_step is not None:
+            state[GLOBAL_STEP_KEY] = int(global_step)
         return state
 
-    def restore_ledger(self, state: dict[str, Any] | None) -> None:
-        """Restore a checkpoint's ledger; a checkpoint of other data is a clear error."""
+    def restore_ledger(self, state: dict[str, Any] | None, global_step: int | None = None) -> None:
+        """Restore a checkpoint's ledger; a checkpoint of other data is a clear error, and a ledger
+        that does not record ``global_step`` (the checkpoint's optimizer step) is warned about."""
         assert self.ledger is not None and self.manifest is not None
         source = f"the checkpoint {self.trainer.ckpt_path}" if self.trainer is not None else "the checkpoint"
         if state is None:
@@ -345,6 +339,9 @@ class ShardedDataModule(pl.LightningDataModule):
                 stacklevel=2,
             )
             return
+        mismatch = ledger_step_mismatch(state, global_step)
+        if mismatch:
+            warnings.warn(f"{source}: {mismatch}", stacklevel=2)
         try:
             restored = Ledger.from_state_dict(state)
         except CheckpointMismatchError as err:
@@ -377,15 +374,22 @@ class ShardedDataModule(pl.LightningDataModule):
 def _epoch_lightning_runs_next(trainer: pl.Trainer) -> int:
     """The epoch the iterator created now will serve.
 
-    Lightning creates (and prefetches from) the train iterator in ``setup_data`` before it calls
-    ``set_epoch``. When it restarts from a checkpoint written on an epoch's last batch, it then
-    skips to the next epoch without creating another iterator, so the ledger must already be on
-    that next epoch.
+    Lightning creates (and prefetches from) the train iterator in ``setup_data``, before its loops'
+    ``reset()`` decides how a restart goes and before it calls ``set_epoch``. A checkpoint written
+    in ``on_train_batch_end`` of an epoch's last batch restarts into the next epoch without another
+    iterator, so the ledger must already be on that epoch; one written later on the same batch (at
+    validation end, say) finishes the saved epoch first, with this iterator. The restart stage is
+    computed here from the restored counters exactly as ``FitLoop.reset()`` will compute it.
     """
     fit_loop = trainer.fit_loop
     epoch = int(getattr(fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
-    if fit_loop.restarting and fit_loop.epoch_loop.batch_progress.is_last_batch:
-        epoch += 1
+    if not fit_loop.restarting:
+        return epoch
+    fit_loop.update_restart_stage()  # reads the counters only; FitLoop.reset() computes it again
+    epoch_loop = fit_loop.epoch_loop
+    on_last_batch_end = epoch_loop.restarted_on_train_batch_end and epoch_loop.batch_progress.is_last_batch
+    if on_last_batch_end and fit_loop.restarted_mid_epoch:
+        epoch += 1  # FitLoop.reset() counts the saved epoch as processed
     return epoch
 
 

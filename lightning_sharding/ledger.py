@@ -18,6 +18,27 @@ from lightning_sharding.rangeset import RangeSet
 
 LEDGER_VERSION = 1
 CHECKPOINT_KEY = "lightning_sharding"  # where a Lightning checkpoint holds the ledger
+GLOBAL_STEP_KEY = "global_step"  # the optimizer step whose weights the checkpointed ledger matches
+
+
+def ledger_step_mismatch(state: Mapping[str, Any], global_step: int | None) -> str | None:
+    """Why a checkpoint's ledger may not match its weights, or None when it records their step.
+
+    ``state`` is the checkpoint's ledger entry, ``global_step`` the checkpoint's own optimizer step.
+    """
+    recorded = state.get(GLOBAL_STEP_KEY)
+    if recorded is None:
+        return (
+            "its data ledger does not record the optimizer step it matches (it was written by an earlier "
+            "lightning_sharding, which could leave out a step in flight or an accumulation window): samples "
+            "trained just before the save may be trained once more after the resume"
+        )
+    if global_step is not None and int(recorded) != int(global_step):
+        return (
+            f"its data ledger matches optimizer step {int(recorded)} but its weights are of global_step "
+            f"{int(global_step)}: the samples of the steps in between may be lost or trained twice"
+        )
+    return None
 
 
 class CheckpointMismatchError(ValueError):

@@ -88,6 +88,20 @@ class Job:
     kill_helper: dict[str, Any] | None = None
     # Note what the job holds at a step, meeting another run there: {"step": K, "other": <its out dir>}
     snapshot: dict[str, Any] | None = None
+    # Weight-level exactly-once (tests/jobs/parts.py::RecordingModel): one weight per sample id counts
+    # the applied gradients; rank 0 saves it at every epoch's end as <out>/w-<segment>-epoch<E>.npy.
+    count_weights: bool = False
+    # Checkpoints saved from elsewhere than ModelCheckpoint, into <out>/saves, at batches of the segment
+    # (1-based): [{"name": ..., "batches": [...], "hook": "train_batch_end"|"signal_in_step"|
+    # "signal_between_steps", "after": bool (placed after ShardingCallback)}] (tests/jobs/parts.py::SaveAt).
+    saves: tuple[dict[str, Any], ...] = ()
+    module_saves: tuple[int, ...] = ()  # batches at which LightningModule.on_train_batch_end saves
+    every_n_epochs: int | None = None  # ModelCheckpoint(every_n_epochs=...) at the train epoch's end
+    val_check_interval: int | None = None  # validate every N batches; ModelCheckpoint saves at validation end
+    raise_in_step_at_batch: int | None = None  # raise inside training_step; OnExceptionCheckpoint saves
+    # Instead of one fit: resume from each of these checkpoints in turn, one fresh Trainer each, in
+    # this one process (segment "<segment>-<checkpoint stem>"), each to the end of training.
+    resume_each: tuple[str, ...] = ()
 
 
 @dataclass
@@ -272,3 +286,67 @@ def check_resume(
         resume = written[0]
         kept += kept_records(segment, ckpt_at)
     return served_per_epoch(kept), segments
+
+
+def weights_at_epoch_ends(out: Path, segment: str) -> dict[int, Any]:
+    """The per-sample weights rank 0 saved at each epoch's end of ``segment`` (``count_weights``)."""
+    import numpy as np
+
+    found = {int(p.stem.rsplit("epoch", 1)[1]): np.load(p) for p in out.glob(f"w-{segment}-epoch*.npy")}
+    return dict(sorted(found.items()))
+
+
+def assert_weights_count_once(
+    weights: dict[int, Any], total: int, epochs: int, missing_ok: int = 0, first_epoch: int = 0
+) -> None:
+    """Exactly-once measured in the weights: every epoch added exactly 1 to every sample's weight
+    (0 for at most ``missing_ok`` samples the plan reported as dropped). ``weights`` maps each
+    epoch to the weights at its end (see :func:`weights_at_epoch_ends`); a run resumed from a
+    checkpoint whose earlier epochs were whole ends epochs ``first_epoch`` to ``epochs - 1``."""
+    import numpy as np
+
+    expected = list(range(first_epoch, epochs))
+    assert sorted(weights) == expected, f"epochs whose end saved weights: {sorted(weights)}, expected {expected}"
+    previous = np.full(total, float(first_epoch))
+    for epoch, w in weights.items():
+        added = w - previous
+        twice, never = np.flatnonzero(added > 1), np.flatnonzero(added == 0)
+        assert w.shape == (total,), f"epoch {epoch}: {w.shape[0]} weights for {total} samples"
+        assert not twice.size, f"epoch {epoch}: {twice.size} samples applied more than once, e.g. ids {twice[:5]}"
+        assert np.isin(added, (0.0, 1.0)).all(), f"epoch {epoch}: weights moved by {np.unique(added)}"
+        assert never.size <= missing_ok, f"epoch {epoch}: {never.size} samples never applied, e.g. ids {never[:5]}"
+        previous = w
+
+
+def assert_checkpoint_matches_weights(path: Path, sizes: tuple[int, ...]) -> tuple[int, int]:
+    """The checkpoint's ledger holds exactly the samples whose gradients its weights hold.
+
+    For a run of synthetic data (``sizes``) with ``count_weights`` and no dropped samples, a
+    checkpoint whose ledger is at epoch ``e`` with consumed positions ``C`` must hold
+    ``w[i] == e + (i in ids(C))``. Returns ``(epoch, number consumed)``.
+    """
+    import numpy as np
+    import torch
+
+    from lightning_sharding.order import EpochOrder
+    from lightning_sharding.rangeset import RangeSet
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    state = ckpt["lightning_sharding"]
+    w = ckpt["state_dict"]["w"].numpy()
+    epoch = int(state["epoch"])
+    consumed = RangeSet.from_state(np.asarray(state["consumed"]))
+    positions = np.concatenate([np.arange(a, b) for a, b in consumed.ranges()] or [np.zeros(0, np.int64)])
+    items, index = EpochOrder(sizes, int(state["seed"]), epoch).locate(positions)
+    ids = np.concatenate(([0], np.cumsum(sizes)))[items] + index
+    expected = np.full(sum(sizes), float(epoch))
+    expected[ids] += 1
+    wrong = np.flatnonzero(w != expected)
+    assert not wrong.size, (
+        f"{path.name}: ledger (epoch {epoch}, {len(consumed)} consumed, global_step {state.get('global_step')}) "
+        f"disagrees with the weights (global_step {ckpt['global_step']}) on {wrong.size} samples: "
+        f"e.g. ids {wrong[:5].tolist()} have weights {w[wrong[:5]].tolist()}, "
+        f"the ledger says {expected[wrong[:5]].tolist()}"
+    )
+    assert state.get("global_step") == ckpt["global_step"], f"{path.name}: ledger step {state.get('global_step')}"
+    return epoch, len(consumed)

@@ -11,22 +11,60 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 
 from lightning_sharding import Item, ShardingCallback, SyntheticReader
 
 
 class RecordingModel(pl.LightningModule):
-    """A tiny regression model that writes down every sample id its training steps used."""
+    """A tiny regression model that writes down every sample id its training steps used.
 
-    def __init__(self, log_path: str) -> None:
+    With ``count_weights``, it also holds one float64 weight per sample id, trained by SGD with
+    learning rate 1 on ``-w[ids].sum()`` (padding left out, scaled by the world size and the
+    accumulation so that DDP's averaging and Lightning's loss division cancel): after training,
+    ``w[i]`` counts how many times sample ``i``'s gradient was applied, in the weights themselves.
+    Rank 0 saves ``w`` at every epoch's end to ``<out>/w-<segment>-epoch<E>.npy``.
+
+    ``save_at_batches`` calls ``trainer.save_checkpoint`` from this module's ``on_train_batch_end``
+    at those batches of the segment (1-based); ``raise_at_batch`` raises inside ``training_step``.
+    """
+
+    def __init__(
+        self,
+        log_path: str,
+        count_weights: bool = False,
+        save_at_batches: Sequence[int] = (),
+        save_dir: str | None = None,
+        raise_at_batch: int | None = None,
+    ) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(8, 1)
         self.log_path = log_path
+        self.count_weights = count_weights
+        self.save_at_batches, self.save_dir = set(save_at_batches), save_dir
+        self.raise_at_batch = raise_at_batch
+        self._batches = 0
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self.count_weights and not hasattr(self, "w"):
+            total = self.trainer.datamodule.manifest.total  # type: ignore[attr-defined]
+            self.w = torch.nn.Parameter(torch.zeros(total, dtype=torch.float64))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self._last = batch
-        return torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
+        self._batches += 1
+        if self._batches == self.raise_at_batch:
+            raise RuntimeError(f"RecordingModel: deliberate failure in training_step of batch {self._batches}")
+        loss = torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
+        if self.count_weights:
+            ids = batch["id"][~batch["is_padding"]]
+            scale = self.trainer.world_size * self.trainer.accumulate_grad_batches
+            loss = loss - self.w[ids].sum() * scale
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"]))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         pad = batch["is_padding"]
@@ -39,9 +77,58 @@ class RecordingModel(pl.LightningModule):
         path = f"{self.log_path}-rank{self.trainer.global_rank}.jsonl"
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._batches in self.save_at_batches:
+            self.trainer.save_checkpoint(Path(str(self.save_dir), f"module-b{self._batches}.ckpt"))
+
+    def on_train_epoch_end(self) -> None:
+        if self.count_weights and self.trainer.is_global_zero:
+            segment = Path(self.log_path).name.removeprefix("seen-")
+            path = Path(self.log_path).parent / f"w-{segment}-epoch{self.trainer.current_epoch}.npy"
+            np.save(path, self.w.detach().cpu().numpy())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        groups: list[dict[str, Any]] = [{"params": self.layer.parameters(), "lr": 0.01}]
+        if self.count_weights:
+            groups.append({"params": [self.w], "lr": 1.0})
+        return torch.optim.SGD(groups, lr=0.01)
+
+
+class SaveAt(pl.Callback):
+    """A user's own callback calling ``trainer.save_checkpoint`` at given batches of the segment
+    (1-based): from ``on_train_batch_end``, or by sending itself SIGUSR1 with Lightning's SLURM
+    auto-requeue handler installed, from ``on_before_optimizer_step`` (inside a step, after the
+    backward pass: ``hook="signal_in_step"``) or ``on_train_batch_start`` (between steps:
+    ``hook="signal_between_steps"``); the handler writes ``hpc_ckpt_N.ckpt`` into the trainer's
+    root directory, as on a SLURM cluster."""
+
+    def __init__(self, name: str, batches: Sequence[int], save_dir: str, hook: str = "train_batch_end") -> None:
+        self.name, self.batches, self.save_dir, self.hook = name, set(batches), save_dir, hook
+        self._batches = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._batches += 1
+        if self.hook == "signal_between_steps":
+            self._save(trainer, "signal_between_steps")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._save(trainer, "signal_in_step")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._save(trainer, "train_batch_end")
+
+    def _save(self, trainer: pl.Trainer, hook: str) -> None:
+        if hook != self.hook or self._batches not in self.batches:
+            return
+        if hook == "train_batch_end":
+            trainer.save_checkpoint(Path(self.save_dir, f"{self.name}-b{self._batches}.ckpt"))
+            return
+        # Lightning's own SLURM handler: it saves hpc_ckpt_N.ckpt, then asks scontrol to requeue
+        # (absent here: it logs that the requeue failed, as on a machine without SLURM).
+        os.environ.setdefault("SLURM_JOB_ID", "4242")
+        handler = trainer._signal_connector._slurm_sigusr_handler_fn
+        signal.signal(signal.SIGUSR1, handler)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
 class DieAtStep(pl.Callback):

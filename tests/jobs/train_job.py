@@ -18,26 +18,25 @@ def main(config_path: str) -> None:
     # Heavy imports stay inside main(): spawned DataLoader workers re-import this file as
     # __mp_main__ and should not pay for importing Lightning.
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_sharding import ShardedDataModule, SyntheticReader
-    from lightning_sharding.callbacks import ReleaseProcessGroup
-    from lightning_sharding.datasets import to_regression
-    from tests.jobs.parts import (
-        DieAtStep,
-        KillGroupAtStep,
-        KillHelperAtStep,
-        RaiseAtStep,
-        RecordingModel,
-        SkewedReader,
-        SnapshotAtStep,
-        WriteResult,
-        file_reader,
-    )
-    from tests.jobs.windows_data import MonthWindows
 
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
+    if cfg["resume_each"]:  # one fresh DataModule and Trainer per checkpoint, in this one process
+        for ckpt in cfg["resume_each"]:
+            trainer, model = _trainer(pl, cfg, out, f"{cfg['segment']}-{Path(ckpt).stem}")
+            trainer.fit(model, datamodule=_datamodule(cfg, out), ckpt_path=ckpt)
+        return
+    trainer, model = _trainer(pl, cfg, out, cfg["segment"])
+    trainer.fit(model, datamodule=_datamodule(cfg, out), ckpt_path=cfg["resume_from"])
+
+
+def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
+    """The segment's DataModule, as the config says."""
+    from lightning_sharding import ShardedDataModule, SyntheticReader
+    from lightning_sharding.datasets import to_regression
+    from tests.jobs.parts import SkewedReader, file_reader
+    from tests.jobs.windows_data import MonthWindows
+
     transform = None
     data: dict[str, Any] = {}
     if cfg["strategy"] == "dispatch":
@@ -72,33 +71,93 @@ def main(config_path: str) -> None:
             multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
             strategy=cfg["strategy"],
             prefetch_items=cfg["prefetch_items"],
+            val_reader=SyntheticReader(sizes=[16, 16]) if cfg["val_check_interval"] else None,
             **common,
         )
-    model = RecordingModel(str(out / f"seen-{cfg['segment']}"))
-    callbacks: list[pl.Callback] = [WriteResult(out / f"result-{cfg['segment']}.json"), ReleaseProcessGroup()]
+    return dm
+
+
+def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any, Any]:
+    """The Trainer and the model of one segment, with every callback the config asks for."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
+    from tests.jobs.parts import (
+        DieAtStep,
+        KillGroupAtStep,
+        KillHelperAtStep,
+        RaiseAtStep,
+        RecordingModel,
+        SaveAt,
+        SnapshotAtStep,
+        WriteResult,
+    )
+
+    saves = out / "saves"
+    saves.mkdir(parents=True, exist_ok=True)
+    model = RecordingModel(
+        str(out / f"seen-{segment}"),
+        count_weights=cfg["count_weights"],
+        save_at_batches=cfg["module_saves"],
+        save_dir=str(saves),
+        raise_at_batch=cfg["raise_in_step_at_batch"],
+    )
+    callbacks: list[pl.Callback] = [WriteResult(out / f"result-{segment}.json"), ReleaseProcessGroup()]
+    user_saves = [
+        (SaveAt(s["name"], s["batches"], str(saves), s.get("hook", "train_batch_end")), bool(s.get("after")))
+        for s in cfg["saves"]
+    ]
+    callbacks += [cb for cb, after in user_saves if not after]
+    if any(after for _, after in user_saves):  # placed explicitly, ahead of the callbacks that come after it
+        callbacks.append(ShardingCallback())
+        callbacks += [cb for cb, after in user_saves if after]
     if cfg["checkpoint_every"]:
         callbacks.append(
             ModelCheckpoint(
                 dirpath=out / "checkpoints",
                 every_n_train_steps=cfg["checkpoint_every"],
                 save_top_k=-1,
-                filename=f"{cfg['segment']}-{{epoch}}-{{step}}",
+                filename=f"{segment}-{{epoch}}-{{step}}",
             )
         )
+    if cfg["every_n_epochs"]:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=saves,
+                every_n_epochs=cfg["every_n_epochs"],
+                save_on_train_epoch_end=True,
+                save_top_k=-1,
+                filename=f"{segment}-epoch-end-{{epoch}}-{{step}}",
+            )
+        )
+    if cfg["val_check_interval"]:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=saves,
+                monitor="val_loss",  # also makes its state key differ from the every_n_epochs one
+                save_on_train_epoch_end=False,
+                save_top_k=-1,
+                filename=f"{segment}-val-end-{{step}}",
+            )
+        )
+    if cfg["raise_in_step_at_batch"]:
+        callbacks.append(OnExceptionCheckpoint(dirpath=saves, filename=f"{segment}-on-exception"))
     if cfg["die_at_step"]:
         callbacks.append(DieAtStep(cfg["die_at_step"]))
     if cfg["kill_group"]:
         kill = cfg["kill_group"]
         callbacks.append(KillGroupAtStep(kill["step"], kill["rank"], kill["moment"]))
     if cfg["kill_helper"]:
-        kill, mark = cfg["kill_helper"], out / f"fault-{cfg['segment']}.json"
+        kill, mark = cfg["kill_helper"], out / f"fault-{segment}.json"
         callbacks.append(KillHelperAtStep(kill["step"], kill["rank"], kill["process"], mark))
     if cfg["snapshot"]:
         callbacks.append(SnapshotAtStep(cfg["snapshot"]["step"], out, Path(cfg["snapshot"]["other"])))
     if cfg["raise_at_step"]:
         callbacks.append(RaiseAtStep(cfg["raise_at_step"]))
     world, nodes = cfg["world_size"], cfg["num_nodes"]
-    if cfg["launcher"] == "torchrun":  # one process per rank, started by torchrun on each node
+    if cfg["resume_each"]:
+        strategy, devices = "auto", 1
+    elif cfg["launcher"] == "torchrun":  # one process per rank, started by torchrun on each node
         strategy, devices = "ddp", world // nodes
     else:
         strategy, devices = ("ddp_spawn" if world > 1 else "auto"), world
@@ -111,13 +170,15 @@ def main(config_path: str) -> None:
         accumulate_grad_batches=cfg["accumulate"],
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=bool(cfg["checkpoint_every"]),
+        enable_checkpointing=bool(cfg["checkpoint_every"] or cfg["every_n_epochs"] or cfg["val_check_interval"]),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out),
         limit_train_batches=cfg["limit_train_batches"],
+        val_check_interval=cfg["val_check_interval"],
+        num_sanity_val_steps=0,
     )
-    trainer.fit(model, datamodule=dm, ckpt_path=cfg["resume_from"])
+    return trainer, model
 
 
 if __name__ == "__main__":
