@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import numpy as np
 
 from lightning_sharding.config import CONF_DIR, STRATEGIES
-from lightning_sharding.ledger import CHECKPOINT_KEY
+from lightning_sharding.ledger import CHECKPOINT_KEY, GLOBAL_STEP_KEY, ledger_step_mismatch
 from lightning_sharding.plan import EVEN_BATCH_POLICIES
 from lightning_sharding.rangeset import RangeSet
 
@@ -486,8 +486,17 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
             f"writer       {topology}",
             f"ledger size  {_plural(ledger.consumed.num_ranges, 'range')}, {ranges.nbytes} bytes",
             f"lightning    global_step {ckpt.get('global_step', 'n/a')}, epoch {ckpt.get('epoch', 'n/a')}",
+            _step_line(state, ckpt.get("global_step")),
         ]
     )
+
+
+def _step_line(state: Mapping[str, Any], global_step: Any) -> str:
+    """Which optimizer step the ledger matches, or a warning that it may not match the weights."""
+    mismatch = ledger_step_mismatch(state, global_step)
+    if mismatch:
+        return f"WARNING      {mismatch}"
+    return f"matches      optimizer step {state[GLOBAL_STEP_KEY]}: the samples whose gradients these weights hold"
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -269,6 +269,8 @@ def test_inspect_a_real_checkpoint(capsys: pytest.CaptureFixture[str], checkpoin
     assert "3 items, 30 samples, first synthetic-00000, last synthetic-00002" in out
     assert "ledger size  1 range, 16 bytes" in out
     assert "global_step 3" in out
+    assert "matches      optimizer step 3: the samples whose gradients these weights hold" in out
+    assert "WARNING" not in out
     fingerprint = Manifest.from_items(SyntheticReader(sizes=[10, 10, 10]).items()).fingerprint
     assert f"fingerprint {fingerprint[:16]}," in out
 
@@ -310,6 +312,25 @@ def test_inspect_mismatched_ledger(capsys: pytest.CaptureFixture[str], checkpoin
     code, _, err = run(capsys, "inspect", str(future))
     assert code == 2
     assert "version 99" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("written_by", ["older version", "other step"])
+def test_inspect_warns_when_the_ledger_may_not_match_the_weights(
+    capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path, written_by: str
+) -> None:
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    if written_by == "older version":
+        del ckpt["lightning_sharding"]["global_step"]
+        expected = "does not record the optimizer step it matches"
+    else:
+        ckpt["global_step"] = 5
+        expected = "matches optimizer step 3 but its weights are of global_step 5"
+    path = tmp_path / "suspect.ckpt"
+    torch.save(ckpt, path)
+    code, out, err = run(capsys, "inspect", str(path))
+    assert code == 0, err
+    warning = next(line for line in out.splitlines() if line.startswith("WARNING"))
+    assert expected in warning and "matches      optimizer step" not in out
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "garbage"])

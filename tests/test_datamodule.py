@@ -105,6 +105,23 @@ def test_a_checkpoint_without_a_ledger_restarts_its_epoch_with_a_warning(tmp_pat
     assert sorted(i for step in model.steps for i in step) == list(range(20))
 
 
+def test_a_ledger_that_does_not_record_its_step_is_resumed_with_a_warning(tmp_path: Path) -> None:
+    """A checkpoint of an earlier lightning_sharding has no step in its ledger: it still resumes,
+    with a warning that it may not match its weights."""
+    path, first = _checkpoint(tmp_path, SyntheticReader(sizes=[10, 10]))
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["lightning_sharding"]["global_step"] == ckpt["global_step"] == 3
+    del ckpt["lightning_sharding"]["global_step"]
+    torch.save(ckpt, path)
+    model = Recorder()
+    with pytest.warns(UserWarning, match="does not record the optimizer step it matches"):
+        trainer().fit(
+            model, datamodule=ShardedDataModule(SyntheticReader(sizes=[10, 10]), batch_size=4), ckpt_path=path
+        )
+    ids = [i for step in first.steps[:3] + model.steps for i in step]
+    assert sorted(ids) == list(range(20))
+
+
 def test_accumulated_but_unstepped_samples_are_not_checkpointed(tmp_path: Path) -> None:
     """accumulate_grad_batches=2 and a save after batch 3: batch 3's gradient was never applied, so
     its samples are served again after the resume; batches 1-2 are not."""
