@@ -350,3 +350,12 @@ def assert_checkpoint_matches_weights(path: Path, sizes: tuple[int, ...]) -> tup
     )
     assert state.get("global_step") == ckpt["global_step"], f"{path.name}: ledger step {state.get('global_step')}"
     return epoch, len(consumed)
+
+
+def weights_of_run(out: Path, segments: list[Segment]) -> dict[int, Any]:
+    """Per epoch, the weights at its end from the last segment that ended it: the line of segments
+    a resume keeps (a later segment resumed inside an epoch ends that epoch again)."""
+    found: dict[int, Any] = {}
+    for segment in segments:
+        found.update(weights_at_epoch_ends(out, segment.name))
+    return dict(sorted(found.items()))

@@ -14,7 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import Job, assert_exactly_once, check_resume, free_port, kept_records, run_segment, served_per_epoch
+from tests.harness import (
+    Job,
+    assert_exactly_once,
+    assert_weights_count_once,
+    check_resume,
+    free_port,
+    kept_records,
+    run_segment,
+    served_per_epoch,
+    weights_of_run,
+)
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
@@ -27,10 +37,11 @@ TOTAL = sum(Job().sizes)
     ids=lambda t: f"{t[0]}x{t[1]}",
 )
 def test_mid_epoch_resume_on_another_topology(tmp_path: Path, before: tuple[int, int], after: tuple[int, int]) -> None:
-    first = Job(world_size=before[0], num_workers=before[1])
-    then = Job(world_size=after[0], num_workers=after[1])
+    first = Job(world_size=before[0], num_workers=before[1], count_weights=True)
+    then = Job(world_size=after[0], num_workers=after[1], count_weights=True)
     seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=3)
     assert_exactly_once(seen, TOTAL, epochs=1)
+    assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
     # The resumed run reports the samples the checkpoint already held as consumed.
     final = segments[-1].report
     assert final is not None and final["epochs"][0]["consumed"] == TOTAL
@@ -38,9 +49,11 @@ def test_mid_epoch_resume_on_another_topology(tmp_path: Path, before: tuple[int,
 
 def test_several_resumes_in_one_epoch_each_on_another_topology(tmp_path: Path) -> None:
     """2x2 -> 1x2 -> 2x0 inside epoch 0; the ledger stays a handful of ranges."""
-    jobs = [Job(world_size=2, num_workers=2), Job(world_size=1, num_workers=2), Job(world_size=2, num_workers=0)]
+    topologies = [(2, 2), (1, 2), (2, 0)]
+    jobs = [Job(world_size=w, num_workers=n, count_weights=True) for w, n in topologies]
     seen, segments = check_resume(tmp_path, jobs[0], jobs[1:], checkpoint_every=3)
     assert_exactly_once(seen, TOTAL, epochs=1)
+    assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
     resumed_from = segments[1].checkpoints[0]
     state = torch.load(resumed_from, weights_only=True)["lightning_sharding"]
     ranges = state["consumed"].shape[0]
@@ -52,19 +65,21 @@ def test_several_resumes_in_one_epoch_each_on_another_topology(tmp_path: Path) -
 
 def test_a_checkpoint_at_an_epoch_end_resumes_into_a_fresh_epoch(tmp_path: Path) -> None:
     """2 ranks x 8 = 16 samples a step: 200 samples is 13 steps, so step 13 ends epoch 0."""
-    first = Job(epochs=2)
-    then = Job(epochs=2, world_size=1, num_workers=2)
+    first = Job(epochs=2, count_weights=True)
+    then = Job(epochs=2, world_size=1, num_workers=2, count_weights=True)
     seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=13)
     assert_exactly_once(seen, TOTAL, epochs=2)
+    assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=2)
     assert all(r["epoch"] == 1 for recs in segments[1].records.values() for r in recs)
 
 
 def test_torchrun_two_nodes_on_one_machine_resumes_a_ddp_spawn_checkpoint(tmp_path: Path) -> None:
     """Two `torchrun --nnodes=2 --node_rank={0,1}` launches with a rendezvous on 127.0.0.1."""
-    first = Job(world_size=2, num_workers=2)
-    then = Job(world_size=2, num_workers=1, launcher="torchrun", num_nodes=2)
+    first = Job(world_size=2, num_workers=2, count_weights=True)
+    then = Job(world_size=2, num_workers=1, launcher="torchrun", num_nodes=2, count_weights=True)
     seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=3)
     assert_exactly_once(seen, TOTAL, epochs=1)
+    assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
     assert "ranks: rank 0 = node 0 local 0 | rank 1 = node 1 local 0" in segments[-1].output
 
 
