@@ -33,11 +33,13 @@ from tests.harness import (
     Job,
     Segment,
     assert_exactly_once,
+    assert_weights_count_once,
     checkpoint_step,
     kept_records,
     run_at_once,
     run_segment,
     served_per_epoch,
+    weights_of_run,
 )
 from tests.jobs.sources import make_db
 from tests.jobs.windows_data import write_months
@@ -60,12 +62,13 @@ def strategy_job(strategy: str, data: Path) -> tuple[Job, int]:
     """A 1-epoch job of ``strategy`` with its own small data under ``data``, and its sample count."""
     if strategy == "broadcast":
         write_months(data, MONTHS)
-        return Job(strategy="broadcast", months=str(data), batch_size=BATCH), sum(n - 3 for n in MONTHS)
+        job = Job(strategy="broadcast", months=str(data), batch_size=BATCH, count_weights=True)
+        return job, sum(n - 3 for n in MONTHS)
     if strategy == "dispatch":
         data.mkdir(parents=True, exist_ok=True)
         source = {"kind": "sqlite", "path": str(make_db(data / "rows.db", ROWS))}
-        return Job(strategy="dispatch", source=source, batch_size=BATCH), ROWS
-    return Job(batch_size=BATCH), sum(Job().sizes)
+        return Job(strategy="dispatch", source=source, batch_size=BATCH, count_weights=True), ROWS
+    return Job(batch_size=BATCH, count_weights=True), sum(Job().sizes)
 
 
 def consumed_in(checkpoint: Path) -> int:
@@ -161,6 +164,11 @@ def test_sigkill_of_the_whole_job_at_random_points_then_resume_on_random_topolog
         kept += kept_records(segment, following.resumed_at if following is not None else None)
     try:
         assert_exactly_once(served_per_epoch(kept), total, epochs=1)
+    except AssertionError as err:
+        raise AssertionError(f"{where}: {err}") from None
+    # And in the weights: the segments a resume kept applied every sample's gradient exactly once.
+    try:
+        assert_weights_count_once(weights_of_run(out, segments), total, epochs=1)
     except AssertionError as err:
         raise AssertionError(f"{where}: {err}") from None
     # A kill "after" a checkpoint step lands before Lightning's checkpoint callbacks (they run last):
