@@ -58,6 +58,11 @@ class StepAccounting:
         self._committed_step = optimizer_steps
         self.start_epoch()
 
+    @property
+    def batches_before(self) -> int | None:
+        """Batches of the epoch trained before this iterator's first (a resume's), None before it starts."""
+        return self._base
+
     def batch_starts(self, progress: TrainerProgress) -> None:
         """A batch is about to run its training step (called before Lightning counts it as started)."""
         if self._base is None:

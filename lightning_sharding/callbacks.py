@@ -28,6 +28,7 @@ from lightning_sharding.audit import AuditWriter
 from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.ledger import CHECKPOINT_KEY
 from lightning_sharding.loader import Provenance
+from lightning_sharding.progress_bar import show_train_total
 from lightning_sharding.world import World
 
 
@@ -128,6 +129,7 @@ class ShardingCallback(pl.Callback):
         self._batch_start = time.perf_counter()
         self._datamodule(trainer).flush_commit()  # the checkpoint of the previous step is saved by now
         self._accounting.batch_starts(self._progress(trainer))
+        self._show_total(trainer)
         if self._batch_end:  # the time since the last step ended went to waiting for this batch
             self._wait += self._batch_start - self._batch_end
 
@@ -137,6 +139,7 @@ class ShardingCallback(pl.Callback):
     ) -> None:
         dm = self._datamodule(trainer)
         self._report(trainer, self._sync(trainer, dm))
+        self._show_total(trainer)  # a Rich bar resumed mid-epoch is drawn only now
         self._batch_end = time.perf_counter()
         self._busy += self._batch_end - self._batch_start
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
@@ -147,6 +150,13 @@ class ShardingCallback(pl.Callback):
         current = trainer.fit_loop.epoch_loop.batch_progress.current
         assert isinstance(current, _ProcessedTracker)  # typed as its base class, which has no `processed`
         return TrainerProgress(current.started, current.processed, self._optimizer_steps, bool(trainer.optimizers))
+
+    def _show_total(self, trainer: pl.Trainer) -> None:
+        """The progress bar's total: batches of this epoch before a resume plus those planned since."""
+        loader, before = self._datamodule(trainer).train_loader, self._accounting.batches_before
+        planned = getattr(getattr(getattr(loader, "sampler", None), "epoch_plan", None), "num_batches", None)
+        if planned is not None and before is not None:  # None: a source of unknown length (even_batches="sync")
+            show_train_total(trainer.progress_bar_callback, before + planned)
 
     def _count_step(self, *args: Any) -> None:
         self._optimizer_steps += 1

@@ -149,7 +149,29 @@ def _hydra_main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:  # each job of a sweep keeps its checkpoints and logs apart
         cfg.out_dir = hydra_cfg.runtime.output_dir  # <out_dir>/multirun/<date>_<time>/<job number>
+    _log_through_hydra()
     run(cfg)
+
+
+def _log_through_hydra() -> None:
+    """One line per log event: Hydra's logging config owns the console and the log file.
+
+    ``import lightning`` gives the ``lightning`` logger a console handler of its own (and its
+    subpackages one too when the root logger has none yet), so next to Hydra's handlers every
+    Lightning line came out twice. Hand its lines to Hydra's handlers instead; with
+    ``hydra/job_logging=disabled`` the root has none and Lightning keeps its own.
+    """
+    import logging
+
+    import lightning  # noqa: F401 - adds the handlers removed below; run() imports it anyway
+
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+            logger.removeHandler(handler)
+        logger.propagate = True
 
 
 def main() -> None:

@@ -1,8 +1,22 @@
-"""Test-wide settings: one OpenMP thread per process (2-core machine, many processes per test)."""
+"""Test-wide settings: one OpenMP thread per process (2-core machine, many processes per test), and
+``@pytest.mark.needs(module, ...)`` for tests of optional extras (see tests/extras.py)."""
 
 import os
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The S3-protocol server fixture (moto on loopback) for the remote-storage tests.
 pytest_plugins = ["tests.s3"]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from tests.extras import require
+
+    for marker in item.iter_markers("needs"):
+        require(*marker.args)
+    # A parametrized case of the Parquet format (a `fmt`, a recipe, a bad-input case) needs pyarrow.
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if any(value == "parquet" or getattr(value, "reader", None) == "parquet" for value in params.values()):
+        require("pyarrow")

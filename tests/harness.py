@@ -91,6 +91,7 @@ class Job:
     # Weight-level exactly-once (tests/jobs/parts.py::RecordingModel): one weight per sample id counts
     # the applied gradients; rank 0 saves it at every epoch's end as <out>/w-<segment>-epoch<E>.npy.
     count_weights: bool = False
+    progress_bar: bool = False  # show Lightning's TQDM bar; records then note its total ("bar") and k
     # Checkpoints saved from elsewhere than ModelCheckpoint, into <out>/saves, at batches of the segment
     # (1-based): [{"name": ..., "batches": [...], "hook": "train_batch_end"|"signal_in_step"|
     # "signal_between_steps", "after": bool (placed after ShardingCallback)}] (tests/jobs/parts.py::SaveAt).

@@ -45,6 +45,9 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
+    from tests.extras import require
+
+    require("moto", "boto3", "s3fs")
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.processes
 @pytest.mark.timeout(420)
+@pytest.mark.needs("matplotlib")
 def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

@@ -228,6 +228,7 @@ def test_the_cli_does_not_import_lightning() -> None:
     assert out.strip() == "False"
 
 
+@pytest.mark.needs("matplotlib")
 def test_plan_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "plan.png"
     code, out, err = run(capsys, "plan", "data.num_items=6", "data.samples_per_item=50", "--world-size", "3",
@@ -282,6 +283,7 @@ def test_audit_of_the_same_run(capsys: pytest.CaptureFixture[str], checkpoint: P
     assert row[:3] == ["0", "30", "12"]  # epoch 0: 12 of 30 consumed, as the ledger says
 
 
+@pytest.mark.needs("matplotlib")
 def test_inspect_plot_writes_a_png(capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path) -> None:
     path = tmp_path / "progress.png"
     code, out, err = run(capsys, "inspect", str(checkpoint), "--plot", str(path))

@@ -6,7 +6,6 @@ Python workers started with spawn, and a real Lightning Trainer with DDP over gl
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -24,10 +23,7 @@ from lightning_sharding.dali import DaliLoader, merge_layout
 from tests.harness import ROOT, Job, assert_exactly_once, check_resume, free_port
 from tests.jobs.dali_parts import RecordingReader, add_image
 
-needs_dali = pytest.mark.skipif(
-    importlib.util.find_spec("nvidia.dali") is None,
-    reason="NVIDIA DALI is not installed: pip install 'lightning-sharding[dali]'",
-)
+needs_dali = pytest.mark.needs("nvidia.dali")
 
 
 # -- the layout (pure) -------------------------------------------------------------------------

@@ -37,11 +37,17 @@ TOTAL = sum(Job().sizes)
     ids=lambda t: f"{t[0]}x{t[1]}",
 )
 def test_mid_epoch_resume_on_another_topology(tmp_path: Path, before: tuple[int, int], after: tuple[int, int]) -> None:
-    first = Job(world_size=before[0], num_workers=before[1], count_weights=True)
-    then = Job(world_size=after[0], num_workers=after[1], count_weights=True)
+    first = Job(world_size=before[0], num_workers=before[1], count_weights=True, progress_bar=True)
+    then = Job(world_size=after[0], num_workers=after[1], count_weights=True, progress_bar=True)
     seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=3)
     assert_exactly_once(seen, TOTAL, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
+    # The progress bar shows k/N, N the batches this rank trains in the epoch: before the resume the
+    # plan's count; after it, the batches already trained plus the new topology's plan, so k ends at N.
+    # Lightning draws the bar on rank 0 only.
+    assert {r["bar"] for r in segments[0].records[0]} == {-(-TOTAL // (before[0] * 8))}
+    resumed = segments[-1].records[0]
+    assert {r["bar"] for r in resumed} == {resumed[-1]["k"]} and resumed[0]["k"] > 1, resumed
     # The resumed run reports the samples the checkpoint already held as consumed.
     final = segments[-1].report
     assert final is not None and final["epochs"][0]["consumed"] == TOTAL

@@ -67,6 +67,7 @@ def test_every_format_serves_every_sample_once_across_ranks(tmp_path: Path, fmt:
     np.testing.assert_allclose(x, np.sin(phase), atol=1e-6)
 
 
+@pytest.mark.needs("pyarrow")
 def test_parquet_items_are_row_groups_and_columns_can_be_selected(tmp_path: Path) -> None:
     write_regression(str(tmp_path), "parquet", [50, 20], row_group_size=16)
     reader = ParquetReader(str(tmp_path / "*.parquet"), columns=["id", "x"], cache_dir=tmp_path / "cache")

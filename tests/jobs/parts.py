@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from lightning_sharding import Item, ShardingCallback, SyntheticReader
+from lightning_sharding.progress_bar import train_total
 
 
 class RecordingModel(pl.LightningModule):
@@ -73,6 +74,8 @@ class RecordingModel(pl.LightningModule):
             "gs": self.trainer.global_step,
             "ids": batch["id"][~pad].tolist(),
             "pad": int(pad.sum()),
+            "k": batch_idx + 1,
+            "bar": train_total(self.trainer.progress_bar_callback),
         }
         path = f"{self.log_path}-rank{self.trainer.global_rank}.jsonl"
         with open(path, "a") as f:

@@ -171,7 +171,7 @@ def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=bool(cfg["checkpoint_every"] or cfg["every_n_epochs"] or cfg["val_check_interval"]),
-        enable_progress_bar=False,
+        enable_progress_bar=cfg["progress_bar"],
         enable_model_summary=False,
         default_root_dir=str(out),
         limit_train_batches=cfg["limit_train_batches"],
