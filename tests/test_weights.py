@@ -67,6 +67,7 @@ def test_checkpoints_saved_from_any_hook_hold_what_the_weights_hold(tmp_path: Pa
     integer val_check_interval that falls on each epoch's last batch."""
     job = Job(
         count_weights=True,
+        persistent_workers=True,  # workers (train and validation) start once, not at every epoch
         epochs=2,
         saves=(
             {"name": "user-before", "batches": [3, 20]},
