@@ -37,9 +37,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from lightning_sharding import Ledger, Manifest, World
-from lightning_sharding.broadcast import BroadcastLoader
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.readers.windows import NpyWindows
 from lightning_sharding.segments import SHM_DIR
+from lightning_sharding.strategies.broadcast import BroadcastLoader
 
 MB = 1 << 20
 FEATURES = 1024  # float32: 4 KiB per time step
@@ -132,10 +133,9 @@ def run_broadcast(paths: list[str], depth: int) -> tuple[PeakMemory, int, float]
         manifest.items,
         ledger,
         world=World(),
-        batch_size=BATCH,
-        num_workers=WORKERS,
-        prefetch_items=depth,
-        multiprocessing_context="spawn",
+        options=LoaderOptions(
+            batch_size=BATCH, num_workers=WORKERS, prefetch_items=depth, multiprocessing_context="spawn"
+        ),
     )
     return iterate(loader)
 

@@ -12,6 +12,7 @@ import time
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
 from lightning_sharding.dali import DaliLoader
+from lightning_sharding.options import LoaderOptions
 
 
 def epoch_rate(loader: object) -> tuple[float, int]:
@@ -35,11 +36,12 @@ def main() -> None:
     rates = {}
     for name in ("dataloader", "dali"):
         ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
-        opts = dict(world=World(), batch_size=args.batch, num_workers=args.workers)
+        options = LoaderOptions(batch_size=args.batch, num_workers=args.workers)
         if name == "dali":
-            loader: object = DaliLoader.build(reader, manifest.items, ledger, **opts)
+            loader: object = DaliLoader.build(reader, manifest.items, ledger, world=World(), options=options)
         else:
-            loader = ShardedLoader.build(reader, manifest.items, ledger, multiprocessing_context="spawn", **opts)
+            spawn = options.replace(multiprocessing_context="spawn")
+            loader = ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=spawn)
         rates[name], n = epoch_rate(loader)
         print(f"{name:>10}: {rates[name]:>10.0f} samples/s over {n} samples, {args.workers} workers")
     print(f"dali / dataloader: {rates['dali'] / rates['dataloader']:.2f}x")

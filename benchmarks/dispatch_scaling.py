@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_sharding.dispatch import DispatchLoader
 from lightning_sharding.ledger import Ledger
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.sources import SqliteSource, source_manifest
+from lightning_sharding.strategies.dispatch import DispatchLoader
 from lightning_sharding.world import SampleContext, World
 
 WORK = int(os.environ.get("DISPATCH_BENCH_WORK", "20000"))
@@ -81,10 +82,7 @@ def main() -> None:
                 source,
                 Ledger(seed=0, total=args.rows, manifest=summary),
                 world=World(),
-                batch_size=16,
-                num_workers=w,
-                transform=heavy,
-                persistent_workers=w > 0,
+                options=LoaderOptions(batch_size=16, num_workers=w, transform=heavy, persistent_workers=w > 0),
             )
             for w in (1, 2)
         }

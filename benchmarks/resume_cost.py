@@ -19,7 +19,8 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_sharding import Ledger, Manifest, SyntheticReader, World
-from lightning_sharding.loader import PlanSampler, ShardedLoader
+from lightning_sharding.options import LoaderOptions
+from lightning_sharding.strategies.shard import PlanSampler, ShardedLoader
 
 TOTAL, ITEMS, BATCH, WORLD = 1_000_000, 100, 256, 2
 
@@ -41,7 +42,9 @@ def ours_first_batch(fraction: float, workers: int) -> float:
                 ledger.record(rank_plan.batch(index).positions)
     ledger.commit()
     start = time.perf_counter()
-    loader = ShardedLoader.build(reader, manifest.items, ledger, world=world, batch_size=BATCH, num_workers=workers)
+    loader = ShardedLoader.build(
+        reader, manifest.items, ledger, world=world, options=LoaderOptions(batch_size=BATCH, num_workers=workers)
+    )
     next(iter(loader))
     return time.perf_counter() - start
 

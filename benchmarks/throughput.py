@@ -22,6 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, World
 from lightning_sharding.datasets import to_regression, write_regression
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.readers import NpyReader
 from lightning_sharding.world import SampleContext
 
@@ -107,11 +108,13 @@ def ours(pattern: str, workers: int, work: Work) -> Iterable[Any]:
         manifest.items,
         ledger,
         world=World(),
-        batch_size=BATCH,
-        num_workers=workers,
-        transform=work,
-        multiprocessing_context="spawn" if workers else None,
-        padding_key=None,
+        options=LoaderOptions(
+            batch_size=BATCH,
+            num_workers=workers,
+            transform=work,
+            multiprocessing_context="spawn" if workers else None,
+            padding_key=None,
+        ),
     )
 
 

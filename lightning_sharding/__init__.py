@@ -18,30 +18,33 @@ from lightning_sharding._version import __version__
 _EXPORTS = {
     "BatchTask": "plan",
     "CheckpointMismatchError": "ledger",
-    "DispatchLoader": "dispatch",
+    "DispatchLoader": "strategies.dispatch",
     "EpochOrder": "order",
     "EpochPlan": "plan",
-    "EpochReport": "callbacks",
+    "EpochReport": "summary",
     "FileReader": "readers",
     "Item": "manifest",
     "JsonlReader": "readers",
     "Ledger": "ledger",
+    "LoaderOptions": "options",
     "Manifest": "manifest",
     "NpyReader": "readers",
     "NpyWindows": "readers",
     "ParquetReader": "readers",
     "plan_epoch": "plan",
+    "register_strategy": "strategies",
     "RangeSet": "rangeset",
     "RankPlan": "plan",
     "Reader": "readers",
-    "ReleaseProcessGroup": "callbacks",
+    "ReleaseProcessGroup": "release",
     "SampleContext": "world",
-    "SampleError": "loader",
+    "SampleError": "strategies",
     "Source": "sources",
+    "Strategy": "strategies",
     "SqliteSource": "sources",
     "ShardContext": "world",
     "ShardedDataModule": "datamodule",
-    "ShardedLoader": "loader",
+    "ShardedLoader": "strategies.shard",
     "ShardingCallback": "callbacks",
     "SyntheticReader": "readers",
     "TarReader": "readers",
@@ -61,11 +64,13 @@ __all__ = [
     "Item",
     "JsonlReader",
     "Ledger",
+    "LoaderOptions",
     "Manifest",
     "NpyReader",
     "NpyWindows",
     "ParquetReader",
     "plan_epoch",
+    "register_strategy",
     "RangeSet",
     "RankPlan",
     "Reader",
@@ -73,6 +78,7 @@ __all__ = [
     "SampleContext",
     "SampleError",
     "Source",
+    "Strategy",
     "SqliteSource",
     "ShardContext",
     "ShardedDataModule",
@@ -85,12 +91,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lightning_sharding.callbacks import EpochReport, ReleaseProcessGroup, ShardingCallback
+    from lightning_sharding.callbacks import ShardingCallback
     from lightning_sharding.datamodule import ShardedDataModule
-    from lightning_sharding.dispatch import DispatchLoader
     from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-    from lightning_sharding.loader import SampleError, ShardedLoader
     from lightning_sharding.manifest import Item, Manifest
+    from lightning_sharding.options import LoaderOptions
     from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
     from lightning_sharding.rangeset import RangeSet
@@ -105,7 +110,12 @@ if TYPE_CHECKING:
         TarReader,
         WindowedReader,
     )
+    from lightning_sharding.release import ReleaseProcessGroup
     from lightning_sharding.sources import Source, SqliteSource
+    from lightning_sharding.strategies import SampleError, Strategy, register_strategy
+    from lightning_sharding.strategies.dispatch import DispatchLoader
+    from lightning_sharding.strategies.shard import ShardedLoader
+    from lightning_sharding.summary import EpochReport
     from lightning_sharding.world import SampleContext, ShardContext, World
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,35 +25,22 @@ from typing_extensions import override
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.audit import AuditWriter
-from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.keeper import LedgerKeeper
 from lightning_sharding.ledger import CHECKPOINT_KEY
-from lightning_sharding.loader import Provenance
 from lightning_sharding.progress_bar import show_train_total
+from lightning_sharding.release import ReleaseProcessGroup
+from lightning_sharding.strategies import Provenance
+from lightning_sharding.summary import EpochReport, format_summary
 from lightning_sharding.world import World
 
-
-@dataclass
-class EpochReport:
-    """What one epoch (or the part of it this run trained) served, summed over all ranks."""
-
-    epoch: int
-    samples: int
-    consumed: int
-    served_this_run: int
-    padding: int
-    dropped: int
-    batches_per_rank: int
-    skipped: int
-    seconds: float
-
-    @property
-    def samples_per_second(self) -> float:
-        """Real samples trained per second of this run's part of the epoch, all ranks together."""
-        return self.served_this_run / self.seconds if self.seconds > 0 else 0.0
+__all__ = ["EpochReport", "ReleaseProcessGroup", "ShardingCallback"]
 
 
 class ShardingCallback(pl.Callback):
-    """Drives the :class:`ShardedDataModule` ledger. ``ShardedDataModule`` adds it by itself."""
+    """Drives the ledger of a :class:`~lightning_sharding.ShardedDataModule`, which adds it by itself.
+
+    It reaches the ledger through the datamodule's ``ledger_keeper`` (a :class:`LedgerKeeper`) only.
+    """
 
     def __init__(self, print_summary: bool = True, log_every_n_steps: int = 10) -> None:
         self.print_summary = print_summary
@@ -73,20 +60,21 @@ class ShardingCallback(pl.Callback):
         self.worlds: list[World] = []
 
     @staticmethod
-    def _datamodule(trainer: pl.Trainer) -> ShardedDataModule:
+    def _keeper(trainer: pl.Trainer) -> LedgerKeeper:
         dm = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
-        if not isinstance(dm, ShardedDataModule):
+        keeper = getattr(dm, "ledger_keeper", None)
+        if not isinstance(keeper, LedgerKeeper):
             raise TypeError(
-                "ShardingCallback needs the trainer's datamodule to be a ShardedDataModule, "
+                "ShardingCallback needs the trainer's datamodule to be a ShardedDataModule set up for fitting, "
                 f"got {type(dm).__name__}; pass `datamodule=` to `trainer.fit`"
             )
-        return dm
+        return keeper
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dm = self._datamodule(trainer)
-        if dm.audit_dir is not None:
-            self._audit = self._open_audit(trainer, dm, dm.audit_dir)
+        keeper = self._keeper(trainer)
+        if keeper.audit_dir is not None:
+            self._audit = self._open_audit(trainer, keeper, keeper.audit_dir)
         # Counted when optimizer.step() returns, so that a save between the update and Lightning's own
         # step counter (inside a user's `optimizer_step`) still sees the update.
         self._step_hooks = [opt.register_step_post_hook(self._count_step) for opt in trainer.optimizers]
@@ -95,30 +83,29 @@ class ShardingCallback(pl.Callback):
         self.on_train_epoch_start(trainer, pl_module)
 
     @staticmethod
-    def _open_audit(trainer: pl.Trainer, dm: ShardedDataModule, directory: str) -> AuditWriter:
-        assert dm.ledger is not None and dm.manifest is not None
+    def _open_audit(trainer: pl.Trainer, keeper: LedgerKeeper, directory: str) -> AuditWriter:
         # One id and start time per run segment, from rank 0, so all ranks' files belong together.
         started = trainer.strategy.broadcast(time.time(), src=0)
         segment = trainer.strategy.broadcast(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", src=0)
         header = {
             "started": started,
-            "world_size": dm.world.world_size,
-            "num_workers": dm.num_workers,
-            "seed": dm.ledger.seed,
-            "total": dm.ledger.total,
-            "fingerprint": dm.manifest.fingerprint,
+            "world_size": keeper.world.world_size,
+            "num_workers": keeper.options.num_workers,
+            "seed": keeper.ledger.seed,
+            "total": keeper.ledger.total,
+            "fingerprint": keeper.manifest.fingerprint,
             "start_step": trainer.global_step,
             "resumed_from": str(trainer.ckpt_path) if trainer.ckpt_path else None,
         }
-        return AuditWriter(directory, segment, dm.world.rank, header)
+        return AuditWriter(directory, segment, keeper.world.rank, header)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dm = self._datamodule(trainer)
+        keeper = self._keeper(trainer)
         self._epoch_start = time.perf_counter()
         self._served = 0
         self._skipped = 0
-        self._consumed_at_start = len(dm.ledger.consumed) if dm.ledger is not None else 0
+        self._consumed_at_start = len(keeper.ledger.consumed)
         self._accounting.start_epoch()
         self._batch_end = 0.0
 
@@ -127,7 +114,7 @@ class ShardingCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._batch_start = time.perf_counter()
-        self._datamodule(trainer).flush_commit()  # the checkpoint of the previous step is saved by now
+        self._keeper(trainer).committed()  # the checkpoint of the previous step is saved by now
         self._accounting.batch_starts(self._progress(trainer))
         self._show_total(trainer)
         if self._batch_end:  # the time since the last step ended went to waiting for this batch
@@ -137,13 +124,13 @@ class ShardingCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        dm = self._datamodule(trainer)
-        self._report(trainer, self._sync(trainer, dm))
+        keeper = self._keeper(trainer)
+        self._report(trainer, self._sync(trainer, keeper))
         self._show_total(trainer)  # a Rich bar resumed mid-epoch is drawn only now
         self._batch_end = time.perf_counter()
         self._busy += self._batch_end - self._batch_start
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
-            self._log_progress(trainer, pl_module, dm)
+            self._log_progress(pl_module, keeper)
 
     def _progress(self, trainer: pl.Trainer) -> TrainerProgress:
         """The trainer's batch counters for the current epoch, and the optimizer steps that returned."""
@@ -153,10 +140,10 @@ class ShardingCallback(pl.Callback):
 
     def _show_total(self, trainer: pl.Trainer) -> None:
         """The progress bar's total: batches of this epoch before a resume plus those planned since."""
-        loader, before = self._datamodule(trainer).train_loader, self._accounting.batches_before
-        planned = getattr(getattr(getattr(loader, "sampler", None), "epoch_plan", None), "num_batches", None)
-        if planned is not None and before is not None:  # None: a source of unknown length (even_batches="sync")
-            show_train_total(trainer.progress_bar_callback, before + planned)
+        loader, before = self._keeper(trainer).train_loader, self._accounting.batches_before
+        plan = loader.epoch_plan if loader is not None else None
+        if plan is not None and before is not None:  # None: a source of unknown length (even_batches="sync")
+            show_train_total(trainer.progress_bar_callback, before + plan.num_batches)
 
     def _count_step(self, *args: Any) -> None:
         self._optimizer_steps += 1
@@ -181,20 +168,19 @@ class ShardingCallback(pl.Callback):
                 )
         self._unreported = []
 
-    def _sync(self, trainer: pl.Trainer, dm: ShardedDataModule) -> list[Provenance]:
+    def _sync(self, trainer: pl.Trainer, keeper: LedgerKeeper) -> list[Provenance]:
         """Bring the ledger to what the weights hold now; the newly accounted batches, oldest first."""
-        if dm.train_loader is None or dm.ledger is None:
+        if keeper.train_loader is None:
             return []
-        return self._accounting.sync(self._progress(trainer), dm.train_loader.pop_delivered, dm.ledger)
+        return self._accounting.sync(self._progress(trainer), keeper.train_loader.pop_delivered, keeper.ledger)
 
-    def _log_progress(self, trainer: pl.Trainer, pl_module: pl.LightningModule, dm: ShardedDataModule) -> None:
+    def _log_progress(self, pl_module: pl.LightningModule, keeper: LedgerKeeper) -> None:
         """Epoch progress (exact to within one sample per rank: other ranks are assumed in step),
         samples/s of all ranks, and the share of step time spent waiting for data."""
-        assert dm.ledger is not None
-        world = dm.world.world_size
+        world = keeper.world.world_size
         elapsed = time.perf_counter() - self._epoch_start
         metrics = {
-            "data/progress": min(1.0, (self._consumed_at_start + self._served * world) / dm.ledger.total),
+            "data/progress": min(1.0, (self._consumed_at_start + self._served * world) / keeper.ledger.total),
             "data/samples_per_s": self._served * world / elapsed if elapsed > 0 else 0.0,
             "data/wait": self._wait / (self._wait + self._busy) if self._wait + self._busy > 0 else 0.0,
         }
@@ -203,18 +189,17 @@ class ShardingCallback(pl.Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dm = self._datamodule(trainer)
-        assert dm.ledger is not None and dm.train_loader is not None
-        self._report(trainer, self._sync(trainer, dm))
-        dm.gather_consumed()
-        plan = dm.train_loader.sampler.epoch_plan
+        keeper = self._keeper(trainer)
+        self._report(trainer, self._sync(trainer, keeper))
+        keeper.gather()
+        plan = keeper.train_loader.epoch_plan if keeper.train_loader is not None else None
         # On the strategy's device (NCCL reduces only CUDA tensors) and int64 (counts beyond 2**24).
         counts = torch.tensor([self._served, self._skipped], dtype=torch.int64, device=trainer.strategy.root_device)
         served, skipped = (int(x) for x in trainer.strategy.reduce(counts, reduce_op="sum").tolist())
         report = EpochReport(
-            epoch=dm.ledger.epoch,
-            samples=dm.ledger.total,
-            consumed=len(dm.ledger.consumed),
+            epoch=keeper.ledger.epoch,
+            samples=keeper.ledger.total,
+            consumed=len(keeper.ledger.consumed),
             served_this_run=served,
             padding=int(plan.padding_per_rank.sum()) if plan is not None else 0,
             dropped=int(plan.dropped_per_rank.sum()) if plan is not None else 0,
@@ -245,15 +230,16 @@ class ShardingCallback(pl.Callback):
     ) -> None:
         # Whatever hook or signal handler saves, and wherever this callback sits in the list, the
         # ledger is first brought to the batches whose gradients the weights being saved hold.
-        dm = self._datamodule(trainer)
-        self._unreported += self._sync(trainer, dm)
-        checkpoint[CHECKPOINT_KEY] = dm.ledger_state(global_step=trainer.global_step)
+        keeper = self._keeper(trainer)
+        self._unreported += self._sync(trainer, keeper)
+        checkpoint[CHECKPOINT_KEY] = keeper.state(global_step=trainer.global_step)
 
     @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._datamodule(trainer).restore_ledger(checkpoint.get(CHECKPOINT_KEY), checkpoint.get("global_step"))
+        source = f"the checkpoint {trainer.ckpt_path}" if trainer.ckpt_path else "the checkpoint"
+        self._keeper(trainer).restore(checkpoint.get(CHECKPOINT_KEY), checkpoint.get("global_step"), source)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -266,51 +252,12 @@ class ShardingCallback(pl.Callback):
         self._remove_step_hooks()
         if self._audit is not None:
             self._audit.close()
-        dm = self._datamodule(trainer)
-        dm.flush_commit()
-        self.worlds = gather_objects(dm.world, dm.world.world_size)
+        keeper = self._keeper(trainer)
+        keeper.committed()
+        self.worlds = gather_objects(keeper.world, keeper.world.world_size)
         if self.print_summary and trainer.is_global_zero:
-            print(format_summary(self.reports, dm, self.worlds))
+            print(format_summary(self.reports, keeper.options, keeper.ledger.seed, self.worlds))
 
     def summary(self) -> list[dict[str, Any]]:
         """The epoch reports as plain dicts."""
         return [{**asdict(r), "samples_per_second": r.samples_per_second} for r in self.reports]
-
-
-def format_summary(reports: list[EpochReport], dm: ShardedDataModule, worlds: list[World]) -> str:
-    """A one-screen table of what every epoch served, and where every rank ran."""
-    w = dm.world
-    head = (
-        f"lightning_sharding summary: world {w.world_size} rank(s) x {dm.num_workers} worker(s), "
-        f"batch {dm.batch_size}, seed {dm.seed}, even batches '{dm.even_batches}'"
-    )
-    ranks = "ranks: " + " | ".join(
-        f"rank {x.rank} = node {x.node_rank} local {x.local_rank}" for x in sorted(worlds, key=lambda x: x.rank)
-    )
-    cols = f"{'epoch':>5} {'samples':>9} {'consumed':>9} {'padding':>7} {'dropped':>7} {'skipped':>7} "
-    cols += f"{'batches/rank':>12} "
-    cols += f"{'seconds':>8} {'samples/s':>10}"
-    rows = [
-        f"{r.epoch:>5} {r.samples:>9} {r.consumed:>9} {r.padding:>7} {r.dropped:>7} {r.skipped:>7} "
-        f"{r.batches_per_rank:>12} "
-        f"{r.seconds:>8.2f} {r.samples_per_second:>10.0f}"
-        for r in reports
-    ]
-    if not rows:
-        rows = ["  (no training epoch ended in this run)"]
-    return "\n".join([head, ranks, cols, *rows])
-
-
-class ReleaseProcessGroup(pl.Callback):
-    """Destroy the ``torch.distributed`` process group when fitting ends (opt-in, for scripts).
-
-    A gloo rank that exits with its process group alive can abort in interpreter shutdown
-    ("terminate called without an active exception", see pytorch/pytorch#179291). Add this to a
-    script whose processes exit after ``fit``; leave it out if the same process runs
-    ``trainer.test()`` afterwards.
-    """
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()

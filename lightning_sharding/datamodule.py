@@ -7,29 +7,27 @@ keeps the ledger in step with training and in the checkpoint.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
-import torch
 from lightning.pytorch.callbacks import Checkpoint
 from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_sharding._distributed import gather_objects
-from lightning_sharding.dispatch import DISPATCH_EVEN_BATCHES, DispatchLoader
-from lightning_sharding.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
-from lightning_sharding.loader import ON_ERROR_POLICIES, OnError, ShardedLoader, Transform
+from lightning_sharding.callbacks import ShardingCallback
+from lightning_sharding.keeper import LedgerKeeper
+from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Manifest, describe_change
-from lightning_sharding.plan import EVEN_BATCH_POLICIES, EvenBatches
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.options import LoaderOptions, OnError, Transform
+from lightning_sharding.plan import EvenBatches
 from lightning_sharding.readers.base import Reader
-from lightning_sharding.sources import Source, source_manifest
+from lightning_sharding.sources import Source
+from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
+from lightning_sharding.strategies.base import strategies_where
 from lightning_sharding.world import World
-
-STRATEGIES: tuple[str, ...] = ("shard", "broadcast", "dispatch")
 
 
 class ShardedDataModule(pl.LightningDataModule):
@@ -72,7 +70,7 @@ class ShardedDataModule(pl.LightningDataModule):
             an item once into shared memory and its workers crop disjoint windows from it; needs a
             :class:`~lightning_sharding.readers.windows.WindowedReader`), or ``"dispatch"`` (one
             process per rank reads the non-replicable ``source`` and deals batches round-robin to
-            the workers, which run ``transform``; see :mod:`lightning_sharding.dispatch`).
+            the workers, which run ``transform``; see :mod:`lightning_sharding.strategies.dispatch`).
         prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
         source: the :class:`~lightning_sharding.sources.Source` of ``strategy="dispatch"``; a
             source of unknown length needs ``even_batches="sync"``.
@@ -100,57 +98,67 @@ class ShardedDataModule(pl.LightningDataModule):
         allow_data_change: bool = False,
         audit_dir: str | None = None,
         on_error: OnError = "raise",
-        strategy: str = "shard",
+        strategy: str | Strategy = "shard",
         prefetch_items: int = 1,
         source: Source | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if strategy not in STRATEGIES:
-            raise ValueError(f"`{name}(strategy={strategy!r})` is not a strategy; choose one of {list(STRATEGIES)}")
-        if (strategy == "dispatch") != (source is not None):
+        if not isinstance(strategy, Strategy) and strategy not in strategy_names():
             raise ValueError(
-                f"`{name}(strategy={strategy!r})`: `source=` goes with strategy='dispatch' and only with it"
+                f"`{name}(strategy={strategy!r})` is not a strategy; choose one of {list(strategy_names())}"
             )
-        policies = DISPATCH_EVEN_BATCHES if strategy == "dispatch" else EVEN_BATCH_POLICIES
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`{name}(batch_size={batch_size!r})` must be a positive integer")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"`{name}(num_workers={num_workers!r})` must be an integer >= 0 (0 loads in-process)")
-        if even_batches not in policies:
-            raise ValueError(f"`{name}(even_batches={even_batches!r})` must be one of {list(policies)}")
-        if persistent_workers and num_workers == 0:
-            raise ValueError(f"`{name}(persistent_workers=True)` needs num_workers > 0")
-        if prefetch_factor is not None and (num_workers == 0 or prefetch_factor < 1):
-            raise ValueError(f"`{name}(prefetch_factor={prefetch_factor})` needs num_workers > 0 and a value >= 1")
-        if on_error not in ON_ERROR_POLICIES:
-            raise ValueError(f"`{name}(on_error={on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
-        if on_error == "skip" and strategy != "shard":
-            raise ValueError(f"`{name}(on_error='skip')` works with strategy='shard' only, not {strategy!r}")
-        if isinstance(prefetch_items, bool) or not isinstance(prefetch_items, int) or prefetch_items < 0:
-            raise ValueError(f"`{name}(prefetch_items={prefetch_items!r})` must be an integer >= 0")
+        self.strategy: Strategy = get_strategy(strategy)
+        if (self.strategy.takes == "source") != (source is not None):
+            raise ValueError(
+                f"`{name}(strategy={self.strategy.name!r})`: `source=` goes with "
+                f"{strategies_where(lambda s: s.takes == 'source')} and only with it"
+            )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"`{name}(seed={seed!r})` must be a non-negative integer or None")
-        self._reader = reader
-        self.prefetch_items = prefetch_items
+        self.options = LoaderOptions(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            shuffle=shuffle,
+            even_batches=even_batches,
+            transform=transform,
+            collate_fn=collate_fn or default_collate,
+            padding_key=padding_key,
+            on_error=on_error,
+            prefetch_items=prefetch_items,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            pin_memory=pin_memory,
+            multiprocessing_context=multiprocessing_context,
+            timeout=timeout,
+        ).check(name)
+        self.strategy.check(self.options, owner=name)
+        self._reader, self.source = reader, source
         self._val_reader, self._test_reader = val_reader, test_reader
-        self.batch_size, self.num_workers = batch_size, num_workers
-        self.seed, self.shuffle, self.even_batches = seed, shuffle, even_batches
-        self._seed_given = seed
-        self.persistent_workers, self.prefetch_factor = persistent_workers, prefetch_factor
-        self.pin_memory, self.multiprocessing_context, self.timeout = pin_memory, multiprocessing_context, timeout
-        self.transform = transform
-        self.collate_fn = collate_fn or default_collate
-        self.padding_key = padding_key
+        self.seed, self._seed_given = seed, seed
         self.allow_data_change = allow_data_change
         self.audit_dir = audit_dir
-        self.on_error = on_error
-        self.strategy, self.source = strategy, source
         self.world = World()
         self.manifest: Manifest | None = None
-        self.ledger: Ledger | None = None
-        self.train_loader: ShardedLoader | DispatchLoader | None = None
-        self._train_reader: Reader | None = None
+        self.ledger_keeper: LedgerKeeper | None = None
+        self._train_data: Reader | Source | None = None
+
+    # The loader options, readable as before (``dm.batch_size``...).
+    batch_size = property(lambda self: self.options.batch_size)
+    num_workers = property(lambda self: self.options.num_workers)
+    shuffle = property(lambda self: self.options.shuffle)
+    even_batches = property(lambda self: self.options.even_batches)
+    on_error = property(lambda self: self.options.on_error)
+
+    @property
+    def ledger(self) -> Ledger | None:
+        """The training ledger (after ``setup("fit")``)."""
+        return self.ledger_keeper.ledger if self.ledger_keeper is not None else None
+
+    @property
+    def train_loader(self) -> TrainLoader | None:
+        """The train loader built last."""
+        return self.ledger_keeper.train_loader if self.ledger_keeper is not None else None
 
     def make_reader(self) -> Reader:
         """The training reader; override it to build the reader from your own arguments."""
@@ -166,13 +174,21 @@ class ShardedDataModule(pl.LightningDataModule):
             self.world = World.from_trainer(self.trainer)
         if stage != "fit":
             return
-        if self.source is not None:
-            self.manifest = source_manifest(self.source)
-        else:
-            self._train_reader = self.make_reader()
-            self.manifest = Manifest.from_items(self._train_reader.items())
+        data = self.source if self.source is not None else self.make_reader()
+        self.strategy.check(self.options, data, owner=type(self).__name__)
+        self._train_data = data
+        self.manifest = self.strategy.manifest(data)
         self._check_same_data_on_every_rank(self.manifest)
-        self.ledger = Ledger(seed=self._shared_seed(), total=self.manifest.total, manifest=self.manifest.summary())
+        ledger = Ledger(seed=self._shared_seed(), total=self.manifest.total, manifest=self.manifest.summary())
+        self.ledger_keeper = LedgerKeeper(
+            ledger,
+            self.manifest,
+            self.world,
+            self.options,
+            seed_given=self._seed_given,
+            allow_data_change=self.allow_data_change,
+            audit_dir=self.audit_dir,
+        )
         if self.trainer is not None:
             _ensure_callback(self.trainer)
 
@@ -198,55 +214,28 @@ class ShardedDataModule(pl.LightningDataModule):
         return seed
 
     @override
-    def train_dataloader(self) -> ShardedLoader | DispatchLoader:
+    def train_dataloader(self) -> TrainLoader:
         """This rank's training loader; it yields the same number of batches on every rank."""
-        if self.ledger is None or self.manifest is None or (self._train_reader is None and self.source is None):
+        keeper = self.ledger_keeper
+        if keeper is None or self.manifest is None or self._train_data is None:
             raise RuntimeError(
                 f"{type(self).__name__}.train_dataloader() was called before setup('fit'). "
                 "If your subclass overrides setup(), call super().setup(stage) in it."
             )
         if self.trainer is not None:
-            self.ledger.start_epoch(_epoch_lightning_runs_next(self.trainer))
-        if self.source is not None:
-            self.train_loader = self._dispatch_loader(self.source, self.ledger)
-            return self.train_loader
-        assert self._train_reader is not None
-        self.train_loader = self._loader(self._train_reader, self.manifest, self.ledger, self.shuffle, track=True)
-        return self.train_loader
-
-    def _dispatch_loader(self, source: Source, ledger: Ledger) -> DispatchLoader:
-        if isinstance(self.train_loader, DispatchLoader):  # reloaded: its dispatch process goes first
-            self.train_loader.close()
-        return DispatchLoader(source, ledger, even_batches=self.even_batches, track=True, **self._loader_options())
-
-    def _loader_options(self) -> dict[str, Any]:
-        """What every strategy's loader takes from this datamodule's arguments."""
-        return dict(
-            world=self.world,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            transform=self.transform,
-            collate_fn=self.collate_fn,
-            persistent_workers=self.persistent_workers,
-            prefetch_factor=self.prefetch_factor,
-            pin_memory=self.pin_memory,
-            multiprocessing_context=self.multiprocessing_context,
-            timeout=self.timeout,
-            padding_key=self.padding_key,
+            keeper.ledger.start_epoch(_epoch_lightning_runs_next(self.trainer))
+        self.seed = keeper.ledger.seed  # a restored checkpoint's seed
+        self.strategy.release(keeper.train_loader)
+        keeper.train_loader = self.strategy.build(
+            self._train_data, self.manifest, keeper.ledger, self.world, self.options, track=True
         )
+        return keeper.train_loader
 
     @override
     def teardown(self, stage: str) -> None:
-        """Release what the train loader holds outside Python: the broadcast strategy's shared
-        memory, the dispatch strategy's dispatch process."""
-        close = getattr(self.train_loader, "close", None)
-        if stage == "fit" and close is not None:
-            close()
-
-    def flush_commit(self) -> None:
-        """After a checkpoint was saved, tell a dispatch source its committed position."""
-        if isinstance(self.train_loader, DispatchLoader):
-            self.train_loader.flush_commit()
+        """Release what the train loader holds outside Python: shared memory, helper processes."""
+        if stage == "fit" and self.train_loader is not None:
+            self.train_loader.close()
 
     # Exposed as properties so that Lightning sees an evaluation loader only when a reader was given
     # (it checks whether the method is overridden); a subclass may still define its own method.
@@ -264,111 +253,15 @@ class ShardedDataModule(pl.LightningDataModule):
             return super().test_dataloader
         return lambda: self._eval_loader(self._test_reader)
 
-    def _eval_loader(self, reader: Reader | None) -> ShardedLoader:
+    def _eval_loader(self, reader: Reader | None) -> Iterable[Any]:
         assert reader is not None
         if self.trainer is not None:
             self.world = World.from_trainer(self.trainer)
         manifest = Manifest.from_items(reader.items())
-        ledger = Ledger(seed=self.seed or 0, total=manifest.total, manifest=manifest.summary())
+        seed = self.ledger.seed if self.ledger is not None else self.seed or 0
+        ledger = Ledger(seed=seed, total=manifest.total, manifest=manifest.summary())
         # Evaluation always pads (flagged): dropping would silently skip samples of every evaluation.
-        return self._loader(reader, manifest, ledger, shuffle=False, track=False, even_batches="pad")
-
-    def _loader(
-        self,
-        reader: Reader,
-        manifest: Manifest,
-        ledger: Ledger,
-        shuffle: bool,
-        track: bool,
-        even_batches: EvenBatches | None = None,
-    ) -> ShardedLoader:
-        build: Callable[..., ShardedLoader] = ShardedLoader.build
-        extra: dict[str, Any] = {}
-        if self.strategy == "broadcast":
-            from lightning_sharding.broadcast import BroadcastLoader
-
-            build, extra = BroadcastLoader.build, {"prefetch_items": self.prefetch_items}
-        return build(
-            reader,
-            manifest.items,
-            ledger,
-            shuffle=shuffle,
-            even_batches=even_batches or self.even_batches,
-            track=track,
-            on_error=self.on_error,
-            **self._loader_options(),
-            **extra,
-        )
-
-    # -- ledger bookkeeping, driven by ShardingCallback ------------------------------------------
-
-    def gather_consumed(self) -> None:
-        """Union every rank's consumed positions into every rank's ledger (a collective call)."""
-        assert self.ledger is not None
-        for state in gather_objects(self.ledger.consumed.to_state(), self.world.world_size):
-            self.ledger.merge(RangeSet.from_state(state))
-
-    def ledger_state(self, global_step: int | None = None) -> dict[str, Any]:
-        """The checkpoint entry: the union of all ranks' ledgers (a collective call), with the optimizer
-        step whose weights it matches."""
-        assert self.ledger is not None
-        self.gather_consumed()
-        if isinstance(self.train_loader, DispatchLoader):
-            self.train_loader.note_checkpoint()
-        state = self.ledger.state_dict()
-        # A tensor, not a NumPy array: checkpoints must load with torch.load(weights_only=True).
-        state["consumed"] = torch.from_numpy(state["consumed"])
-        state["writer"] = {
-            "world_size": self.world.world_size,
-            "num_workers": self.num_workers,
-            "batch_size": self.batch_size,
-        }
-        if global_step is not None:
-            state[GLOBAL_STEP_KEY] = int(global_step)
-        return state
-
-    def restore_ledger(self, state: dict[str, Any] | None, global_step: int | None = None) -> None:
-        """Restore a checkpoint's ledger; a checkpoint of other data is a clear error, and a ledger
-        that does not record ``global_step`` (the checkpoint's optimizer step) is warned about."""
-        assert self.ledger is not None and self.manifest is not None
-        source = f"the checkpoint {self.trainer.ckpt_path}" if self.trainer is not None else "the checkpoint"
-        if state is None:
-            warnings.warn(
-                f"{source} holds no lightning_sharding data ledger (it was written without "
-                "ShardedDataModule): the interrupted epoch restarts from its beginning",
-                stacklevel=2,
-            )
-            return
-        mismatch = ledger_step_mismatch(state, global_step)
-        if mismatch:
-            warnings.warn(f"{source}: {mismatch}", stacklevel=2)
-        try:
-            restored = Ledger.from_state_dict(state)
-        except CheckpointMismatchError as err:
-            raise CheckpointMismatchError(f"{source}: {err}") from err
-        if self._seed_given is not None and restored.seed != self._seed_given:
-            warnings.warn(
-                f"seed={self._seed_given} is not used: {source} continues its epoch with its own seed {restored.seed}",
-                stacklevel=2,
-            )
-        self.seed = restored.seed
-        if restored.fingerprint == self.manifest.fingerprint:
-            self.ledger = restored
-            return
-        change = describe_change(restored.manifest, self.manifest.summary())
-        if not self.allow_data_change:
-            raise CheckpointMismatchError(
-                f"{source} was written for other data: {change}. Resume with the same data, "
-                f"or pass `allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
-            )
-        warnings.warn(
-            f"the data changed since {source} ({change}); epoch {restored.epoch} restarts "
-            "with a fresh order because allow_data_change=True",
-            stacklevel=2,
-        )
-        self.ledger = Ledger(
-            seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
-        )
+        return self.strategy.build_eval(reader, manifest, ledger, self.world, self.options)
 
 
 def _epoch_lightning_runs_next(trainer: pl.Trainer) -> int:
@@ -396,8 +289,6 @@ def _epoch_lightning_runs_next(trainer: pl.Trainer) -> int:
 def _ensure_callback(trainer: pl.Trainer) -> None:
     """Add ShardingCallback unless present, before any checkpoint callback so that a step is
     accounted before a checkpoint taken at the same step is written."""
-    from lightning_sharding.callbacks import ShardingCallback
-
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
     if any(isinstance(cb, ShardingCallback) for cb in callbacks):
         return

@@ -58,20 +58,23 @@ def build_datamodule(cfg: DictConfig) -> ShardedDataModule:
 
 
 def _check_data(cfg: DictConfig, dm: ShardedDataModule) -> None:
-    """The checks that need the data itself: windows for broadcast, a reachable batch size."""
-    from lightning_sharding.readers.windows import WindowedReader
+    """The checks that need the data itself: what the strategy takes, a reachable batch size."""
     from lightning_sharding.sources import UNKNOWN_LENGTH
 
-    if dm.strategy == "broadcast" and not isinstance(dm._reader, WindowedReader):
+    reader = None if dm.source is not None else dm.make_reader()
+    try:
+        dm.strategy.check_data(dm.source if reader is None else reader, type(dm).__name__)
+    except TypeError as err:
         raise ConfigError(
-            f"sharding.strategy='broadcast' needs a reader that can window, but data._target_={cfg.data._target_} "
-            f"built a {type(dm._reader).__name__}: use sharding=shard, or a WindowedReader (data=months)"
-        )
+            f"sharding.strategy={dm.strategy.name!r} cannot read what data._target_={cfg.data._target_} built "
+            f"({err}): choose the sharding option that fits the data, or data that fits the strategy"
+        ) from err
     if dm.source is not None:
         length = dm.source.length()
         total = UNKNOWN_LENGTH if length is None else length
     else:
-        total = sum(item.num_samples for item in dm.make_reader().items())
+        assert reader is not None
+        total = sum(item.num_samples for item in reader.items())
     check_batch_size(cfg, total)
 
 

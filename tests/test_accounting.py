@@ -13,7 +13,7 @@ import pytest
 
 from lightning_sharding.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.ledger import Ledger
-from lightning_sharding.loader import Provenance
+from lightning_sharding.strategies import Provenance
 
 
 class Run:

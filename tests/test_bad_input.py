@@ -29,13 +29,14 @@ import numpy as np
 import pytest
 
 from lightning_sharding import CheckpointMismatchError, SampleError, ShardedDataModule, ShardingCallback, World
-from lightning_sharding.broadcast import BroadcastLoader
 from lightning_sharding.datasets import FORMATS, to_regression, write_regression
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Manifest
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.readers import FILE_READERS, NpyReader, SyntheticReader, TarReader
 from lightning_sharding.sources import SqliteSource
 from lightning_sharding.storage import RetryPolicy
+from lightning_sharding.strategies.broadcast import BroadcastLoader
 from tests.harness import cpu_trainer
 from tests.jobs.parts import RecordingModel
 from tests.jobs.sources import ROTATING_QUERY, make_db, row_to_sample
@@ -259,7 +260,9 @@ def more_ranks_than_items(reader: str, d: Path, on_error: str) -> Result:
     windows = MonthWindows(write_months(d, (9, 11)), window=4)
     manifest = Manifest.from_items(windows.items())
     ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
-    BroadcastLoader.build(windows, manifest.items, ledger, world=World(0, 3), batch_size=4, on_error=on_error)
+    BroadcastLoader.build(
+        windows, manifest.items, ledger, world=World(0, 3), options=LoaderOptions(batch_size=4, on_error=on_error)
+    )
     raise AssertionError("unreachable: three ranks cannot share two months")
 
 
@@ -431,7 +434,7 @@ CASES = [
         bad_strategy,
         ValueError,
         r"`ShardedDataModule\(strategy='webdataset'\)` is not a strategy; choose one of "
-        r"\['shard', 'broadcast', 'dispatch'\]",
+        r"\['shard', 'broadcast', 'dali', 'dispatch'\]",
     ),
     Case(
         "tar",

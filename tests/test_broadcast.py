@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from lightning_sharding import Ledger, Manifest, World
-from lightning_sharding.broadcast import BroadcastLoader
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.segments import SHM_DIR
+from lightning_sharding.strategies.broadcast import BroadcastLoader
 from tests.harness import (
     Job,
     Segment,
@@ -46,13 +47,13 @@ def build(
     ledger = Ledger(seed=11, total=manifest.total, manifest=manifest.summary())
     options.setdefault("batch_size", 6)
     options.setdefault("num_workers", 2)
+    spawn = "spawn" if options["num_workers"] else None
     return BroadcastLoader.build(
         reader,
         manifest.items,
         ledger,
         world=World(rank=rank, world_size=world_size),
-        multiprocessing_context="spawn" if options["num_workers"] else None,
-        **options,
+        options=LoaderOptions(multiprocessing_context=spawn, **options),
     )
 
 

@@ -38,7 +38,7 @@ def test_every_data_option_builds_its_datamodule(tmp_path: Path, option: str) ->
     cfg = make(tmp_path, f"data={option}", f"sharding={sharding}")
     check_config(cfg)
     dm = build_datamodule(cfg)
-    assert dm.strategy == sharding and dm.batch_size == cfg.data.batch_size
+    assert dm.strategy.name == sharding and dm.batch_size == cfg.data.batch_size
     if dm.source is not None:
         assert dm.source.length() == cfg.data.rows
     else:
@@ -49,7 +49,7 @@ def test_every_data_option_builds_its_datamodule(tmp_path: Path, option: str) ->
 def test_every_sharding_option_reaches_the_datamodule(tmp_path: Path, option: str) -> None:
     cfg = make(tmp_path, f"sharding={option}", f"data={PARTNER.get(option, 'synthetic')}")
     check_config(cfg)
-    assert build_datamodule(cfg).strategy == option
+    assert build_datamodule(cfg).strategy.name == option
 
 
 @pytest.mark.parametrize("option", GROUPS["model"])

@@ -20,6 +20,7 @@ import pytest
 
 from lightning_sharding import EpochOrder, Ledger, Manifest, RangeSet, SyntheticReader, World, plan_epoch
 from lightning_sharding.dali import DaliLoader, merge_layout
+from lightning_sharding.options import LoaderOptions
 from tests.harness import ROOT, Job, assert_exactly_once, check_resume, free_port
 from tests.jobs.dali_parts import RecordingReader, add_image
 
@@ -101,10 +102,8 @@ def test_pinned_sources_merged_batches_and_exactly_once(tmp_path: Path) -> None:
             manifest.items,
             ledger,
             world=World(rank, world_size),
-            batch_size=batch_size,
-            num_workers=workers,
-            transform=add_image,
             track=True,
+            options=LoaderOptions(batch_size=batch_size, num_workers=workers, transform=add_image),
         )
         for epoch in range(2):
             loader.sampler.set_epoch(epoch)
@@ -155,7 +154,12 @@ def test_each_worker_reads_only_its_own_shards(tmp_path: Path) -> None:
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
     loader = DaliLoader.build(
-        reader, manifest.items, ledger, world=World(), batch_size=8, num_workers=2, shuffle=False, track=True
+        reader,
+        manifest.items,
+        ledger,
+        world=World(),
+        track=True,
+        options=LoaderOptions(batch_size=8, num_workers=2, shuffle=False),
     )
     ids = [i for batch in loader for i in batch["id"].tolist()]
     loader.close()
@@ -172,7 +176,9 @@ def test_without_workers_one_source_serves_the_epoch_in_process() -> None:
     reader = SyntheticReader(sizes=SIZES)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=1, total=manifest.total, manifest=manifest.summary())
-    loader = DaliLoader.build(reader, manifest.items, ledger, world=World(), batch_size=16, num_workers=0, track=True)
+    loader = DaliLoader.build(
+        reader, manifest.items, ledger, world=World(), track=True, options=LoaderOptions(batch_size=16, num_workers=0)
+    )
     seen: dict[int, Counter[int]] = defaultdict(Counter)
     for epoch in range(2):
         loader.sampler.set_epoch(epoch)

@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from lightning_sharding import ShardedDataModule
-from lightning_sharding.dispatch import DispatchLoader
 from lightning_sharding.dispatcher import Chunk, SourceError, Spec, deal
 from lightning_sharding.ledger import Ledger
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.plan import plan_epoch
 from lightning_sharding.rangeset import RangeSet
 from lightning_sharding.sources import SqliteSource, source_manifest
+from lightning_sharding.strategies.dispatch import DispatchLoader
 from lightning_sharding.world import ShardContext, World
 from tests.harness import (
     ROOT,
@@ -87,7 +88,7 @@ def test_ranks_deal_disjoint_shares_that_cover_what_the_ledger_left(db: Path, pl
 def test_a_source_without_length_needs_the_sync_policy(tmp_path: Path) -> None:
     ledger = Ledger(seed=0, total=10, manifest={"fingerprint": "x"})
     with pytest.raises(ValueError, match="no known length.*even_batches='sync'"):
-        DispatchLoader(TcpStream(1), ledger, world=World(), batch_size=4, even_batches="pad")
+        DispatchLoader(TcpStream(1), ledger, world=World(), options=LoaderOptions(batch_size=4, even_batches="pad"))
 
 
 def test_a_query_without_order_by_is_refused(db: Path) -> None:
@@ -98,7 +99,7 @@ def test_a_query_without_order_by_is_refused(db: Path) -> None:
 def test_a_failing_source_in_process_names_the_rank_the_dispatcher_and_the_error(db: Path) -> None:
     source = FailingSqlite(str(db), ROTATING_QUERY, fail_at=20)
     ledger = Ledger(seed=0, total=N, manifest=source_manifest(source).summary())
-    loader = DispatchLoader(source, ledger, world=World(), batch_size=8, transform=row_to_sample)
+    loader = DispatchLoader(source, ledger, world=World(), options=LoaderOptions(batch_size=8, transform=row_to_sample))
     with pytest.raises(SourceError, match=r"rank 0: the dispatcher reading SqliteSource.*ValueError: corrupt row at"):
         list(loader)
 
@@ -131,11 +132,8 @@ def test_queues_are_bounded_when_workers_are_slower_than_the_source(db: Path) ->
         source,
         ledger,
         world=World(),
-        batch_size=4,
-        num_workers=2,
-        transform=slow_transform,
-        prefetch_factor=1,
         queue_size=2,
+        options=LoaderOptions(batch_size=4, num_workers=2, transform=slow_transform, prefetch_factor=1),
     )
     try:
         batches = iter(loader)

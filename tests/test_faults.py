@@ -27,6 +27,7 @@ import torch
 from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
 from lightning_sharding.audit import audit, format_audit
 from lightning_sharding.datasets import write_regression
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.processes import HelperProcessError
 from tests.harness import (
     ROOT,
@@ -203,9 +204,7 @@ def test_a_killed_worker_is_named_with_its_rank_wherever_the_error_surfaces() ->
         manifest.items,
         ledger,
         world=World(rank=1, world_size=2),
-        batch_size=8,
-        num_workers=2,
-        multiprocessing_context="spawn",
+        options=LoaderOptions(batch_size=8, num_workers=2, multiprocessing_context="spawn"),
     )
     batches = iter(loader)
     next(batches)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_sharding import Item, Ledger, Manifest, Reader, ShardContext, SyntheticReader, World
-from lightning_sharding.loader import ShardedLoader
+from lightning_sharding.options import LoaderOptions
+from lightning_sharding.strategies.shard import ShardedLoader
 
 
 class ContextReader(Reader):
@@ -55,12 +56,14 @@ def make_loader(
         manifest.items,
         ledger,
         world=World(rank=rank, world_size=world_size),
-        batch_size=batch_size,
-        num_workers=num_workers,
-        even_batches=even_batches,  # type: ignore[arg-type]
-        persistent_workers=persistent,
-        multiprocessing_context="spawn" if num_workers else None,
         track=True,
+        options=LoaderOptions(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            even_batches=even_batches,
+            persistent_workers=persistent,
+            multiprocessing_context="spawn" if num_workers else None,
+        ),
     )
 
 
@@ -153,7 +156,7 @@ def test_padding_is_flagged_in_dict_batches_and_absent_otherwise() -> None:
         flags.append([b["is_padding"].tolist() for b in loader])
     assert flags == [[[False], [False]], [[False], [True]]]
     loader = make_loader(reader, rank=0, world_size=1, num_workers=0, batch_size=2)
-    loader.padding_key = None
+    loader.delivered.padding_key = None
     assert all("is_padding" not in b for b in loader)
 
 

@@ -16,6 +16,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, World
 from lightning_sharding.datasets import FORMATS, to_regression, write_regression
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.readers import FILE_READERS, JsonlReader, NpyReader, ParquetReader, TarReader
 from lightning_sharding.storage import RetryPolicy, with_retries
 
@@ -38,10 +39,8 @@ def serve_epoch(reader: Any, world_size: int = 1, batch_size: int = 8, consumed:
             manifest.items,
             ledger,
             world=World(rank, world_size),
-            batch_size=batch_size,
-            transform=to_regression,
             track=True,
-            **kw,
+            options=LoaderOptions(batch_size=batch_size, transform=to_regression, **kw),
         )
         for batch in loader:
             out.append((batch, loader.pop_delivered()))

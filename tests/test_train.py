@@ -65,7 +65,7 @@ def test_every_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str)
 def test_tokens_outside_the_vocabulary_are_named_with_the_file(tmp_path: Path) -> None:
     import numpy as np
 
-    from lightning_sharding.loader import SampleError
+    from lightning_sharding.strategies import SampleError
 
     (tmp_path / "tok").mkdir()
     np.save(tmp_path / "tok" / "a.npy", np.arange(400, dtype=np.int32) % 100)  # tokens 0..99

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sharding.datamodule import ShardedDataModule
-from lightning_sharding.loader import Transform
+from lightning_sharding.options import Transform
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.sources import Source
 

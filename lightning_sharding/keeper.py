@@ -1,0 +1,115 @@
+"""``LedgerKeeper``: the ledger of one fit and everything done to it, with no Lightning in sight.
+
+The DataModule makes one at ``setup("fit")``; :class:`~lightning_sharding.callbacks.ShardingCallback`
+drives it: it starts epochs, gathers every rank's consumed positions, writes the checkpoint entry
+and restores one, and tells the train loader when a checkpoint is saved.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from lightning_sharding._distributed import gather_objects
+from lightning_sharding.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
+from lightning_sharding.manifest import Manifest, describe_change
+from lightning_sharding.options import LoaderOptions
+from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.strategies.base import TrainLoader
+from lightning_sharding.world import World
+
+
+class LedgerKeeper:
+    """The ledger of ``manifest`` on this rank of ``world``, and the train loader that serves it.
+
+    ``seed_given`` is the seed the user asked for (``None``: drawn); ``allow_data_change`` lets a
+    checkpoint of other data restart its epoch instead of failing; ``audit_dir`` is where the
+    callback writes the audit trail (``None``: none).
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        manifest: Manifest,
+        world: World,
+        options: LoaderOptions,
+        *,
+        seed_given: int | None = None,
+        allow_data_change: bool = False,
+        audit_dir: str | None = None,
+    ) -> None:
+        self.ledger, self.manifest, self.world, self.options = ledger, manifest, world, options
+        self.seed_given, self.allow_data_change, self.audit_dir = seed_given, allow_data_change, audit_dir
+        self.train_loader: TrainLoader | None = None
+
+    def gather(self) -> None:
+        """Union every rank's consumed positions into every rank's ledger (a collective call)."""
+        for state in gather_objects(self.ledger.consumed.to_state(), self.world.world_size):
+            self.ledger.merge(RangeSet.from_state(state))
+
+    def state(self, global_step: int | None = None) -> dict[str, Any]:
+        """The checkpoint entry: the union of all ranks' ledgers (a collective call), with the optimizer
+        step whose weights it matches."""
+        self.gather()
+        if self.train_loader is not None:
+            self.train_loader.note_checkpoint(self.ledger)
+        state = self.ledger.state_dict()
+        # A tensor, not a NumPy array: checkpoints must load with torch.load(weights_only=True).
+        state["consumed"] = torch.from_numpy(state["consumed"])
+        state["writer"] = {
+            "world_size": self.world.world_size,
+            "num_workers": self.options.num_workers,
+            "batch_size": self.options.batch_size,
+        }
+        if global_step is not None:
+            state[GLOBAL_STEP_KEY] = int(global_step)
+        return state
+
+    def committed(self) -> None:
+        """The checkpoint written last is saved: the train loader may tell its source."""
+        if self.train_loader is not None:
+            self.train_loader.flush_commit()
+
+    def restore(
+        self, state: dict[str, Any] | None, global_step: int | None = None, source: str = "the checkpoint"
+    ) -> None:
+        """Restore a checkpoint's ledger; a checkpoint of other data is a clear error, and a ledger
+        that does not record ``global_step`` (the checkpoint's optimizer step) is warned about."""
+        if state is None:
+            warnings.warn(
+                f"{source} holds no lightning_sharding data ledger (it was written without "
+                "ShardedDataModule): the interrupted epoch restarts from its beginning",
+                stacklevel=2,
+            )
+            return
+        mismatch = ledger_step_mismatch(state, global_step)
+        if mismatch:
+            warnings.warn(f"{source}: {mismatch}", stacklevel=2)
+        try:
+            restored = Ledger.from_state_dict(state)
+        except CheckpointMismatchError as err:
+            raise CheckpointMismatchError(f"{source}: {err}") from err
+        if self.seed_given is not None and restored.seed != self.seed_given:
+            warnings.warn(
+                f"seed={self.seed_given} is not used: {source} continues its epoch with its own seed {restored.seed}",
+                stacklevel=2,
+            )
+        if restored.fingerprint == self.manifest.fingerprint:
+            self.ledger = restored
+            return
+        change = describe_change(restored.manifest, self.manifest.summary())
+        if not self.allow_data_change:
+            raise CheckpointMismatchError(
+                f"{source} was written for other data: {change}. Resume with the same data, "
+                f"or pass `allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
+            )
+        warnings.warn(
+            f"the data changed since {source} ({change}); epoch {restored.epoch} restarts "
+            "with a fresh order because allow_data_change=True",
+            stacklevel=2,
+        )
+        self.ledger = Ledger(
+            seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
+        )

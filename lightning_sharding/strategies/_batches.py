@@ -1,0 +1,190 @@
+"""``PlannedBatches``: inside a worker, read, transform and collate the batch a task names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from torch.utils.data import Dataset
+
+from lightning_sharding.manifest import Item
+from lightning_sharding.options import LoaderOptions
+from lightning_sharding.order import EpochOrder
+from lightning_sharding.plan import BatchTask
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.storage import is_transient
+from lightning_sharding.strategies._delivery import Delivery
+from lightning_sharding.strategies._samples import Failed, SampleError, difference, structure
+from lightning_sharding.strategies._worker import WorkerContexts
+from lightning_sharding.world import SampleContext, ShardContext, World
+
+
+class PlannedBatches(Dataset[Delivery]):
+    """Map-style dataset indexed by :class:`BatchTask`: reads, transforms and collates one batch.
+
+    Runs inside workers and returns a :class:`Delivery`. A sample
+    that fails to read or transform raises :class:`SampleError` naming the item and the sample;
+    with ``on_error="skip"`` it is left out and counted, and a good sample of the same batch takes
+    its place flagged as padding, so the batch keeps its size and the accounting stays exact.
+    """
+
+    def __init__(
+        self,
+        reader: Reader,
+        items: Sequence[Item],
+        *,
+        seed: int,
+        world: World,
+        options: LoaderOptions,
+        worker_id: int | None = None,
+    ) -> None:
+        self.reader = reader
+        self.items = tuple(items)
+        self.counts = np.array([it.num_samples for it in self.items], dtype=np.int64)
+        self.seed, self.shuffle, self.world = seed, options.shuffle, world
+        self.transform, self.collate_fn, self.on_error = options.transform, options.collate_fn, options.on_error
+        self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
+        self._order: EpochOrder | None = None
+
+    def __len__(self) -> int:
+        raise TypeError("PlannedBatches is indexed by BatchTask and has no length")
+
+    def _epoch_order(self, epoch: int) -> EpochOrder:
+        if self._order is None or self._order.epoch != epoch:
+            self._order = EpochOrder(self.counts, self.seed, epoch, shuffle=self.shuffle)
+        return self._order
+
+    def __getitem__(self, task: BatchTask) -> Delivery:
+        ctx = self.context(task.epoch)
+        item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
+        # Read runs of consecutive positions that fall in the same item with one call.
+        cuts = np.flatnonzero(np.diff(item_ids)) + 1
+        samples: list[Any] = []
+        for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(item_ids)])), strict=True):
+            samples.extend(self._read_run(self.items[int(item_ids[lo])], indices[lo:hi], task.positions[lo:hi], ctx))
+        if self.transform is not None:
+            transform = self._transform  # the per-sample loop is the hot path: plain ints, no lookups
+            samples = [
+                transform(s, SampleContext(ctx, p, i, j))
+                for s, p, i, j in zip(
+                    samples, task.positions.tolist(), item_ids.tolist(), indices.tolist(), strict=True
+                )
+            ]
+        while True:  # each pass marks at least one more misfit as failed, or raises
+            try:
+                if Failed not in map(type, samples):
+                    return Delivery(self.collate_fn(samples), task.epoch, task.positions, task.num_padding)
+                bad = np.array([isinstance(s, Failed) for s in samples], dtype=bool)
+                return self._without_failed(task, samples, bad)
+            except SampleError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a collate failure: name the sample that does not fit
+                for i, failure in self._misfits(samples, err, task, item_ids, indices, ctx):
+                    samples[i] = Failed(str(failure))
+
+    def _misfits(
+        self,
+        samples: list[Any],
+        err: Exception,
+        task: BatchTask,
+        item_ids: npt.NDArray[np.int64],
+        indices: npt.NDArray[np.int64],
+        ctx: ShardContext,
+    ) -> list[tuple[int, SampleError]]:
+        """The samples whose shapes or dtypes differ from the rest of the batch, which ``collate_fn``
+        could not stack (``err``); raises unless ``on_error="skip"`` or when none differs."""
+        shapes = [None if isinstance(s, Failed) else structure(s) for s in samples]
+        counts: dict[Any, int] = {}
+        for shape in shapes:
+            if shape is not None:
+                counts[shape] = counts.get(shape, 0) + 1
+        common = max(counts, key=lambda k: counts[k]) if counts else None
+        odd = [i for i, shape in enumerate(shapes) if shape is not None and shape != common]
+        if not odd:
+            keys = sorted({self.items[int(k)].key for k in item_ids})
+            raise SampleError(
+                f"collate_fn failed on batch {task.index} (epoch {task.epoch}, items {keys}, rank {ctx.rank}, "
+                f"worker {ctx.worker_id}): {type(err).__name__}: {err}"
+            ) from err
+        out = []
+        for i in odd:
+            failure = SampleError(
+                f"sample {int(indices[i])} of item {self.items[int(item_ids[i])].key!r} (epoch {task.epoch}, "
+                f"position {int(task.positions[i])}, rank {ctx.rank}, worker {ctx.worker_id}) does not fit in a "
+                f"batch with the others: {difference(shapes[i], common)} ({type(err).__name__}: {err}). "
+                "Fix or remove the data, or pass on_error='skip' to skip bad samples (counted and reported)."
+            )
+            if self.on_error == "raise":
+                raise failure from err
+            out.append((i, failure))
+        return out
+
+    def _read_run(
+        self, item: Item, indices: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], ctx: ShardContext
+    ) -> list[Any]:
+        """Samples ``indices`` of ``item`` in one read; on failure, sample by sample to name the bad one."""
+        try:
+            got = self.reader.read_batch(item, indices, ctx)
+        except Exception:  # noqa: BLE001 - find and name the failing sample below
+            return [self._read_one(item, int(i), int(p), ctx) for i, p in zip(indices, positions, strict=True)]
+        if len(got) != len(indices):
+            raise RuntimeError(
+                f"{type(self.reader).__name__}.read_batch returned {len(got)} samples for "
+                f"{len(indices)} indices of item {item.key!r}; it must return one sample per index"
+            )
+        return list(got)
+
+    def _read_one(self, item: Item, index: int, position: int, ctx: ShardContext) -> Any:
+        try:
+            return self.reader.read(item, index, ctx)
+        except Exception as err:
+            if is_transient(err):  # storage down beyond the retry budget is not bad data: never skip it
+                raise SampleError(
+                    f"cannot read item {item.key!r} (rank {ctx.rank}, worker {ctx.worker_id}): the storage "
+                    f"failed beyond the retry budget: {err}. No sample of this batch counts as consumed; once "
+                    "the storage is back, resume from the last checkpoint (or raise the reader's retry=RetryPolicy)."
+                ) from err
+            failure = SampleError(
+                f"cannot read sample {index} of item {item.key!r} (epoch {ctx.epoch}, position {position}, "
+                f"rank {ctx.rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}. "
+                "Fix or remove the data, or pass on_error='skip' to skip bad samples (counted and reported)."
+            )
+            if self.on_error == "raise":
+                raise failure from err
+            return Failed(str(failure))
+
+    def _transform(self, sample: Any, sctx: SampleContext) -> Any:
+        if isinstance(sample, Failed):
+            return sample
+        assert self.transform is not None
+        try:
+            return self.transform(sample, sctx)
+        except Exception as err:
+            failure = SampleError(
+                f"the transform failed on sample {sctx.index} of item {self.items[sctx.item].key!r} "
+                f"(epoch {sctx.shard.epoch}, position {sctx.position}): {type(err).__name__}: {err}"
+            )
+            if self.on_error == "raise":
+                raise failure from err
+            return Failed(str(failure))
+
+    def _without_failed(self, task: BatchTask, samples: list[Any], bad: npt.NDArray[np.bool_]) -> Delivery:
+        """Leave failed samples out; good ones of the batch stand in for them, flagged as padding."""
+        n_real = len(task.positions) - task.num_padding
+        real_bad = bad.copy()
+        real_bad[n_real:] = False
+        good = np.flatnonzero(~bad)
+        if good.size == 0:
+            raise SampleError(
+                f"every sample of batch {task.index} (epoch {task.epoch}, positions {task.positions.tolist()}) "
+                f"failed, so on_error='skip' has nothing to fill the batch with. First error: {samples[0].message}"
+            )
+        fill = good[np.arange(int(bad.sum())) % good.size]
+        keep_real, keep_pad = good[good < n_real], good[good >= n_real]
+        order = np.concatenate((keep_real, keep_pad, fill))
+        positions = task.positions[order]
+        num_padding = len(order) - len(keep_real)
+        skipped = task.positions[np.flatnonzero(real_bad)]
+        return Delivery(self.collate_fn([samples[i] for i in order]), task.epoch, positions, num_padding, skipped)

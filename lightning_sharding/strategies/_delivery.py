@@ -1,0 +1,115 @@
+"""What every strategy's worker delivers, and the training process's bookkeeping of it.
+
+A worker returns one :class:`Delivery` per batch, whatever the strategy. The training process
+checks its epoch, strips the provenance before Lightning sees the batch, flags padding in dict
+batches, and keeps the provenance in :class:`DeliveredLog` until the step is accounted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+Int64Array = npt.NDArray[np.int64]
+NO_POSITIONS: Int64Array = np.zeros(0, dtype=np.int64)
+
+
+class Delivery(NamedTuple):
+    """One batch from a worker with its provenance.
+
+    ``positions`` (int64, ``(n,)``) are the batch's epoch positions, the last ``num_padding`` of
+    them padding; ``skipped`` (``(k,)``) failed to read under ``on_error="skip"`` and are consumed
+    without being in the batch; ``used`` are the items whose shared memory the batch used
+    (strategy ``broadcast``); ``end`` marks that the source has no more batches (``batch`` is None).
+    """
+
+    batch: Any
+    epoch: int
+    positions: Int64Array
+    num_padding: int
+    skipped: Int64Array = NO_POSITIONS
+    used: Int64Array = NO_POSITIONS
+    end: bool = False
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a delivered batch came from: epoch positions (int64, shape ``(n,)``), the last
+    ``num_padding`` of which are padding, and the positions ``skipped`` (shape ``(k,)``) because
+    they failed to read under ``on_error="skip"``; those are consumed but not in the batch."""
+
+    epoch: int
+    positions: Int64Array
+    num_padding: int
+    skipped: Int64Array = field(default_factory=lambda: NO_POSITIONS)
+
+    @property
+    def real_positions(self) -> Int64Array:
+        """Positions trained on, shape ``(n - num_padding,)``."""
+        return self.positions[: len(self.positions) - self.num_padding]
+
+    @property
+    def consumed_positions(self) -> Int64Array:
+        """Positions that count as consumed once the step completes: trained on or skipped."""
+        return np.concatenate((self.real_positions, self.skipped)) if len(self.skipped) else self.real_positions
+
+
+def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | None) -> Any:
+    """``batch`` with a boolean ``padding_key`` entry of shape ``(size,)`` when it is a dict."""
+    if padding_key is None or not isinstance(batch, Mapping):
+        return batch
+    if padding_key in batch:
+        raise KeyError(
+            f"the batch already has a key {padding_key!r}, where lightning_sharding puts its padding "
+            "flags; pass another `padding_key=` (or None) to ShardedDataModule"
+        )
+    flags = torch.zeros(size, dtype=torch.bool)
+    if num_padding:
+        flags[size - num_padding :] = True
+    return {**batch, padding_key: flags}
+
+
+class DeliveredLog:
+    """Provenance of the batches handed to training whose steps are not accounted yet, oldest first."""
+
+    def __init__(self, *, padding_key: str | None, track: bool) -> None:
+        self.padding_key, self.track = padding_key, track
+        self._queue: deque[Provenance] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Provenance]:
+        return iter(self._queue)
+
+    def clear(self) -> None:
+        """A new pass starts: batches of an abandoned one are never accounted."""
+        self._queue.clear()
+
+    def accept(self, delivery: Delivery, epoch: int) -> Any:
+        """The batch of ``delivery`` for training in ``epoch``, provenance kept (when tracking) and
+        padding flagged; a batch of another epoch is a bug and raises."""
+        if delivery.epoch != epoch:
+            raise RuntimeError(
+                f"a batch planned for epoch {delivery.epoch} arrived in epoch {epoch}; "
+                "this is a bug in lightning_sharding, please report it"
+            )
+        if self.track:
+            self._queue.append(Provenance(delivery.epoch, delivery.positions, delivery.num_padding, delivery.skipped))
+        return flag_padding(delivery.batch, len(delivery.positions), delivery.num_padding, self.padding_key)
+
+    def pop(self) -> Provenance:
+        """The oldest delivered batch's provenance whose step has not been accounted yet."""
+        if not self._queue:
+            raise RuntimeError(
+                "a training step ended but no batch of the sharded loader is waiting to be accounted. "
+                "Return the loader from train_dataloader() as it is (no wrapping or re-batching), "
+                "and do not use `training_step(dataloader_iter)`, which this accounting does not support."
+            )
+        return self._queue.popleft()

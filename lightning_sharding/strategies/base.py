@@ -1,0 +1,195 @@
+"""The strategy interface: what a strategy takes, what it allows, and the loaders it builds.
+
+A :class:`Strategy` is a spec read by everything that must know a strategy's rules (the
+DataModule, the Hydra config checks, ``lightning-sharding plan``) and the builder of its loaders.
+A :class:`TrainLoader` is what the training side relies on; its checkpoint hooks default to
+nothing. Strategies are looked up by name in a registry that users may add to with
+:func:`register_strategy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
+
+from lightning_sharding.ledger import Ledger
+from lightning_sharding.manifest import Manifest
+from lightning_sharding.options import LoaderOptions
+from lightning_sharding.plan import WorkerLayout
+from lightning_sharding.strategies._delivery import DeliveredLog, Provenance
+from lightning_sharding.world import World
+
+Takes = Literal["reader", "windows", "source"]
+
+
+class EpochOutline(Protocol):
+    """What the training side reads off an epoch's plan (an ``EpochPlan``, or how a synced epoch ended)."""
+
+    @property
+    def num_batches(self) -> int:
+        """Batches every rank serves in this pass."""
+        ...
+
+    @property
+    def padding_per_rank(self) -> Any:
+        """Padding samples per rank, shape ``(world_size,)``."""
+        ...
+
+    @property
+    def dropped_per_rank(self) -> Any:
+        """Samples per rank left unserved this epoch, shape ``(world_size,)``."""
+        ...
+
+
+class TrainLoader:
+    """The iterable Lightning gets for one rank: batches with provenance stripped.
+
+    Subclasses set ``sampler`` (it has ``epoch``, ``set_epoch`` and ``epoch_plan``; Lightning calls
+    ``set_epoch`` on it at every epoch start) and ``delivered``, and define ``__iter__``. It is not a
+    ``DataLoader`` on purpose: Lightning then leaves it alone (no sampler injection).
+    """
+
+    sampler: Any
+    delivered: DeliveredLog
+    batch_sampler = None  # Lightning's evaluation loop reads it off any loader that has a `sampler`
+
+    def __iter__(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being served."""
+        return int(self.sampler.epoch)
+
+    @property
+    def epoch_plan(self) -> EpochOutline | None:
+        """The plan of the current pass (``None`` before the first)."""
+        return self.sampler.epoch_plan  # type: ignore[no-any-return]
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new epoch starts with nothing consumed."""
+        self.sampler.set_epoch(epoch)
+
+    def pop_delivered(self) -> Provenance:
+        """Provenance of the oldest delivered batch whose step has not been accounted yet."""
+        return self.delivered.pop()
+
+    def helper_processes(self) -> dict[str, Any]:
+        """This rank's helper processes (``.pid``, ``.exitcode``) by name."""
+        return {}
+
+    def close(self) -> None:
+        """Release processes and memory now (teardown, a dead worker)."""
+
+    def note_checkpoint(self, ledger: Ledger) -> None:
+        """A checkpoint is being written with ``ledger`` as it is now."""
+
+    def flush_commit(self) -> None:
+        """The checkpoint noted last is saved."""
+
+
+class Strategy:
+    """How one rank reads: the rules of a strategy and the builder of its loaders.
+
+    Class attributes: ``name`` (the registry key), ``takes`` (``"reader"``, ``"windows"`` for a
+    :class:`~lightning_sharding.readers.windows.WindowedReader`, or ``"source"`` for a
+    :class:`~lightning_sharding.sources.Source`), ``even_batch_policies``, ``skips_errors`` (whether
+    ``on_error="skip"`` works), ``worker_layout`` (how a rank's batches go to its workers),
+    ``shuffles`` (whether ``shuffle`` applies), ``fixed_options`` (loader options that do not apply)
+    and the reasons said when an option or ``on_error="skip"`` is refused.
+    """
+
+    name: ClassVar[str]
+    takes: ClassVar[Takes] = "reader"
+    even_batch_policies: ClassVar[tuple[str, ...]] = ("pad", "drop")
+    skips_errors: ClassVar[bool] = False
+    worker_layout: ClassVar[WorkerLayout] = "runs"
+    shuffles: ClassVar[bool] = True
+    fixed_options: ClassVar[tuple[str, ...]] = ()
+    no_skip_reason: ClassVar[str] = ""
+    fixed_reason: ClassVar[str] = ""
+
+    def check(self, options: LoaderOptions, data: object = None, owner: str = "ShardedDataModule") -> None:
+        """Raise a ValueError or TypeError naming ``owner``'s argument at fault: a policy or option this
+        strategy does not support, or data of the wrong kind (``data`` None is not checked)."""
+        if options.even_batches not in self.even_batch_policies:
+            raise ValueError(
+                f"`{owner}(even_batches={options.even_batches!r})` must be one of {list(self.even_batch_policies)}"
+            )
+        if options.on_error == "skip" and not self.skips_errors:
+            skippers = strategies_where(lambda s: s.skips_errors)
+            reason = f": {self.no_skip_reason}" if self.no_skip_reason else ""
+            raise ValueError(f"`{owner}(on_error='skip')` works with {skippers} only, not {self.name!r}{reason}")
+        default = LoaderOptions()
+        for key in self.fixed_options:
+            if getattr(options, key) != getattr(default, key):
+                reason = self.fixed_reason or f"strategy {self.name!r} does not use it"
+                raise ValueError(f"`{owner}({key}=...)` does not apply: {reason}")
+        if data is not None:
+            self.check_data(data, owner)
+
+    def check_data(self, data: object, owner: str) -> None:
+        """Raise a TypeError when ``data`` is not what this strategy ``takes``."""
+        from lightning_sharding.readers.base import Reader
+        from lightning_sharding.readers.windows import WindowedReader
+        from lightning_sharding.sources import Source
+
+        wanted: type = {"reader": Reader, "windows": WindowedReader, "source": Source}[self.takes]
+        if not isinstance(data, wanted):
+            example = {"reader": "", "windows": " (such as NpyWindows)", "source": " (such as SqliteSource)"}
+            raise TypeError(
+                f"strategy {self.name!r} needs a {wanted.__name__}{example[self.takes]}, got {type(data).__name__}"
+            )
+
+    def manifest(self, data: Any) -> Manifest:
+        """The manifest of the training data (a reader's items, or a source's length)."""
+        return Manifest.from_items(data.items())
+
+    def build(
+        self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
+    ) -> TrainLoader:
+        """The loader of ``world.rank`` for ``ledger``'s epoch; ``track`` keeps provenance for the ledger."""
+        raise NotImplementedError
+
+    def build_eval(
+        self, reader: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions
+    ) -> Iterable[Any]:
+        """An evaluation loader: never shuffled, always padded (flagged), no provenance kept."""
+        evaluation = options.replace(shuffle=False, even_batches="pad")
+        return self.build(reader, manifest, ledger, world, evaluation, track=False)
+
+    def release(self, loader: TrainLoader | None) -> None:
+        """Before a new train loader is built: release what the previous one holds, if it must go first."""
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+S = TypeVar("S", bound=type[Strategy])
+
+
+def register_strategy(cls: S) -> S:
+    """Class decorator: make ``cls`` available as ``strategy=cls.name``."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__name__} needs a class attribute `name` (a non-empty string) to be registered")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def strategies_where(which: Callable[[type[Strategy]], bool]) -> str:
+    """``strategy='shard'`` (or several, joined by "or") for the registered strategies ``which`` picks."""
+    return " or ".join(f"strategy={name!r}" for name, cls in _REGISTRY.items() if which(cls)) or "no strategy"
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The registered strategies' names."""
+    return tuple(_REGISTRY)
+
+
+def get_strategy(strategy: str | Strategy, **options: Any) -> Strategy:
+    """The strategy of that name, built with ``options`` (an instance is returned as it is)."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    cls = _REGISTRY.get(strategy)
+    if cls is None:
+        raise ValueError(f"strategy={strategy!r} is not a strategy; choose one of {list(_REGISTRY)}")
+    return cls(**options)

@@ -1,0 +1,244 @@
+"""Strategy ``broadcast``: each rank loads an item once into shared memory; its workers crop from it.
+
+It is a different loader over the same plan as ``shard``: the same epoch order, ledger and
+provenance, so resume and rescale work unchanged. What differs:
+
+- workers take batches interleaved (batch ``i`` to worker ``i % W``), so all of them crop windows
+  from the same item at the same time, each from its own batches (disjoint window indices);
+- the main process loads the rank's current item into a ``/dev/shm`` segment in a background
+  thread, ``prefetch_items`` items ahead (:class:`SegmentPool`), and every task carries the
+  segments its batch needs;
+- a segment is unlinked once every batch touching it has come back (the loader sees every batch,
+  in order), at the end or abandonment of an epoch, and at process exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import override
+
+from lightning_sharding import segments
+from lightning_sharding.ledger import Ledger
+from lightning_sharding.manifest import Item, Manifest
+from lightning_sharding.options import DEFAULT_OPTIONS, LoaderOptions
+from lightning_sharding.order import EpochOrder
+from lightning_sharding.plan import BatchTask
+from lightning_sharding.readers.windows import WindowedReader
+from lightning_sharding.segments import SegmentInfo
+from lightning_sharding.strategies._batches import PlannedBatches
+from lightning_sharding.strategies._delivery import Delivery
+from lightning_sharding.strategies._segment_pool import SegmentPool
+from lightning_sharding.strategies.base import Strategy, register_strategy
+from lightning_sharding.strategies.shard import PlanSampler, ShardedLoader
+from lightning_sharding.world import SampleContext, World
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class BroadcastTask:
+    """A :class:`BatchTask` plus the shared-memory segment of every item its positions fall in."""
+
+    task: BatchTask
+    segments: dict[int, SegmentInfo]
+
+
+class BroadcastSampler(PlanSampler):
+    """The rank's plan with interleaved workers; attaches each batch's segments from a :class:`SegmentPool`."""
+
+    def __init__(
+        self, ledger: Ledger, reader: WindowedReader, items: Sequence[Item], world: World, options: LoaderOptions
+    ) -> None:
+        super().__init__(
+            ledger,
+            world=world,
+            num_workers=options.num_workers,
+            batch_size=options.batch_size,
+            even_batches=options.even_batches,  # type: ignore[arg-type]  # the strategy's check allowed it
+            worker_layout=BroadcastStrategy.worker_layout,
+        )
+        self.reader, self.shuffle, self.depth = reader, options.shuffle, options.prefetch_items
+        self.counts = np.array([it.num_samples for it in items], dtype=np.int64)
+        self.pool: SegmentPool | None = None
+
+    def close_pool(self, pool: SegmentPool | None = None) -> None:
+        """Unlink the segments of ``pool`` (default: the current one)."""
+        pool = pool or self.pool
+        if pool is not None:
+            pool.close()
+        if pool is self.pool:
+            self.pool = None
+
+    def __iter__(self) -> Iterator[BroadcastTask]:  # type: ignore[override]
+        tasks = super().__iter__()
+        self.close_pool()  # a new pass: the previous one is over or abandoned
+        self.pool = SegmentPool(self.reader, self.world.rank, self.depth)
+        assert self.rank_plan is not None
+        order = EpochOrder(self.counts, self.ledger.seed, self.ledger.epoch, shuffle=self.shuffle)
+        return self._attach(tasks, order, self.pool, _item_sequence(order, self.rank_plan.positions))
+
+    @staticmethod
+    def _attach(
+        tasks: Iterator[BatchTask], order: EpochOrder, pool: SegmentPool, sequence: list[int]
+    ) -> Iterator[BroadcastTask]:
+        where = {item: i for i, item in enumerate(sequence)}
+        current: list[int] = []
+        for task in tasks:
+            slots = np.searchsorted(order.starts, task.positions, side="right") - 1
+            items = [int(order.item_order[s]) for s in dict.fromkeys(slots.tolist())]
+            for item in current:
+                if item not in items:
+                    pool.done_issuing(item)
+            last = where.get(items[-1])
+            if last is not None:
+                pool.upcoming(sequence[last + 1 :][: pool.depth])
+            yield BroadcastTask(task, pool.issue(items))
+            current = items
+        for item in current:
+            pool.done_issuing(item)
+
+
+def _item_sequence(order: EpochOrder, positions: Any) -> list[int]:
+    """The items a rank's positions (a RangeSet) fall in, in epoch order, without building positions."""
+    seq: list[int] = []
+    for start, end in zip(positions.starts.tolist(), positions.ends.tolist(), strict=True):
+        lo = int(np.searchsorted(order.starts, start, side="right")) - 1
+        hi = int(np.searchsorted(order.starts, end - 1, side="right")) - 1
+        for slot in range(lo, hi + 1):
+            item = int(order.item_order[slot])
+            if not seq or seq[-1] != item:
+                seq.append(item)
+    return seq
+
+
+class BroadcastBatches(PlannedBatches):
+    """Runs in workers: crops a batch of windows from zero-copy views of the rank's segments.
+
+    Its :class:`Delivery` names in ``used`` the items whose segments the batch used, so that the
+    main process can release them.
+    """
+
+    def __init__(
+        self, reader: WindowedReader, items: Sequence[Item], *, seed: int, world: World, options: LoaderOptions
+    ) -> None:
+        super().__init__(reader, items, seed=seed, world=world, options=options)
+        self.window, self.stride = reader.window, reader.stride
+        self.bases, self.first_ids, self.offsets = reader.bases(), reader.first_ids(), reader.offsets()
+        self._maps: dict[str, npt.NDArray[Any]] = {}
+
+    def _segment(self, info: SegmentInfo, keep: dict[str, npt.NDArray[Any]]) -> npt.NDArray[Any]:
+        array = self._maps.get(info.name)
+        if array is None:
+            array = segments.open_segment(info)
+        keep[info.name] = array
+        return array
+
+    def __getitem__(self, btask: BroadcastTask) -> Delivery:  # type: ignore[override]
+        task = btask.task
+        ctx = self.context(task.epoch)
+        item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
+        keep: dict[str, npt.NDArray[Any]] = {}
+        starts = self.bases[item_ids] + indices * self.stride
+        steps = np.arange(self.window)
+        parts = []
+        for item in dict.fromkeys(item_ids.tolist()):
+            mask = item_ids == item
+            data = self._segment(btask.segments[item], keep)
+            parts.append((mask, data[starts[mask][:, None] + steps]))  # a copy: (n, T, *shape)
+        # Only the segments of this batch stay mapped: a worker never goes back to an earlier item.
+        self._maps = keep
+        windows = parts[0][1] if len(parts) == 1 else _merge(parts, len(item_ids))
+        ids = self.first_ids[item_ids] + indices
+        global_starts = self.offsets[item_ids] + starts
+        reader: WindowedReader = self.reader  # type: ignore[assignment]
+        if self.transform is None:
+            batch = reader.make_batch(windows, ids, global_starts)
+        else:
+            samples = [
+                self.transform(
+                    {"x": windows[i], "id": int(ids[i]), "start": int(global_starts[i])},
+                    SampleContext(ctx, int(task.positions[i]), int(item_ids[i]), int(indices[i])),
+                )
+                for i in range(len(ids))
+            ]
+            batch = self.collate_fn(samples)
+        used = np.fromiter(btask.segments, dtype=np.int64, count=len(btask.segments))
+        return Delivery(batch, task.epoch, task.positions, task.num_padding, used=used)
+
+
+def _merge(parts: list[tuple[npt.NDArray[np.bool_], npt.NDArray[Any]]], n: int) -> npt.NDArray[Any]:
+    first = parts[0][1]
+    out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
+    for mask, windows in parts:
+        out[mask] = windows
+    return out
+
+
+class BroadcastLoader(ShardedLoader):
+    """The ``broadcast`` strategy's loader of one rank: releases segments as batches come back."""
+
+    sampler: BroadcastSampler
+
+    @classmethod
+    def build(  # type: ignore[override]
+        cls,
+        reader: WindowedReader,
+        items: Sequence[Item],
+        ledger: Ledger,
+        *,
+        world: World,
+        options: LoaderOptions = DEFAULT_OPTIONS,
+        track: bool = False,
+    ) -> BroadcastLoader:
+        """The loader of ``world.rank``; ``options.prefetch_items`` is how many items are loaded ahead."""
+        BroadcastStrategy().check(options, reader, owner="BroadcastLoader")
+        with_samples = [it for it in items if it.num_samples > 0]
+        if world.world_size > len(with_samples):
+            names = ", ".join(repr(it.key) for it in with_samples[:3]) + (", ..." if len(with_samples) > 3 else "")
+            raise ValueError(
+                f"strategy 'broadcast' has {world.world_size} ranks but only {len(with_samples)} items with windows "
+                f"({names}): every rank needs an item of its own. Use at most {len(with_samples)} ranks, "
+                "or split the data into more items."
+            )
+        dataset = BroadcastBatches(reader, items, seed=ledger.seed, world=world, options=options)
+        return cls(dataset, BroadcastSampler(ledger, reader, items, world, options), options, track=track)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.delivered.clear()
+        batches = iter(self._loader)  # creates this pass's pool (through the sampler)
+        pool = self.sampler.pool
+        try:
+            for delivery in self._guarded(batches):
+                if pool is not None:
+                    pool.release(delivery.used.tolist())
+                yield self.delivered.accept(delivery, self.sampler.epoch)
+        finally:
+            self.sampler.close_pool(pool)
+
+    def close(self) -> None:
+        """Stop the workers and unlink every segment now (teardown, exceptions)."""
+        super().close()
+        self.sampler.close_pool()
+
+
+@register_strategy
+class BroadcastStrategy(Strategy):
+    """Each rank loads an item once into shared memory; its workers crop disjoint windows from it."""
+
+    name = "broadcast"
+    takes = "windows"
+    worker_layout = "interleaved"
+    no_skip_reason = (
+        "a window is cut from an item already loaded, so an unreadable item fails when it is loaded, naming it"
+    )
+
+    @override
+    def build(
+        self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
+    ) -> BroadcastLoader:
+        return BroadcastLoader.build(data, manifest.items, ledger, world=world, options=options, track=track)

@@ -1,0 +1,188 @@
+"""Strategy ``shard``: every worker reads its own positions, the plan made in the main process.
+
+Why a plain ``torch.utils.data.DataLoader`` and not torchdata's ``StatefulDataLoader``: the data
+state that matters is the ledger, which is topology-free and lives in the main process. A
+StatefulDataLoader's own state is per rank and per worker, counts batches a worker produced rather
+than steps that completed, and its ``load_state_dict`` asserts the same ``num_workers`` (checked
+with torchdata 0.11: Lightning restores it and resuming on another worker count crashes). We keep
+no loader state at all, so there is nothing for it to save.
+
+Why map-style tasks instead of an ``IterableDataset``: the main process deals each worker a
+:class:`~lightning_sharding.plan.BatchTask` through the DataLoader's own index queues. A new epoch
+is then a new plan in the main process; persistent workers need no message, and the DataLoader
+itself discards every task still in flight when a new iterator starts. Workers return whole
+batches with their provenance (:class:`Delivery`), which the loader strips before Lightning sees
+the batch and keeps in order for the ledger.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader, Sampler
+from typing_extensions import override
+
+from lightning_sharding.ledger import Ledger
+from lightning_sharding.manifest import Item, Manifest
+from lightning_sharding.options import DEFAULT_OPTIONS, LoaderOptions
+from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
+from lightning_sharding.processes import reraise_if_dead, stop_workers, watch, worker_processes
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.strategies._batches import PlannedBatches
+from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
+from lightning_sharding.strategies._worker import check_picklable, pass_through
+from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
+from lightning_sharding.world import World
+
+
+class PlanSampler(Sampler[BatchTask]):
+    """Yields this rank's :class:`BatchTask` s for the ledger's current epoch.
+
+    It deliberately has no ``__len__``: after an elastic resume an epoch's batch count differs
+    from the next epoch's, and Lightning caches a loader's length for the whole run.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        world: World,
+        num_workers: int,
+        batch_size: int,
+        even_batches: EvenBatches,
+        worker_layout: WorkerLayout = "runs",
+    ) -> None:
+        self.ledger = ledger
+        self.world, self.num_workers = world, num_workers
+        self.batch_size, self.even_batches, self.worker_layout = batch_size, even_batches, worker_layout
+        self.epoch_plan: EpochPlan | None = None
+        self.rank_plan: RankPlan | None = None
+
+    @classmethod
+    def of(cls, ledger: Ledger, world: World, options: LoaderOptions, worker_layout: WorkerLayout = "runs") -> Any:
+        """The sampler of ``world.rank`` with ``options``' batching."""
+        return cls(
+            ledger,
+            world=world,
+            num_workers=options.num_workers,
+            batch_size=options.batch_size,
+            even_batches=options.even_batches,  # type: ignore[arg-type]  # a strategy's check allowed it
+            worker_layout=worker_layout,
+        )
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being served."""
+        return self.ledger.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at every epoch start: a new epoch starts with nothing consumed."""
+        self.ledger.start_epoch(epoch)
+
+    def plan(self) -> EpochPlan:
+        """Plan what is left of the current epoch (every rank computes the same plan)."""
+        return plan_epoch(
+            self.ledger.total,
+            self.ledger.done,
+            epoch=self.ledger.epoch,
+            world_size=self.world.world_size,
+            num_workers=self.num_workers,
+            batch_size=self.batch_size,
+            even_batches=self.even_batches,
+            worker_layout=self.worker_layout,
+        )
+
+    def __iter__(self) -> Iterator[BatchTask]:
+        self.epoch_plan = self.plan()
+        self.rank_plan = self.epoch_plan.rank(self.world.rank)
+        return self.rank_plan.tasks()
+
+
+class ShardedLoader(TrainLoader):
+    """The loader of one rank under ``shard``: a DataLoader over planned tasks, deliveries unpacked.
+
+    ``sampler`` is exposed so that Lightning's ``set_epoch`` reaches the plan. When ``track`` is set,
+    the provenance of every delivered batch is kept in ``delivered`` for the ledger, oldest first.
+    """
+
+    def __init__(self, dataset: PlannedBatches, sampler: PlanSampler, options: LoaderOptions, *, track: bool) -> None:
+        self.sampler = sampler
+        self.delivered = DeliveredLog(padding_key=options.padding_key, track=track)
+        self._iterator: Iterator[Any] | None = None
+        workers = options.num_workers
+        start_method = options.multiprocessing_context or multiprocessing.get_start_method()
+        if workers > 0 and start_method in ("spawn", "forkserver"):
+            check_picklable(
+                f"DataLoader workers started with {start_method}",
+                "",
+                reader=dataset.reader,
+                transform=dataset.transform,
+                collate_fn=dataset.collate_fn,
+            )
+        self._loader = DataLoader(
+            dataset,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=workers,
+            collate_fn=pass_through,
+            multiprocessing_context=options.multiprocessing_context if workers > 0 else None,
+            **options.dataloader_kwargs(),
+        )
+
+    @classmethod
+    def build(
+        cls,
+        reader: Reader,
+        items: Sequence[Item],
+        ledger: Ledger,
+        *,
+        world: World,
+        options: LoaderOptions = DEFAULT_OPTIONS,
+        track: bool = False,
+    ) -> ShardedLoader:
+        """The loader of ``world.rank`` for ``ledger``'s epoch; use it directly to shard outside Lightning."""
+        dataset = PlannedBatches(reader, items, seed=ledger.seed, world=world, options=options)
+        return cls(dataset, PlanSampler.of(ledger, world, options), options, track=track)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.delivered.clear()
+        for delivery in self._guarded(iter(self._loader)):
+            yield self.delivered.accept(delivery, self.sampler.epoch)
+
+    def _guarded(self, iterator: Iterator[Delivery]) -> Iterator[Delivery]:
+        """The DataLoader iterator's output; a dead worker is re-raised naming this rank, the worker and its pid."""
+        self._iterator = iterator
+        watch(iterator, self.sampler.world.rank)
+        try:
+            yield from iterator
+        except Exception as err:
+            reraise_if_dead(
+                self.helper_processes, self.sampler.world.rank, iterator, err, "the training process waited for batches"
+            )
+            raise
+
+    def close(self) -> None:
+        """Stop the worker processes now (teardown, a dead worker) rather than when garbage collected."""
+        stop_workers(self._iterator)
+        self._iterator = None
+        self._loader._iterator = None  # persistent workers: the next pass must start new ones, not reuse these
+
+    def helper_processes(self) -> dict[str, Any]:
+        """This rank's worker processes (``.pid``, ``.exitcode``) by name: ``"DataLoader worker 0"``..."""
+        return worker_processes(self._iterator)
+
+
+@register_strategy
+class ShardStrategy(Strategy):
+    """Each DataLoader worker reads its own run of the rank's batches; bad samples may be skipped."""
+
+    name = "shard"
+    skips_errors = True
+
+    @override
+    def build(
+        self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
+    ) -> ShardedLoader:
+        return ShardedLoader.build(data, manifest.items, ledger, world=world, options=options, track=track)

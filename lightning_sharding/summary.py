@@ -1,0 +1,51 @@
+"""What a fit served: one :class:`EpochReport` per epoch, and the table printed when fitting ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_sharding.options import LoaderOptions
+from lightning_sharding.world import World
+
+
+@dataclass
+class EpochReport:
+    """What one epoch (or the part of it this run trained) served, summed over all ranks."""
+
+    epoch: int
+    samples: int
+    consumed: int
+    served_this_run: int
+    padding: int
+    dropped: int
+    batches_per_rank: int
+    skipped: int
+    seconds: float
+
+    @property
+    def samples_per_second(self) -> float:
+        """Real samples trained per second of this run's part of the epoch, all ranks together."""
+        return self.served_this_run / self.seconds if self.seconds > 0 else 0.0
+
+
+def format_summary(reports: list[EpochReport], options: LoaderOptions, seed: int, worlds: list[World]) -> str:
+    """A one-screen table of what every epoch served, and where every rank ran."""
+    head = (
+        f"lightning_sharding summary: world {len(worlds)} rank(s) x {options.num_workers} worker(s), "
+        f"batch {options.batch_size}, seed {seed}, even batches '{options.even_batches}'"
+    )
+    ranks = "ranks: " + " | ".join(
+        f"rank {x.rank} = node {x.node_rank} local {x.local_rank}" for x in sorted(worlds, key=lambda x: x.rank)
+    )
+    cols = f"{'epoch':>5} {'samples':>9} {'consumed':>9} {'padding':>7} {'dropped':>7} {'skipped':>7} "
+    cols += f"{'batches/rank':>12} "
+    cols += f"{'seconds':>8} {'samples/s':>10}"
+    rows = [
+        f"{r.epoch:>5} {r.samples:>9} {r.consumed:>9} {r.padding:>7} {r.dropped:>7} {r.skipped:>7} "
+        f"{r.batches_per_rank:>12} "
+        f"{r.seconds:>8.2f} {r.samples_per_second:>10.0f}"
+        for r in reports
+    ]
+    if not rows:
+        rows = ["  (no training epoch ended in this run)"]
+    return "\n".join([head, ranks, cols, *rows])
