@@ -1,6 +1,6 @@
 """StepAccounting in-process: which delivered batches a save at any moment counts, from the counters alone.
 
-The process tests (tests/test_weights.py) show the same against real weights; these walk every
+The process tests (tests/process/test_weights.py) show the same against real weights; these walk every
 moment of a step one counter at a time.
 """
 

@@ -194,7 +194,7 @@ def test_resuming_inside_an_item_reads_only_what_is_left(tmp_path: Path, fmt: st
     assert manifest.total == 256
 
 
-# -- bad samples under on_error='skip' (every bad-input case: tests/test_bad_input.py) -------------
+# -- bad samples under on_error='skip' (every bad-input case: tests/process/test_bad_input.py) -------------
 
 
 def corrupt_tar_member(url: str, key: str) -> None:

@@ -21,7 +21,7 @@ from tests.harness import ROOT, free_port
 def readme_scripts() -> list[str]:
     scripts: list[str] = []
     for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S):
-        if block.startswith("# dispatch example"):  # tests/test_dispatch.py runs it, with its database
+        if block.startswith("# dispatch example"):  # tests/process/test_dispatch.py runs it, with its database
             continue
         if block.startswith("# (continued)") and scripts:
             scripts[-1] += "\n" + block

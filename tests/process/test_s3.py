@@ -13,7 +13,7 @@ from lightning_sharding.datasets import FORMATS, write_regression
 from lightning_sharding.readers import TarReader
 from tests.harness import Job, assert_exactly_once, check_resume
 from tests.s3 import S3Server
-from tests.test_readers import ids_served, make_reader, serve_epoch
+from tests.unit.test_readers import ids_served, make_reader, serve_epoch
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

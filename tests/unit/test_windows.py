@@ -96,7 +96,7 @@ def test_a_window_longer_than_an_item_names_the_item(tmp_path: Path) -> None:
     assert sum(it.num_samples for it in NpyWindows(paths, window=4, halo=True).items()) == 20
 
 
-@pytest.mark.parametrize("change", ["shape"])  # dtype: tests/test_bad_input.py
+@pytest.mark.parametrize("change", ["shape"])  # dtype: tests/process/test_bad_input.py
 def test_an_item_of_another_shape_or_dtype_names_the_item(tmp_path: Path, change: str) -> None:
     paths = write_months(tmp_path, [10, 10, 10])
     odd = np.zeros((10, 3), np.float32) if change == "shape" else np.zeros((10, 2), np.float64)

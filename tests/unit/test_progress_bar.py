@@ -1,5 +1,5 @@
 """The progress bar shows ``k/N`` with N this rank's planned batches of the epoch, TQDM and Rich,
-also after a resume that re-plans the epoch (here: another batch size; tests/test_elastic.py checks
+also after a resume that re-plans the epoch (here: another batch size; tests/process/test_elastic.py checks
 another number of ranks)."""
 
 from __future__ import annotations

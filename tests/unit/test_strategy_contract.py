@@ -1,0 +1,122 @@
+"""The resume contract every registered strategy passes, in one process (like torchdata's
+``run_test_save_load_state``): read a few batches on every rank of one topology, checkpoint the
+union of the ranks' ledgers, rebuild on another number of ranks, finish the epoch, and find every
+sample served exactly once; then the next epoch is the one a fresh run would serve.
+
+A strategy gets this test by registering: the parameters are the registry's names, and the data
+is chosen by what the strategy ``takes``. Loading runs in the training process (``num_workers=0``)
+so that the whole matrix stays within seconds; the kill-and-resume process tests
+(tests/process/) cover real workers, ranks and signals.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_sharding import Ledger, SyntheticReader, World
+from lightning_sharding.options import LoaderOptions
+from lightning_sharding.sources import SqliteSource
+from lightning_sharding.strategies import Strategy, get_strategy, strategy_names
+from tests.extras import installed
+from tests.jobs.sources import make_db, row_to_sample
+from tests.jobs.windows_data import MonthWindows, write_months
+
+SEED = 5
+BATCH = 4
+# (ranks before the checkpoint, ranks after it, batches each rank reads before it)
+TOPOLOGIES = [(2, 3, 2), (3, 1, 1)]
+
+
+def data_for(strategy: Strategy, tmp_path: Path) -> tuple[Any, LoaderOptions]:
+    """Data of the kind the strategy takes, whose samples carry their id (0..total-1) in ``"id"``."""
+    if strategy.takes == "source":
+        db = make_db(tmp_path / "rows.sqlite", 53)
+        return SqliteSource(db, "SELECT id, payload FROM samples ORDER BY id"), LoaderOptions(
+            batch_size=BATCH, transform=row_to_sample
+        )
+    if strategy.takes == "windows":
+        return MonthWindows(write_months(tmp_path, (19, 23, 17, 21)), window=4), LoaderOptions(batch_size=BATCH)
+    return SyntheticReader(sizes=[11, 17, 3, 13, 9]), LoaderOptions(batch_size=BATCH)
+
+
+def serve(loader: Any, ledger: Ledger, batches: int | None = None) -> list[int]:
+    """The real sample ids of ``batches`` batches (all when None); their steps are accounted."""
+    ids: list[int] = []
+    iterator = iter(loader)
+    try:
+        for _ in iter(int, 1) if batches is None else range(batches):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            provenance = loader.pop_delivered()
+            ledger.record(provenance.consumed_positions)
+            ledger.commit()
+            ids += batch["id"][~batch["is_padding"]].tolist()
+    finally:
+        iterator.close()  # type: ignore[attr-defined]  # a generator: abandons the pass and releases it
+    return ids
+
+
+def next_epoch(
+    strategy: Strategy, data: Any, manifest: Any, state: dict[str, Any] | None, ranks: int, options: LoaderOptions
+) -> list[list[int]]:
+    """Each rank's ids in epoch 1, served after the resumed epoch 0 (``state``) or by a fresh run (None)."""
+    out = []
+    for rank in range(ranks):
+        ledger = (
+            Ledger.from_state_dict(state)
+            if state is not None
+            else Ledger(seed=SEED, total=manifest.total, manifest=manifest.summary(), epoch=1)
+        )
+        loader = strategy.build(data, manifest, ledger, World(rank, ranks), options, track=True)
+        if state is not None:
+            serve(loader, ledger)  # what is left of epoch 0
+            loader.set_epoch(1)
+        out.append(serve(loader, ledger))
+        loader.close()
+    return out
+
+
+@pytest.mark.parametrize("name", strategy_names())
+@pytest.mark.parametrize(("before", "after", "read"), TOPOLOGIES, ids=[f"{a}to{b}ranks" for a, b, _ in TOPOLOGIES])
+def test_a_checkpoint_resumes_on_another_topology_serving_every_sample_once(
+    tmp_path: Path, name: str, before: int, after: int, read: int
+) -> None:
+    if name == "dali" and not installed("nvidia.dali"):
+        pytest.skip("needs nvidia.dali: pip install 'lightning-sharding[dali]'")
+    strategy = get_strategy(name)
+    data, options = data_for(strategy, tmp_path)
+    strategy.check(options, data)
+    manifest = strategy.manifest(data)
+    fresh = Ledger(seed=SEED, total=manifest.total, manifest=manifest.summary())
+
+    # Every rank of the first topology reads `read` batches; the checkpoint holds their union.
+    served: Counter[int] = Counter()
+    union = Ledger.from_state_dict(fresh.state_dict())
+    for rank in range(before):
+        ledger = Ledger.from_state_dict(fresh.state_dict())
+        loader = strategy.build(data, manifest, ledger, World(rank, before), options, track=True)
+        served.update(serve(loader, ledger, read))
+        loader.close()
+        union.merge(ledger.consumed)
+    assert sum(served.values()) == len(union.consumed) > 0
+    state = union.state_dict()
+
+    # Rebuilt on another number of ranks, the epoch finishes: every sample once in all.
+    for rank in range(after):
+        ledger = Ledger.from_state_dict(state)
+        loader = strategy.build(data, manifest, ledger, World(rank, after), options, track=True)
+        served.update(serve(loader, ledger))
+        loader.close()
+    assert sorted(served) == list(range(manifest.total)), f"missing: {set(range(manifest.total)) - set(served)}"
+    assert max(served.values()) == 1, f"served twice: {[i for i, n in served.items() if n > 1]}"
+
+    # The next epoch carries nothing over from the resumed one: it is what a fresh run serves.
+    resumed = next_epoch(strategy, data, manifest, state, after, options)
+    assert resumed == next_epoch(strategy, data, manifest, None, after, options)
+    assert sorted(i for ids in resumed for i in ids) == list(range(manifest.total))
