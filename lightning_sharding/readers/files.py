@@ -9,18 +9,15 @@ fingerprint and is scanned again. Workers find the same cache file from the item
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -29,70 +26,11 @@ import numpy.typing as npt
 
 from lightning_sharding.manifest import Item
 from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, default_cache_dir, write_atomically
 from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
 from lightning_sharding.world import ShardContext
 
-# Part of every cache name: bump it when a reader's index layout changes, and old caches are ignored.
-INDEX_VERSION = 1
 _SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row groups)
-
-
-def default_cache_dir() -> Path:
-    """``$LIGHTNING_SHARDING_CACHE`` or ``~/.cache/lightning_sharding`` (read when a manifest is built)."""
-    env = os.environ.get("LIGHTNING_SHARDING_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "lightning_sharding"
-
-
-@dataclass
-class FileIndex:
-    """What scanning one file found: one entry per item inside it (usually one).
-
-    ``suffixes[j]`` names item ``j`` inside the file ("" for the whole file), ``counts[j]`` is its
-    sample count, and ``arrays[j]`` holds its index arrays (offsets, line numbers...), each of
-    shape ``(counts[j], ...)`` or ``(counts[j] + 1,)`` for boundaries.
-    """
-
-    suffixes: list[str]
-    counts: list[int]
-    arrays: list[dict[str, npt.NDArray[Any]]] = field(default_factory=list)
-
-    def save(self, path: Path) -> None:
-        """Write atomically: ranks on one machine may index the same file at once."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        flat: dict[str, npt.NDArray[Any]] = {
-            "suffixes": np.array(self.suffixes, dtype=str),
-            "counts": np.array(self.counts, dtype=np.int64),
-        }
-        for j, arrays in enumerate(self.arrays):
-            flat.update({f"{j}/{name}": value for name, value in arrays.items()})
-        buf = io.BytesIO()
-        np.savez(buf, **flat)  # type: ignore[arg-type]  # numpy's stub wants positional arrays
-        _write_atomically(path, buf.getvalue())
-
-    @classmethod
-    def load(cls, path: Path) -> FileIndex:
-        """Read a saved index (raises ``OSError``/``ValueError`` when missing or unreadable)."""
-        with np.load(path, allow_pickle=False) as z:
-            suffixes = [str(s) for s in z["suffixes"]]
-            arrays: list[dict[str, npt.NDArray[Any]]] = [{} for _ in suffixes]
-            for name in z.files:
-                if "/" in name:
-                    j, key = name.split("/", 1)
-                    arrays[int(j)][key] = z[name]
-            return cls(suffixes, [int(c) for c in z["counts"]], arrays)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file, the new one, or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class FileReader(Reader):
@@ -196,7 +134,7 @@ class FileReader(Reader):
             tag = f"{info.fingerprint};{self.format}:{self.options_key()}"
             for suffix, count in zip(idx.suffixes, idx.counts, strict=True):
                 items.append(Item(info.url + (_SUB + suffix if suffix else ""), int(count), tag))
-        _write_atomically(listing, json.dumps([[it.key, it.num_samples, it.fingerprint] for it in items]).encode())
+        write_atomically(listing, json.dumps([[it.key, it.num_samples, it.fingerprint] for it in items]).encode())
         return items
 
     def _cache_path(self, url: str, fingerprint: str, suffix: str = ".npz") -> Path:

@@ -13,7 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.manifest import Item
-from lightning_sharding.readers.files import FileIndex, FileReader
+from lightning_sharding.readers.files import FileReader
+from lightning_sharding.readers.index import FileIndex
 from lightning_sharding.storage import FileInfo, filesystem
 from lightning_sharding.world import ShardContext
 

@@ -20,7 +20,7 @@ _PASSED = ("batch_size", "num_workers", "seed", "shuffle", "even_batches", "mult
 
 def cache_root(cache_dir: str | None) -> Path:
     """``cache_dir``, or the readers' default cache (``$LIGHTNING_SHARDING_CACHE``, ``~/.cache/...``)."""
-    from lightning_sharding.readers.files import default_cache_dir
+    from lightning_sharding.readers.index import default_cache_dir
 
     return Path(cache_dir) if cache_dir else default_cache_dir()
 
