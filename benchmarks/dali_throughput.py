@@ -11,7 +11,7 @@ import argparse
 import time
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
-from lightning_sharding.dali import DaliLoader
+from lightning_sharding.dali import DaliStrategy
 from lightning_sharding.options import LoaderOptions
 
 
@@ -38,7 +38,7 @@ def main() -> None:
         ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
         options = LoaderOptions(batch_size=args.batch, num_workers=args.workers)
         if name == "dali":
-            loader: object = DaliLoader.build(reader, manifest.items, ledger, world=World(), options=options)
+            loader: object = DaliStrategy().build(reader, manifest, ledger, World(), options, track=False)
         else:
             spawn = options.replace(multiprocessing_context="spawn")
             loader = ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=spawn)

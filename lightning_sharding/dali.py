@@ -6,12 +6,15 @@ Lightning); this module keeps the names users import.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.strategies._dali_layout import merge_layout, require_dali
 from lightning_sharding.strategies.dali import DaliLoader, DaliStrategy, Graph, PipelineOptions
+
+PIPELINE_KEYS = tuple(f.name for f in fields(PipelineOptions) if f.name != "graph")
 
 __all__ = ["DaliDataModule", "DaliLoader", "DaliStrategy", "Graph", "PipelineOptions", "merge_layout", "require_dali"]
 
@@ -26,26 +29,11 @@ class DaliDataModule(ShardedDataModule):
     Args:
         graph: ``graph(fields: dict[str, DataNode]) -> dict[str, DataNode]``, DALI operators run
             after the sources (decoding, augmentation), in the training process.
-        num_threads, device_id, prefetch_queue_depth, py_start_method: passed to ``Pipeline``.
-        **kwargs: the arguments of ``ShardedDataModule`` (reader, batch_size, num_workers, seed...).
+        **kwargs: ``num_threads``, ``device_id``, ``prefetch_queue_depth`` and ``py_start_method``
+            (passed to DALI's ``Pipeline``, see :class:`PipelineOptions`), and the arguments of
+            ``ShardedDataModule`` (batch_size, num_workers, seed...).
     """
 
-    def __init__(
-        self,
-        reader: Reader | None = None,
-        *,
-        graph: Graph | None = None,
-        num_threads: int = 1,
-        device_id: int | None = None,
-        prefetch_queue_depth: int = 2,
-        py_start_method: str = "spawn",
-        **kwargs: Any,
-    ) -> None:
-        strategy = DaliStrategy(
-            graph,
-            num_threads=num_threads,
-            device_id=device_id,
-            prefetch_queue_depth=prefetch_queue_depth,
-            py_start_method=py_start_method,
-        )
-        super().__init__(reader, strategy=strategy, **kwargs)
+    def __init__(self, reader: Reader | None = None, *, graph: Graph | None = None, **kwargs: Any) -> None:
+        pipeline = {key: kwargs.pop(key) for key in PIPELINE_KEYS if key in kwargs}
+        super().__init__(reader, strategy=DaliStrategy(graph, **pipeline), **kwargs)

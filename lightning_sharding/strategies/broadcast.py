@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_sharding import segments
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item, Manifest
-from lightning_sharding.options import DEFAULT_OPTIONS, LoaderOptions
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask
 from lightning_sharding.readers.windows import WindowedReader
@@ -34,7 +34,7 @@ from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import Delivery
 from lightning_sharding.strategies._segment_pool import SegmentPool
 from lightning_sharding.strategies.base import Strategy, register_strategy
-from lightning_sharding.strategies.shard import PlanSampler, ShardedLoader
+from lightning_sharding.strategies.shard import LoaderRequest, PlanSampler, ShardedLoader
 from lightning_sharding.world import SampleContext, World
 
 Int64Array = npt.NDArray[np.int64]
@@ -185,18 +185,11 @@ class BroadcastLoader(ShardedLoader):
     sampler: BroadcastSampler
 
     @classmethod
-    def build(  # type: ignore[override]
-        cls,
-        reader: WindowedReader,
-        items: Sequence[Item],
-        ledger: Ledger,
-        *,
-        world: World,
-        options: LoaderOptions = DEFAULT_OPTIONS,
-        track: bool = False,
-    ) -> BroadcastLoader:
-        """The loader of ``world.rank``; ``options.prefetch_items`` is how many items are loaded ahead."""
+    def _parts(cls, request: LoaderRequest) -> tuple[Any, Any]:
+        """Checked windows, cropped by workers from the segments the sampler attaches to each task."""
+        reader, items, ledger, world, options, _ = request
         BroadcastStrategy().check(options, reader, owner="BroadcastLoader")
+        assert isinstance(reader, WindowedReader)
         with_samples = [it for it in items if it.num_samples > 0]
         if world.world_size > len(with_samples):
             names = ", ".join(repr(it.key) for it in with_samples[:3]) + (", ..." if len(with_samples) > 3 else "")
@@ -206,7 +199,7 @@ class BroadcastLoader(ShardedLoader):
                 "or split the data into more items."
             )
         dataset = BroadcastBatches(reader, items, seed=ledger.seed, world=world, options=options)
-        return cls(dataset, BroadcastSampler(ledger, reader, items, world, options), options, track=track)
+        return dataset, BroadcastSampler(ledger, reader, items, world, options)
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()

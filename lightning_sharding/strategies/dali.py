@@ -9,7 +9,7 @@ gets the merged fields (a DataNode per sample field) and returns the named outpu
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,11 +17,10 @@ import numpy as np
 from typing_extensions import override
 
 from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Item, Manifest
-from lightning_sharding.options import DEFAULT_OPTIONS, LoaderOptions
+from lightning_sharding.manifest import Manifest
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.order import derive_seed
 from lightning_sharding.plan import BatchTask
-from lightning_sharding.readers.base import Reader
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._dali_layout import Field, fields_of, require_dali
 from lightning_sharding.strategies._dali_source import ShardedSource, SourcePlan, sharded_sources
@@ -82,30 +81,6 @@ class DaliLoader(TrainLoader):
         self._fields: tuple[Field, ...] | None = None
         self._iterator: Any = None
         self._next_epoch: int | None = None
-
-    @classmethod
-    def build(
-        cls,
-        reader: Reader,
-        items: Sequence[Item],
-        ledger: Ledger,
-        *,
-        world: World,
-        options: LoaderOptions = DEFAULT_OPTIONS,
-        pipeline: PipelineOptions = PipelineOptions(),
-        track: bool = False,
-    ) -> DaliLoader:
-        """The loader of ``world.rank`` for ``ledger``'s epoch.
-
-        ``options.num_workers`` is the pipeline's ``py_num_workers`` (0 runs one source in the training process).
-        """
-        per_sample = options.replace(collate_fn=list)
-
-        def batches(source: int) -> PlannedBatches:
-            return PlannedBatches(reader, items, seed=ledger.seed, world=world, options=per_sample, worker_id=source)
-
-        sampler = PlanSampler.of(ledger, world, options)
-        return cls(batches, sampler, pipeline=pipeline, padding_key=options.padding_key, track=track)
 
     @property
     def num_sources(self) -> int:
@@ -218,7 +193,8 @@ class DaliStrategy(Strategy):
     Args:
         graph: ``graph(fields: dict[str, DataNode]) -> dict[str, DataNode]``, DALI operators run
             after the sources (decoding, augmentation), in the training process.
-        num_threads, device_id, prefetch_queue_depth, py_start_method: passed to ``Pipeline``.
+        **pipeline: ``num_threads``, ``device_id``, ``prefetch_queue_depth``, ``py_start_method``
+            (see :class:`PipelineOptions`), passed to DALI's ``Pipeline``.
     """
 
     name = "dali"
@@ -228,16 +204,11 @@ class DaliStrategy(Strategy):
     )
     no_skip_reason = "a DALI pipeline cannot fill the place of a skipped sample"
 
-    def __init__(
-        self,
-        graph: Graph | None = None,
-        *,
-        num_threads: int = 1,
-        device_id: int | None = None,
-        prefetch_queue_depth: int = 2,
-        py_start_method: str = "spawn",
-    ) -> None:
-        self.pipeline = PipelineOptions(num_threads, device_id, prefetch_queue_depth, py_start_method, graph)
+    def __init__(self, graph: Graph | None = None, **pipeline: Any) -> None:
+        try:
+            self.pipeline = PipelineOptions(**pipeline, graph=graph)
+        except TypeError as err:
+            raise TypeError(f"DaliStrategy: {err}; the pipeline options are those of PipelineOptions") from err
 
     @override
     def check(self, options: LoaderOptions, data: object = None, owner: str = "ShardedDataModule") -> None:
@@ -248,6 +219,14 @@ class DaliStrategy(Strategy):
     def build(
         self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
     ) -> DaliLoader:
-        return DaliLoader.build(
-            data, manifest.items, ledger, world=world, options=options, pipeline=self.pipeline, track=track
-        )
+        """The DALI loader of ``world.rank``; ``options.num_workers`` is the pipeline's ``py_num_workers``
+        (0 runs one source in the training process)."""
+        per_sample = options.replace(collate_fn=list)  # DALI assembles the batch from the samples
+
+        def batches(source: int) -> PlannedBatches:
+            return PlannedBatches(
+                data, manifest.items, seed=ledger.seed, world=world, options=per_sample, worker_id=source
+            )
+
+        sampler = PlanSampler.of(ledger, world, options)
+        return DaliLoader(batches, sampler, pipeline=self.pipeline, padding_key=options.padding_key, track=track)

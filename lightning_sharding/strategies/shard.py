@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader, Sampler
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item, Manifest
@@ -100,6 +100,17 @@ class PlanSampler(Sampler[BatchTask]):
         return self.rank_plan.tasks()
 
 
+class LoaderRequest(NamedTuple):
+    """What a loader of one rank is built from."""
+
+    reader: Reader
+    items: tuple[Item, ...]
+    ledger: Ledger
+    world: World
+    options: LoaderOptions
+    worker_layout: WorkerLayout
+
+
 class ShardedLoader(TrainLoader):
     """The loader of one rank under ``shard``: a DataLoader over planned tasks, deliveries unpacked.
 
@@ -141,10 +152,21 @@ class ShardedLoader(TrainLoader):
         world: World,
         options: LoaderOptions = DEFAULT_OPTIONS,
         track: bool = False,
-    ) -> ShardedLoader:
-        """The loader of ``world.rank`` for ``ledger``'s epoch; use it directly to shard outside Lightning."""
-        dataset = PlannedBatches(reader, items, seed=ledger.seed, world=world, options=options)
-        return cls(dataset, PlanSampler.of(ledger, world, options), options, track=track)
+        worker_layout: WorkerLayout = "runs",
+    ) -> Self:
+        """The loader of ``world.rank`` for ``ledger``'s epoch; use it directly to shard outside Lightning.
+
+        ``worker_layout`` is how the rank's batches go to its workers (see :mod:`lightning_sharding.plan`).
+        """
+        dataset, sampler = cls._parts(LoaderRequest(reader, tuple(items), ledger, world, options, worker_layout))
+        return cls(dataset, sampler, options, track=track)
+
+    @classmethod
+    def _parts(cls, request: LoaderRequest) -> tuple[Any, Any]:
+        """The dataset the workers index and the sampler that plans their tasks."""
+        r = request
+        dataset = PlannedBatches(r.reader, r.items, seed=r.ledger.seed, world=r.world, options=r.options)
+        return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout)
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()
@@ -185,4 +207,6 @@ class ShardStrategy(Strategy):
     def build(
         self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
     ) -> ShardedLoader:
-        return ShardedLoader.build(data, manifest.items, ledger, world=world, options=options, track=track)
+        return ShardedLoader.build(
+            data, manifest.items, ledger, world=world, options=options, track=track, worker_layout=self.worker_layout
+        )

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from lightning_sharding import EpochOrder, Ledger, Manifest, RangeSet, SyntheticReader, World, plan_epoch
-from lightning_sharding.dali import DaliLoader, merge_layout
+from lightning_sharding.dali import DaliStrategy, merge_layout
 from lightning_sharding.options import LoaderOptions
 from tests.harness import ROOT, Job, assert_exactly_once, check_resume, free_port
 from tests.jobs.dali_parts import RecordingReader, add_image
@@ -97,14 +97,8 @@ def test_pinned_sources_merged_batches_and_exactly_once(tmp_path: Path) -> None:
     planned: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
     for rank in range(world_size):
         ledger = Ledger(seed=seed, total=manifest.total, manifest=manifest.summary())
-        loader = DaliLoader.build(
-            reader,
-            manifest.items,
-            ledger,
-            world=World(rank, world_size),
-            track=True,
-            options=LoaderOptions(batch_size=batch_size, num_workers=workers, transform=add_image),
-        )
+        options = LoaderOptions(batch_size=batch_size, num_workers=workers, transform=add_image)
+        loader = DaliStrategy().build(reader, manifest, ledger, World(rank, world_size), options, track=True)
         for epoch in range(2):
             loader.sampler.set_epoch(epoch)
             batches = list(loader)
@@ -153,13 +147,8 @@ def test_each_worker_reads_only_its_own_shards(tmp_path: Path) -> None:
     reader = RecordingReader(str(tmp_path), sizes=(16, 16, 16, 16))
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
-    loader = DaliLoader.build(
-        reader,
-        manifest.items,
-        ledger,
-        world=World(),
-        track=True,
-        options=LoaderOptions(batch_size=8, num_workers=2, shuffle=False),
+    loader = DaliStrategy().build(
+        reader, manifest, ledger, World(), LoaderOptions(batch_size=8, num_workers=2, shuffle=False), track=True
     )
     ids = [i for batch in loader for i in batch["id"].tolist()]
     loader.close()
@@ -176,8 +165,8 @@ def test_without_workers_one_source_serves_the_epoch_in_process() -> None:
     reader = SyntheticReader(sizes=SIZES)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=1, total=manifest.total, manifest=manifest.summary())
-    loader = DaliLoader.build(
-        reader, manifest.items, ledger, world=World(), track=True, options=LoaderOptions(batch_size=16, num_workers=0)
+    loader = DaliStrategy().build(
+        reader, manifest, ledger, World(), LoaderOptions(batch_size=16, num_workers=0), track=True
     )
     seen: dict[int, Counter[int]] = defaultdict(Counter)
     for epoch in range(2):
