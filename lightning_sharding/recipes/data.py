@@ -14,7 +14,7 @@ from lightning_sharding.options import Transform
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.sources import Source
 
-# The loader options of config.LoaderOptions that go to ShardedDataModule unchanged.
+# The loader options of config.DataOptions that go to ShardedDataModule unchanged.
 _PASSED = ("batch_size", "num_workers", "seed", "shuffle", "even_batches", "multiprocessing_context", "on_error")
 
 

@@ -1,0 +1,112 @@
+"""``lightning-sharding inspect``: what a checkpoint's data ledger holds, and which step it matches."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_sharding.cli._common import CliError, _check_plot_path, _draw, _first_line, _plural
+from lightning_sharding.ledger import CHECKPOINT_KEY, GLOBAL_STEP_KEY, ledger_step_mismatch
+
+
+def register(sub: Any) -> None:
+    """Add the ``inspect`` subcommand to the subparsers ``sub``."""
+    inspect = sub.add_parser(
+        "inspect",
+        help="show the data ledger of a Lightning checkpoint",
+        description="Print what a checkpoint's lightning_sharding ledger holds: seed, epoch, data fingerprint, "
+        "consumed and remaining samples, the topology that wrote it, and Lightning's step and epoch.",
+    )
+    inspect.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by Lightning")
+    inspect.add_argument("--plot", metavar="FILE.png", help="also draw the epoch's progress into this image")
+    inspect.set_defaults(func=_inspect)
+
+
+def _load_checkpoint(path: Path) -> Mapping[str, Any]:
+    """``torch.load`` a checkpoint safely; every failure is a :class:`CliError` naming the path."""
+    if not path.exists():
+        raise CliError(f"no such checkpoint file: {path}")
+    if path.is_dir():
+        raise CliError(f"{path} is a directory, not a checkpoint file")
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to unpickle is the file's fault
+        raise CliError(f"{path} is not a readable PyTorch checkpoint: {_first_line(err)}") from None
+    if not isinstance(ckpt, Mapping):
+        raise CliError(f"{path} holds a {type(ckpt).__name__}, not a Lightning checkpoint")
+    return ckpt
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "n/a"
+
+
+def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
+    """The ``inspect`` report of a checkpoint holding a valid data ledger."""
+    from lightning_sharding.ledger import Ledger
+
+    state = ckpt[CHECKPOINT_KEY]
+    ledger = Ledger.from_state_dict(state)
+    manifest = ledger.manifest
+    consumed = len(ledger.consumed)
+    remaining = ledger.total - consumed
+    ranges = np.asarray(state["consumed"])
+    writer = state.get("writer")
+    if isinstance(writer, Mapping):
+        topology = (
+            f"world_size {writer.get('world_size', '?')} x num_workers {writer.get('num_workers', '?')}, "
+            f"batch_size {writer.get('batch_size', '?')}"
+        )
+    else:
+        topology = "not recorded"
+    return "\n".join(
+        [
+            f"checkpoint   {path}",
+            f"ledger       version {state['version']}, seed {ledger.seed}, epoch {ledger.epoch}",
+            f"data         fingerprint {ledger.fingerprint[:16]}, {manifest.get('num_items', '?')} items, "
+            f"{manifest.get('total', ledger.total)} samples, "
+            f"first {manifest.get('first_key', '?')}, last {manifest.get('last_key', '?')}",
+            f"consumed     {consumed} of {ledger.total} samples ({_percent(consumed, ledger.total)})",
+            f"remaining    {remaining} samples ({_percent(remaining, ledger.total)})",
+            f"writer       {topology}",
+            f"ledger size  {_plural(ledger.consumed.num_ranges, 'range')}, {ranges.nbytes} bytes",
+            f"lightning    global_step {ckpt.get('global_step', 'n/a')}, epoch {ckpt.get('epoch', 'n/a')}",
+            _step_line(state, ckpt.get("global_step")),
+        ]
+    )
+
+
+def _step_line(state: Mapping[str, Any], global_step: Any) -> str:
+    """Which optimizer step the ledger matches, or a warning that it may not match the weights."""
+    mismatch = ledger_step_mismatch(state, global_step)
+    if mismatch:
+        return f"WARNING      {mismatch}"
+    return f"matches      optimizer step {state[GLOBAL_STEP_KEY]}: the samples whose gradients these weights hold"
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from lightning_sharding.ledger import CheckpointMismatchError, Ledger
+
+    path = Path(args.checkpoint)
+    plot = _check_plot_path(args.plot)
+    ckpt = _load_checkpoint(path)
+    if CHECKPOINT_KEY not in ckpt:
+        raise CliError(f"{path} holds no lightning_sharding data ledger (it was written without ShardedDataModule)")
+    try:
+        report = format_inspect(path, ckpt)
+    except (CheckpointMismatchError, ValueError) as err:
+        raise CliError(f"{path}: {err}") from None
+    print(report)
+    if plot is not None:
+        from lightning_sharding import plots
+
+        ledger = Ledger.from_state_dict(ckpt[CHECKPOINT_KEY])
+        _draw(plots.plot_progress, plot, ledger.consumed, ledger.total, ledger.epoch)
+        print(f"plot written to {plot}")
+    return 0

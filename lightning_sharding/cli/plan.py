@@ -1,0 +1,191 @@
+"""``lightning-sharding plan``: one epoch of the train config's data planned for a topology."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from lightning_sharding.cli._common import PROG, CliError, _check_plot_path, _draw, _first_line, _int_at_least
+from lightning_sharding.cli.plan_format import format_plan
+from lightning_sharding.config import CONF_DIR
+from lightning_sharding.plan import EVEN_BATCH_POLICIES
+from lightning_sharding.rangeset import RangeSet
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from lightning_sharding.manifest import Manifest
+    from lightning_sharding.plan import EvenBatches
+
+
+def register(sub: Any) -> None:
+    """Add the ``plan`` subcommand to the subparsers ``sub``."""
+    plan = sub.add_parser(
+        "plan",
+        help="show which samples, batches and items each rank and worker gets",
+        description="Plan one epoch of the train config's data (any data option or recipe) for a topology and "
+        "print, per rank and per (rank, worker), the samples, batches, padding, dropped samples and items touched.",
+        epilog=f"example: {PROG} plan data.num_items=16 data.samples_per_item=1000 --world-size 4 --workers 2",
+    )
+    plan.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of the train config, e.g. data.num_items=16"
+    )
+    plan.add_argument(
+        "--world-size", type=_int_at_least(1), metavar="N", help="ranks (default: trainer.devices x trainer.num_nodes)"
+    )
+    plan.add_argument(
+        "--workers", type=_int_at_least(0), metavar="N", help="DataLoader workers per rank (default: data.num_workers)"
+    )
+    plan.add_argument(
+        "--batch-size", type=_int_at_least(1), metavar="N", help="samples per batch (default: data.batch_size)"
+    )
+    plan.add_argument("--seed", type=_int_at_least(0), metavar="N", help="shuffle seed (default: data.seed, or 0)")
+    plan.add_argument("--epoch", type=_int_at_least(0), default=0, metavar="N", help="epoch to plan (default 0)")
+    plan.add_argument(
+        "--even-batches", choices=EVEN_BATCH_POLICIES, help="uneven ranks: pad or drop (default: data.even_batches)"
+    )
+    plan.add_argument("--config-dir", metavar="DIR", help="a folder of recipes, as for lightning-sharding-train")
+    plan.add_argument(
+        "--config-name", default="train", metavar="NAME", help="the recipe in --config-dir (default: train)"
+    )
+    plan.add_argument(
+        "--strategy", metavar="NAME", help="a registered sharding strategy, e.g. shard (default: sharding.strategy)"
+    )
+    plan.add_argument("--plot", metavar="FILE.png", help="also draw the assignment into this image")
+    plan.set_defaults(func=_plan)
+
+
+def _compose(overrides: Sequence[str], config_dir: str | None = None, config_name: str = "train") -> DictConfig:
+    """The train config, or a recipe in ``config_dir``, with ``overrides`` applied; a bad override
+    is a :class:`CliError`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lightning_sharding.config import register_configs
+
+    for override in overrides:
+        if "=" not in override and not override.startswith("~"):
+            raise CliError(f"{override!r} is not a KEY=VALUE override (e.g. data.num_items=16)")
+    register_configs()
+    search = [] if config_dir is None else [f"hydra.searchpath=[file://{CONF_DIR}]"]
+    directory = CONF_DIR if config_dir is None else str(Path(config_dir).resolve())
+    if config_dir is not None and not (Path(directory) / f"{config_name}.yaml").is_file():
+        raise CliError(f"no recipe {config_name}.yaml in --config-dir {config_dir}")
+    try:
+        with initialize_config_dir(config_dir=directory, version_base=None, job_name=PROG):
+            return compose(config_name, overrides=[*search, *overrides])
+    except (HydraException, OmegaConfBaseException) as err:
+        reason = _first_line(err)
+        if err.__cause__ is not None:
+            reason = f"{reason.rstrip('.')}: {_first_line(err.__cause__)}"
+        if not any(o in reason for o in overrides):
+            reason = f"{reason} (in {' '.join(overrides)})"
+        raise CliError(f"bad override: {reason}") from None
+
+
+@dataclass(frozen=True)
+class _DataSettings:
+    """What ``plan`` takes from the train config (its ``data`` group and the world size)."""
+
+    batch_size: int
+    seed: int
+    shuffle: bool
+    even_batches: str
+    num_workers: int
+    world_size: int
+
+
+def _data_settings(cfg: DictConfig) -> _DataSettings:
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = cfg.data
+        return _DataSettings(
+            batch_size=int(data.batch_size),
+            seed=int(data.seed or 0),
+            shuffle=bool(data.shuffle),
+            even_batches=str(data.even_batches),
+            num_workers=int(data.num_workers),
+            world_size=int(cfg.trainer.devices) * int(cfg.trainer.num_nodes),
+        )
+    except (OmegaConfBaseException, TypeError, ValueError) as err:
+        raise CliError(f"the train config's data group is unusable: {_first_line(err)}") from None
+
+
+def _manifest(cfg: DictConfig) -> Manifest:
+    """The items the config's data holds (any data option or recipe: built as training builds it)."""
+    from lightning_sharding.manifest import Manifest
+    from lightning_sharding.readers.synthetic import SyntheticReader
+
+    data = cfg.data
+    if str(data.get("_target_", "")).endswith(".synthetic"):  # no Lightning import for the common case
+        try:
+            return Manifest.from_items(SyntheticReader(data.num_items, data.samples_per_item, data.dim).items())
+        except ValueError as err:
+            raise CliError(str(err)) from None
+    from lightning_sharding.sources import source_manifest
+    from lightning_sharding.train import build_datamodule
+
+    try:
+        dm = build_datamodule(cfg)
+        if dm.source is not None:
+            return source_manifest(dm.source)
+        return Manifest.from_items(dm.make_reader().items())
+    except Exception as err:  # noqa: BLE001 - a bad data option: say which and why
+        cause = err.__cause__ or err
+        raise CliError(f"cannot build data={cfg.data.get('_target_')}: {_first_line(cause)}") from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from lightning_sharding.order import EpochOrder
+    from lightning_sharding.plan import plan_epoch
+
+    plot = _check_plot_path(args.plot)
+    cfg = _compose(args.overrides, args.config_dir, args.config_name)
+    data = _data_settings(cfg)
+    strategy = _strategy(args.strategy or str(cfg.sharding.strategy))
+    batch_size = args.batch_size if args.batch_size is not None else data.batch_size
+    seed = args.seed if args.seed is not None else data.seed
+    even_batches = args.even_batches or data.even_batches
+    if batch_size < 1:
+        raise CliError(f"data.batch_size={batch_size} must be 1 or more")
+    if seed < 0:
+        raise CliError(f"data.seed={seed} must be 0 or more")
+    if even_batches not in EVEN_BATCH_POLICIES:
+        raise CliError(f"data.even_batches={even_batches!r} must be one of {', '.join(map(repr, EVEN_BATCH_POLICIES))}")
+    manifest = _manifest(cfg)
+    # A source (strategy dispatch) is read in its own order: such a strategy never shuffles.
+    order = EpochOrder(manifest.counts, seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)
+    plan = plan_epoch(
+        manifest.total,
+        RangeSet(),
+        epoch=args.epoch,
+        world_size=args.world_size if args.world_size is not None else data.world_size,
+        num_workers=args.workers if args.workers is not None else data.num_workers,
+        batch_size=batch_size,
+        even_batches=cast("EvenBatches", even_batches),
+        worker_layout=strategy.worker_layout,  # as the strategy's sampler plans
+    )
+    print(format_plan(plan, order, fingerprint=manifest.fingerprint, strategy=strategy.name))
+    if plot is not None:
+        from lightning_sharding import plots
+
+        _draw(plots.plot_plan, plot, plan, order)
+        print(f"plot written to {plot}")
+    return 0
+
+
+def _strategy(name: str) -> Any:
+    """The registered strategy ``name``; an unknown name is a :class:`CliError` listing the known ones."""
+    from lightning_sharding.strategies import get_strategy, strategy_names
+
+    if name not in strategy_names():
+        raise CliError(
+            f"strategy {name!r} (from --strategy or sharding.strategy) is not a strategy; "
+            f"choose one of {', '.join(strategy_names())}"
+        )
+    return get_strategy(name)

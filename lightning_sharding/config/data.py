@@ -1,0 +1,132 @@
+"""Schemas of the ``data`` group: what is read, and the loader options every data option shares.
+
+``feeds`` on each schema says what the option builds (a reader, windows or a source);
+:func:`~lightning_sharding.config.checks.check_config` matches it to the strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class DataOptions:
+    """The options every ``data`` option shares: batching, workers, seed, even batches, errors.
+
+    ``feeds`` says what the option builds: ``"reader"`` (samples), ``"windows"`` (a
+    :class:`~lightning_sharding.readers.windows.WindowedReader`) or ``"source"`` (a
+    :class:`~lightning_sharding.sources.Source`); :func:`check_config` matches it to the strategy.
+    """
+
+    feeds: ClassVar[str] = "reader"
+
+    batch_size: int = 64
+    num_workers: int = 2
+    seed: int | None = None  # none: drawn on rank 0 and broadcast (and stored in checkpoints)
+    shuffle: bool = True
+    even_batches: str = "pad"  # pad | drop (| sync with sharding=dispatch)
+    persistent_workers: bool = True
+    multiprocessing_context: str | None = None  # e.g. spawn
+    on_error: str = "raise"  # raise | skip (sharding=shard only)
+    cache_dir: str | None = None  # file indexes and generated data; none: ~/.cache/lightning_sharding
+
+    def known_total(self) -> int | None:
+        """Samples per epoch when the config alone tells (generated data), else ``None``."""
+        return None
+
+
+@dataclass
+class SyntheticData(DataOptions):
+    """The built-in synthetic regression set (no files): ``num_items`` x ``samples_per_item``."""
+
+    _target_: str = "lightning_sharding.recipes.data.synthetic"
+    num_items: int = 16
+    samples_per_item: int = 1024
+    dim: int = 16
+
+    def known_total(self) -> int | None:
+        """Every item holds ``samples_per_item`` samples."""
+        return self.num_items * self.samples_per_item
+
+
+@dataclass
+class FilesData(DataOptions):
+    """Files of one reader format (tar, parquet, npy, jsonl), local or remote.
+
+    With no ``urls``, ``num_items`` files of ``samples_per_item`` regression samples (``dim``
+    features) are generated once under ``cache_dir`` and read back.
+    """
+
+    _target_: str = "lightning_sharding.recipes.data.files"
+    format: str = "tar"  # tar | parquet | npy | jsonl
+    urls: list[str] | None = None  # paths, globs or URLs (s3://...); none: generate a data set
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options (credentials...)
+    endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, moto...); none: AWS
+    num_items: int = 16
+    samples_per_item: int = 1024
+    dim: int = 16
+
+    def known_total(self) -> int | None:
+        """Known for the generated set only."""
+        return None if self.urls else self.num_items * self.samples_per_item
+
+
+@dataclass
+class MonthsData(DataOptions):
+    """One time-major ``.npy`` array per month, ``(steps, variables)``; samples are windows.
+
+    With no ``paths``, ``months`` months of hourly data are generated (``steps_per_month`` steps).
+    """
+
+    feeds: ClassVar[str] = "windows"
+
+    _target_: str = "lightning_sharding.recipes.climate.months"
+    paths: list[str] | None = None  # .npy files or globs, in time order; none: generate
+    window: int = 48  # steps per window: window - 1 inputs, the last step is the target
+    stride: int = 6
+    halo: bool = True  # windows may cross a month boundary (the months are one series)
+    variables: int = 3  # per-step values; must match the files
+    months: int = 12
+    steps_per_month: int = 720
+
+
+@dataclass
+class TokensData(DataOptions):
+    """A token stream in 1-d ``.npy`` files, cut into samples of ``sample_length + 1`` tokens.
+
+    With no ``urls``, ``num_files`` files of ``tokens_per_file`` tokens below ``vocab_size`` are
+    generated.
+    """
+
+    _target_: str = "lightning_sharding.recipes.tokens.token_files"
+    urls: list[str] | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    sample_length: int = 64  # tokens a sample predicts (each sample reads sample_length + 1)
+    vocab_size: int = 256
+    num_files: int = 8
+    tokens_per_file: int = 32768
+
+    def known_total(self) -> int | None:
+        """Known for the generated set only."""
+        return None if self.urls else self.num_files * (self.tokens_per_file // (self.sample_length + 1))
+
+
+@dataclass
+class SqliteData(DataOptions):
+    """Rows of a SQLite query, read by one dispatch process per rank (a non-replicable source).
+
+    With no ``path``, a table of ``rows`` regression rows (``dim`` features) is generated.
+    """
+
+    feeds: ClassVar[str] = "source"
+
+    _target_: str = "lightning_sharding.recipes.stream.sqlite_rows"
+    path: str | None = None
+    query: str = "SELECT id, x, y FROM samples ORDER BY (id * 2654435761 + :seed) % 4294967296, id"
+    rows: int = 8192
+    dim: int = 16
+
+    def known_total(self) -> int | None:
+        """Known for the generated table only."""
+        return None if self.path else self.rows

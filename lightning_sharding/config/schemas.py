@@ -1,0 +1,176 @@
+"""Structured-config schemas of the Hydra entry point, registered in Hydra's ConfigStore.
+
+Every config group (``data``, ``sharding``, ``trainer``, ``model``, ``callbacks``, ``logger``) has
+a dataclass schema: a misspelt key or a wrong type fails when the config is composed, naming the
+key. The ``data`` schemas are in :mod:`lightning_sharding.config.data`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING
+
+from lightning_sharding.config.data import FilesData, MonthsData, SqliteData, SyntheticData, TokensData
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the packaged Hydra config directory
+
+# -- sharding: one option per strategy ---------------------------------------------------------------
+
+
+@dataclass
+class ShardSharding:
+    """``shard``: ranks take runs of items, each worker reads its own items."""
+
+    strategy: str = "shard"
+
+
+@dataclass
+class BroadcastSharding:
+    """``broadcast``: each rank loads an item once into shared memory; workers crop windows from it."""
+
+    strategy: str = "broadcast"
+    prefetch_items: int = 1  # items each rank loads ahead of the current one
+
+
+@dataclass
+class DispatchSharding:
+    """``dispatch``: one process per rank reads the source and deals batches to the workers."""
+
+    strategy: str = "dispatch"
+
+
+# -- trainer, model, callbacks, logger ---------------------------------------------------------------
+
+
+@dataclass
+class TrainerConfig:
+    """The ``lightning.pytorch.Trainer`` arguments a recipe usually sets."""
+
+    accelerator: str = "cpu"
+    devices: int = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    max_epochs: int = 2
+    max_steps: int = -1
+    accumulate_grad_batches: int = 1
+    # Whole steps only: the train loader has no length, so a fraction of an epoch is unknown.
+    limit_train_batches: int | None = None
+    gradient_clip_val: float | None = None
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = True
+    log_every_n_steps: int = 50
+
+
+@dataclass
+class RegressorModel:
+    """The two-layer MLP of the regression data (synthetic, files, sqlite)."""
+
+    _target_: str = "lightning_sharding.recipes.models.Regressor"
+    dim: int = II("data.dim")
+    hidden: int = 32
+    learning_rate: float = 0.05
+
+
+@dataclass
+class ForecasterModel:
+    """Next-step forecast from the first ``window - 1`` steps of a climate window."""
+
+    _target_: str = "lightning_sharding.recipes.models.Forecaster"
+    window: int = II("data.window")
+    variables: int = II("data.variables")
+    hidden: int = 64
+    learning_rate: float = 1e-3
+
+
+@dataclass
+class TokenModel:
+    """A tiny next-token model (embedding, MLP, logits) for the token stream."""
+
+    _target_: str = "lightning_sharding.recipes.models.TokenModel"
+    vocab_size: int = II("data.vocab_size")
+    width: int = 64
+    learning_rate: float = 3e-3
+
+
+@dataclass
+class CallbacksConfig:
+    """Checkpoints (``ModelCheckpoint``) and the data summary (``ShardingCallback``)."""
+
+    checkpoint: bool = True
+    dirpath: str = "${out_dir}/checkpoints"  # where ckpt_path=last looks
+    every_n_train_steps: int | None = II("checkpoint_every_n_steps")  # none: at every epoch's end
+    save_top_k: int = -1
+    save_last: bool = True
+    print_summary: bool = True
+    log_every_n_steps: int = 10  # data/progress, data/samples_per_s, data/wait
+
+
+@dataclass
+class LoggerConfig:
+    """A Lightning logger (``_target_`` and its arguments); ``_target_: null`` logs nothing."""
+
+    _target_: str | None = "lightning.pytorch.loggers.CSVLogger"
+    save_dir: str = "${out_dir}"
+    name: str = "logs"
+
+
+@dataclass
+class AuditConfig:
+    """The audit trail that ``lightning-sharding audit`` checks."""
+
+    enabled: bool = False
+    dir: str = "${out_dir}/audit"
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. Groups typed ``Any`` take their schema from the option chosen."""
+
+    data: Any = MISSING
+    sharding: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: Any = MISSING
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    logger: Any = MISSING
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    checkpoint_every_n_steps: int | None = None
+    ckpt_path: str | None = None  # a file, or "last": the newest checkpoint in callbacks.dirpath
+    out_dir: str = "outputs"
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "data": {
+        "synthetic_schema": SyntheticData,
+        "files_schema": FilesData,
+        "months_schema": MonthsData,
+        "tokens_schema": TokensData,
+        "sqlite_schema": SqliteData,
+    },
+    "sharding": {
+        "shard_schema": ShardSharding,
+        "broadcast_schema": BroadcastSharding,
+        "dispatch_schema": DispatchSharding,
+    },
+    "trainer": {"trainer_schema": TrainerConfig},
+    "model": {
+        "regressor_schema": RegressorModel,
+        "forecaster_schema": ForecasterModel,
+        "token_model_schema": TokenModel,
+    },
+    "callbacks": {"callbacks_schema": CallbacksConfig},
+    "logger": {"logger_schema": LoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Register the schemas (idempotent): ``train_schema``, and ``<group>/<name>_schema``."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            store.store(group=group, name=name, node=node)
