@@ -9,6 +9,7 @@ nothing. Strategies are looked up by name in a registry that users may add to wi
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
@@ -163,6 +164,16 @@ class Strategy:
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
+_BUILT_IN = ("shard", "broadcast", "dispatch", "dali")  # modules of lightning_sharding.strategies
+
+
+def _registry() -> dict[str, type[Strategy]]:
+    """The registry, with the built-in strategies loaded (their modules register them on import)."""
+    for module in _BUILT_IN:
+        importlib.import_module(f"lightning_sharding.strategies.{module}")
+    return _REGISTRY
+
+
 S = TypeVar("S", bound=type[Strategy])
 
 
@@ -177,19 +188,19 @@ def register_strategy(cls: S) -> S:
 
 def strategies_where(which: Callable[[type[Strategy]], bool]) -> str:
     """``strategy='shard'`` (or several, joined by "or") for the registered strategies ``which`` picks."""
-    return " or ".join(f"strategy={name!r}" for name, cls in _REGISTRY.items() if which(cls)) or "no strategy"
+    return " or ".join(f"strategy={name!r}" for name, cls in _registry().items() if which(cls)) or "no strategy"
 
 
 def strategy_names() -> tuple[str, ...]:
     """The registered strategies' names."""
-    return tuple(_REGISTRY)
+    return tuple(_registry())
 
 
 def get_strategy(strategy: str | Strategy, **options: Any) -> Strategy:
     """The strategy of that name, built with ``options`` (an instance is returned as it is)."""
     if isinstance(strategy, Strategy):
         return strategy
-    cls = _REGISTRY.get(strategy)
+    cls = _registry().get(strategy)
     if cls is None:
         raise ValueError(f"strategy={strategy!r} is not a strategy; choose one of {list(_REGISTRY)}")
     return cls(**options)

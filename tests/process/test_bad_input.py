@@ -434,7 +434,7 @@ CASES = [
         bad_strategy,
         ValueError,
         r"`ShardedDataModule\(strategy='webdataset'\)` is not a strategy; choose one of "
-        r"\['shard', 'broadcast', 'dali', 'dispatch'\]",
+        r"\['shard', 'broadcast', 'dispatch', 'dali'\]",
     ),
     Case(
         "tar",
