@@ -21,7 +21,7 @@ from lightning_sharding.callbacks import ShardingCallback
 from lightning_sharding.keeper import LedgerKeeper
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Manifest, describe_change
-from lightning_sharding.options import LoaderOptions, OnError, Transform
+from lightning_sharding.options import LoaderOptions, OnError, OptionAttribute, Transform
 from lightning_sharding.plan import EvenBatches
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.sources import Source
@@ -132,6 +132,8 @@ class ShardedDataModule(pl.LightningDataModule):
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
         ).check(name)
+        if not self.strategy.shuffles:  # e.g. a source, read in its own order
+            self.options = self.options.replace(shuffle=False)
         self.strategy.check(self.options, owner=name)
         self._reader, self.source = reader, source
         self._val_reader, self._test_reader = val_reader, test_reader
@@ -142,13 +144,6 @@ class ShardedDataModule(pl.LightningDataModule):
         self.manifest: Manifest | None = None
         self.ledger_keeper: LedgerKeeper | None = None
         self._train_data: Reader | Source | None = None
-
-    # The loader options, readable as before (``dm.batch_size``...).
-    batch_size = property(lambda self: self.options.batch_size)
-    num_workers = property(lambda self: self.options.num_workers)
-    shuffle = property(lambda self: self.options.shuffle)
-    even_batches = property(lambda self: self.options.even_batches)
-    on_error = property(lambda self: self.options.on_error)
 
     @property
     def ledger(self) -> Ledger | None:
@@ -262,6 +257,11 @@ class ShardedDataModule(pl.LightningDataModule):
         ledger = Ledger(seed=seed, total=manifest.total, manifest=manifest.summary())
         # Evaluation always pads (flagged): dropping would silently skip samples of every evaluation.
         return self.strategy.build_eval(reader, manifest, ledger, self.world, self.options)
+
+
+# Every loader option is an attribute too: ``dm.batch_size`` reads ``dm.options``; setting it checks again.
+for _name in LoaderOptions.names():
+    setattr(ShardedDataModule, _name, OptionAttribute(_name))
 
 
 def _epoch_lightning_runs_next(trainer: pl.Trainer) -> int:

@@ -79,6 +79,11 @@ class LoaderOptions:
             raise ValueError(f"`{owner}(prefetch_items={self.prefetch_items!r})` must be an integer >= 0")
         return self
 
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
     def replace(self, **changes: Any) -> LoaderOptions:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
@@ -94,3 +99,17 @@ class LoaderOptions:
 
 
 DEFAULT_OPTIONS = LoaderOptions()
+
+
+class OptionAttribute:
+    """``owner.<name>`` reads ``owner.options.<name>``; setting it replaces the options and checks them
+    again (``dm.batch_size = 64``, as Lightning's batch-size finder does, takes effect at the next loader)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.options, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.options = obj.options.replace(**{self.name: value}).check(type(obj).__name__)

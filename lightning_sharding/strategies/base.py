@@ -110,6 +110,17 @@ class Strategy:
     no_skip_reason: ClassVar[str] = ""
     fixed_reason: ClassVar[str] = ""
 
+    def __eq__(self, other: object) -> bool:
+        # `dm.strategy == "shard"` keeps working now that `dm.strategy` is a Strategy.
+        if isinstance(other, str):
+            return other == self.name
+        return NotImplemented
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
     def check(self, options: LoaderOptions, data: object = None, owner: str = "ShardedDataModule") -> None:
         """Raise a ValueError or TypeError naming ``owner``'s argument at fault: a policy or option this
         strategy does not support, or data of the wrong kind (``data`` None is not checked)."""
@@ -125,7 +136,7 @@ class Strategy:
         for key in self.fixed_options:
             if getattr(options, key) != getattr(default, key):
                 reason = self.fixed_reason or f"strategy {self.name!r} does not use it"
-                raise ValueError(f"`{owner}({key}=...)` does not apply: {reason}")
+                raise ValueError(f"`{owner}({key}={getattr(options, key)!r})` does not apply: {reason}")
         if data is not None:
             self.check_data(data, owner)
 
@@ -138,8 +149,10 @@ class Strategy:
         wanted: type = {"reader": Reader, "windows": WindowedReader, "source": Source}[self.takes]
         if not isinstance(data, wanted):
             example = {"reader": "", "windows": " (such as NpyWindows)", "source": " (such as SqliteSource)"}
+            argument = "source" if self.takes == "source" else "reader"
             raise TypeError(
-                f"strategy {self.name!r} needs a {wanted.__name__}{example[self.takes]}, got {type(data).__name__}"
+                f"`{owner}({argument}=...)`: strategy {self.name!r} needs a {wanted.__name__}{example[self.takes]}, "
+                f"got {type(data).__name__}"
             )
 
     def manifest(self, data: Any) -> Manifest:
@@ -178,10 +191,19 @@ S = TypeVar("S", bound=type[Strategy])
 
 
 def register_strategy(cls: S) -> S:
-    """Class decorator: make ``cls`` available as ``strategy=cls.name``."""
-    name = getattr(cls, "name", None)
+    """Class decorator: make ``cls`` available as ``strategy=cls.name``; a name is registered once."""
+    name = cls.__dict__.get("name")  # its own: a subclass that inherits a name would replace its parent
     if not isinstance(name, str) or not name:
-        raise TypeError(f"{cls.__name__} needs a class attribute `name` (a non-empty string) to be registered")
+        raise TypeError(
+            f"{cls.__name__} needs a class attribute `name` of its own (a non-empty string) to be registered"
+        )
+    registry = _REGISTRY if cls.__module__.startswith(__package__ + ".") else _registry()
+    known = registry.get(name)
+    if known is not None and known.__qualname__ != cls.__qualname__:
+        raise ValueError(
+            f"strategy name {name!r} is taken by {known.__module__}.{known.__qualname__}: "
+            f"give {cls.__name__} another name"
+        )
     _REGISTRY[name] = cls
     return cls
 

@@ -200,7 +200,9 @@ class DaliStrategy(Strategy):
     name = "dali"
     fixed_options = ("collate_fn", "persistent_workers", "prefetch_factor", "pin_memory", "multiprocessing_context")
     fixed_reason = (
-        "DALI assembles batches and runs its own workers (use `prefetch_queue_depth=` and `py_start_method=`)"
+        "DALI assembles batches and runs its own workers; set its pipeline with "
+        "DaliDataModule(prefetch_queue_depth=..., py_start_method=...) "
+        "or strategy=DaliStrategy(prefetch_queue_depth=..., py_start_method=...)"
     )
     no_skip_reason = "a DALI pipeline cannot fill the place of a skipped sample"
 
