@@ -181,10 +181,13 @@ _BUILT_IN = ("shard", "broadcast", "dispatch", "dali")  # modules of lightning_s
 
 
 def _registry() -> dict[str, type[Strategy]]:
-    """The registry, with the built-in strategies loaded (their modules register them on import)."""
+    """The registry, built-in strategies first in a fixed order (their modules register them when
+    imported, in whatever order something imports them), then the users' in registration order."""
     for module in _BUILT_IN:
         importlib.import_module(f"lightning_sharding.strategies.{module}")
-    return _REGISTRY
+    ordered = {name: _REGISTRY[name] for name in _BUILT_IN}
+    ordered.update((name, cls) for name, cls in _REGISTRY.items() if name not in ordered)
+    return ordered
 
 
 S = TypeVar("S", bound=type[Strategy])
@@ -194,9 +197,7 @@ def register_strategy(cls: S) -> S:
     """Class decorator: make ``cls`` available as ``strategy=cls.name``; a name is registered once."""
     name = cls.__dict__.get("name")  # its own: a subclass that inherits a name would replace its parent
     if not isinstance(name, str) or not name:
-        raise TypeError(
-            f"{cls.__name__} needs a class attribute `name` of its own (a non-empty string) to be registered"
-        )
+        raise TypeError(f"{cls.__name__} needs a class attribute `name` of its own (a non-empty string)")
     registry = _REGISTRY if cls.__module__.startswith(__package__ + ".") else _registry()
     known = registry.get(name)
     if known is not None and known.__qualname__ != cls.__qualname__:
@@ -224,5 +225,5 @@ def get_strategy(strategy: str | Strategy, **options: Any) -> Strategy:
         return strategy
     cls = _registry().get(strategy)
     if cls is None:
-        raise ValueError(f"strategy={strategy!r} is not a strategy; choose one of {list(_REGISTRY)}")
+        raise ValueError(f"strategy={strategy!r} is not a strategy; choose one of {list(_registry())}")
     return cls(**options)
