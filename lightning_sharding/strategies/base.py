@@ -10,6 +10,7 @@ nothing. Strategies are looked up by name in a registry that users may add to wi
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
@@ -42,7 +43,7 @@ class EpochOutline(Protocol):
         ...
 
 
-class TrainLoader:
+class TrainLoader(ABC):
     """The iterable Lightning gets for one rank: batches with provenance stripped.
 
     Subclasses set ``sampler`` (it has ``epoch``, ``set_epoch`` and ``epoch_plan``; Lightning calls
@@ -54,8 +55,9 @@ class TrainLoader:
     delivered: DeliveredLog
     batch_sampler = None  # Lightning's evaluation loop reads it off any loader that has a `sampler`
 
+    @abstractmethod
     def __iter__(self) -> Iterator[Any]:
-        raise NotImplementedError
+        """This pass's batches, provenance kept in ``delivered``."""
 
     @property
     def epoch(self) -> int:
@@ -79,17 +81,17 @@ class TrainLoader:
         """This rank's helper processes (``.pid``, ``.exitcode``) by name."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op unless a strategy needs it
         """Release processes and memory now (teardown, a dead worker)."""
 
-    def note_checkpoint(self, ledger: Ledger) -> None:
+    def note_checkpoint(self, ledger: Ledger) -> None:  # noqa: B027 - a no-op unless a strategy needs it
         """A checkpoint is being written with ``ledger`` as it is now."""
 
-    def flush_commit(self) -> None:
+    def flush_commit(self) -> None:  # noqa: B027 - a no-op unless a strategy needs it
         """The checkpoint noted last is saved."""
 
 
-class Strategy:
+class Strategy(ABC):
     """How one rank reads: the rules of a strategy and the builder of its loaders.
 
     Class attributes: ``name`` (the registry key), ``takes`` (``"reader"``, ``"windows"`` for a
@@ -159,11 +161,11 @@ class Strategy:
         """The manifest of the training data (a reader's items, or a source's length)."""
         return Manifest.from_items(data.items())
 
+    @abstractmethod
     def build(
         self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
     ) -> TrainLoader:
         """The loader of ``world.rank`` for ``ledger``'s epoch; ``track`` keeps provenance for the ledger."""
-        raise NotImplementedError
 
     def build_eval(
         self, reader: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions
@@ -172,7 +174,7 @@ class Strategy:
         evaluation = options.replace(shuffle=False, even_batches="pad")
         return self.build(reader, manifest, ledger, world, evaluation, track=False)
 
-    def release(self, loader: TrainLoader | None) -> None:
+    def release(self, loader: TrainLoader | None) -> None:  # noqa: B027 - a no-op unless a strategy needs it
         """Before a new train loader is built: release what the previous one holds, if it must go first."""
 
 
