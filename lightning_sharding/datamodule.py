@@ -220,6 +220,7 @@ class ShardedDataModule(pl.LightningDataModule):
         if self.trainer is not None:
             keeper.ledger.start_epoch(_epoch_lightning_runs_next(self.trainer))
         self.seed = keeper.ledger.seed  # a restored checkpoint's seed
+        keeper.options = self.options  # set again since setup (Lightning's batch-size finder)
         self.strategy.release(keeper.train_loader)
         keeper.train_loader = self.strategy.build(
             self._train_data, self.manifest, keeper.ledger, self.world, self.options, track=True
