@@ -37,6 +37,7 @@ _EXPORTS = {
     "RankPlan": "plan",
     "Reader": "readers",
     "ReleaseProcessGroup": "release",
+    "ReplicaMismatchError": "keeper",
     "SampleContext": "world",
     "SampleError": "strategies",
     "Source": "sources",
@@ -75,6 +76,7 @@ __all__ = [
     "RankPlan",
     "Reader",
     "ReleaseProcessGroup",
+    "ReplicaMismatchError",
     "SampleContext",
     "SampleError",
     "Source",
@@ -93,6 +95,7 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_sharding.callbacks import ShardingCallback
     from lightning_sharding.datamodule import ShardedDataModule
+    from lightning_sharding.keeper import ReplicaMismatchError
     from lightning_sharding.ledger import CheckpointMismatchError, Ledger
     from lightning_sharding.manifest import Item, Manifest
     from lightning_sharding.options import LoaderOptions

@@ -1,10 +1,12 @@
 """The audit trail: every rank writes the epoch positions its completed steps consumed, and
 ``lightning-sharding audit`` proves (or refutes) exactly-once over a run and its resumptions.
 
-Files are JSON lines, one per rank and run segment, in the run's audit directory:
+Files are JSON lines, one per data-parallel rank and run segment, in the run's audit directory
+(the ranks of one model replica train on the same batches; the first of them writes for all):
 
-- a ``segment`` header: segment id, rank, world size, workers, seed, total, manifest fingerprint,
-  the global step it started at and the checkpoint it resumed from;
+- a ``segment`` header: segment id, data-parallel rank and size (``rank``, ``world_size``), the
+  global rank that wrote it, workers, seed, total, manifest fingerprint, the global step it
+  started at and the checkpoint it resumed from;
 - one ``step`` line per completed training step: epoch, global step after the step, the
   positions as ``[start, end)`` ranges, and the number of padding samples;
 - one ``epoch_end`` line per finished epoch (every sample served or dropped), with the samples

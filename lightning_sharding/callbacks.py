@@ -83,13 +83,18 @@ class ShardingCallback(pl.Callback):
         self.on_train_epoch_start(trainer, pl_module)
 
     @staticmethod
-    def _open_audit(trainer: pl.Trainer, keeper: LedgerKeeper, directory: str) -> AuditWriter:
+    def _open_audit(trainer: pl.Trainer, keeper: LedgerKeeper, directory: str) -> AuditWriter | None:
         # One id and start time per run segment, from rank 0, so all ranks' files belong together.
         started = trainer.strategy.broadcast(time.time(), src=0)
         segment = trainer.strategy.broadcast(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", src=0)
+        world = keeper.world
+        if world.replica_rank != 0:  # the first rank of each model replica writes for all of its ranks
+            return None
         header = {
             "started": started,
-            "world_size": keeper.world.world_size,
+            "world_size": world.data_size,  # the audit counts data-parallel ranks: one file per replica
+            "global_world_size": world.world_size,
+            "global_rank": world.rank,
             "num_workers": keeper.options.num_workers,
             "seed": keeper.ledger.seed,
             "total": keeper.ledger.total,
@@ -97,7 +102,7 @@ class ShardingCallback(pl.Callback):
             "start_step": trainer.global_step,
             "resumed_from": str(trainer.ckpt_path) if trainer.ckpt_path else None,
         }
-        return AuditWriter(directory, segment, keeper.world.rank, header)
+        return AuditWriter(directory, segment, world.data_rank, header)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -177,7 +182,7 @@ class ShardingCallback(pl.Callback):
     def _log_progress(self, pl_module: pl.LightningModule, keeper: LedgerKeeper) -> None:
         """Epoch progress (exact to within one sample per rank: other ranks are assumed in step),
         samples/s of all ranks, and the share of step time spent waiting for data."""
-        world = keeper.world.world_size
+        world = keeper.world.data_size  # the ranks of a model replica serve the same samples
         elapsed = time.perf_counter() - self._epoch_start
         metrics = {
             "data/progress": min(1.0, (self._consumed_at_start + self._served * world) / keeper.ledger.total),
@@ -194,7 +199,11 @@ class ShardingCallback(pl.Callback):
         keeper.gather()
         plan = keeper.train_loader.epoch_plan if keeper.train_loader is not None else None
         # On the strategy's device (NCCL reduces only CUDA tensors) and int64 (counts beyond 2**24).
-        counts = torch.tensor([self._served, self._skipped], dtype=torch.int64, device=trainer.strategy.root_device)
+        # Summed over the first rank of each model replica: its other ranks served the same samples.
+        first = keeper.world.replica_rank == 0
+        counts = torch.tensor(
+            [self._served * first, self._skipped * first], dtype=torch.int64, device=trainer.strategy.root_device
+        )
         served, skipped = (int(x) for x in trainer.strategy.reduce(counts, reduce_op="sum").tolist())
         report = EpochReport(
             epoch=keeper.ledger.epoch,

@@ -16,18 +16,18 @@ from lightning.pytorch.callbacks import Checkpoint
 from torch.utils.data import default_collate
 from typing_extensions import override
 
-from lightning_sharding._distributed import gather_objects
+from lightning_sharding.agreement import agree
 from lightning_sharding.callbacks import ShardingCallback
 from lightning_sharding.keeper import LedgerKeeper
 from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Manifest, describe_change
+from lightning_sharding.manifest import Manifest
 from lightning_sharding.options import LoaderOptions, OnError, OptionAttribute, Transform
 from lightning_sharding.plan import EvenBatches
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies.base import strategies_where
-from lightning_sharding.world import World
+from lightning_sharding.world import DataParallel, World, check_data_parallel
 
 
 class ShardedDataModule(pl.LightningDataModule):
@@ -74,6 +74,11 @@ class ShardedDataModule(pl.LightningDataModule):
         prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
         source: the :class:`~lightning_sharding.sources.Source` of ``strategy="dispatch"``; a
             source of unknown length needs ``even_batches="sync"``.
+        data_parallel: ``(rank, size)`` of this rank's model replica among all replicas, or a
+            function of the trainer returning it, for meshes Lightning cannot see. By default it
+            is the strategy's ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``), which is
+            every rank under DDP/FSDP and the data-parallel dimension under
+            ``ModelParallelStrategy``. Ranks of one replica read the identical batches.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class ShardedDataModule(pl.LightningDataModule):
         strategy: str | Strategy = "shard",
         prefetch_items: int = 1,
         source: Source | None = None,
+        data_parallel: DataParallel | Callable[[pl.Trainer], DataParallel] | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -140,6 +146,9 @@ class ShardedDataModule(pl.LightningDataModule):
         self.seed, self._seed_given = seed, seed
         self.allow_data_change = allow_data_change
         self.audit_dir = audit_dir
+        if data_parallel is not None and not callable(data_parallel):
+            check_data_parallel(data_parallel, None, f"`{name}(data_parallel={data_parallel!r})`")
+        self.data_parallel = data_parallel
         self.world = World()
         self.manifest: Manifest | None = None
         self.ledger_keeper: LedgerKeeper | None = None
@@ -166,15 +175,16 @@ class ShardedDataModule(pl.LightningDataModule):
         """Read the topology from the trainer; for fitting, build the reader, the manifest (checked
         to be the same on every rank), a fresh ledger, and add the callback."""
         if self.trainer is not None:
-            self.world = World.from_trainer(self.trainer)
+            self.world = World.from_trainer(self.trainer, self.data_parallel)
         if stage != "fit":
             return
         data = self.source if self.source is not None else self.make_reader()
         self.strategy.check(self.options, data, owner=type(self).__name__)
         self._train_data = data
         self.manifest = self.strategy.manifest(data)
-        self._check_same_data_on_every_rank(self.manifest)
-        ledger = Ledger(seed=self._shared_seed(), total=self.manifest.total, manifest=self.manifest.summary())
+        seed = self._shared_seed()
+        self.world = agree(self.world, self.manifest, seed, self.options)
+        ledger = Ledger(seed=seed, total=self.manifest.total, manifest=self.manifest.summary())
         self.ledger_keeper = LedgerKeeper(
             ledger,
             self.manifest,
@@ -186,18 +196,6 @@ class ShardedDataModule(pl.LightningDataModule):
         )
         if self.trainer is not None:
             _ensure_callback(self.trainer)
-
-    def _check_same_data_on_every_rank(self, manifest: Manifest) -> None:
-        # A rank whose listing differs (glob order, object-store listing lag) would plan over other
-        # positions: shares would overlap or leave gaps. Every rank sees every summary and raises alike.
-        summaries = gather_objects(manifest.summary(), self.world.world_size)
-        for rank, summary in enumerate(summaries):
-            if summary["fingerprint"] != summaries[0]["fingerprint"]:
-                raise ValueError(
-                    f"rank {rank} lists other data than rank 0: {describe_change(summaries[0], summary)}. "
-                    "Every rank must list the same items in the same order: sort globbed or listed paths, "
-                    "and do not change the data while the job starts."
-                )
 
     def _shared_seed(self) -> int:
         if self.seed is not None:
@@ -252,7 +250,7 @@ class ShardedDataModule(pl.LightningDataModule):
     def _eval_loader(self, reader: Reader | None) -> Iterable[Any]:
         assert reader is not None
         if self.trainer is not None:
-            self.world = World.from_trainer(self.trainer)
+            self.world = World.from_trainer(self.trainer, self.data_parallel)
         manifest = Manifest.from_items(reader.items())
         seed = self.ledger.seed if self.ledger is not None else self.seed or 0
         ledger = Ledger(seed=seed, total=manifest.total, manifest=manifest.summary())

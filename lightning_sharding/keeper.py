@@ -45,9 +45,14 @@ class LedgerKeeper:
         self.train_loader: TrainLoader | None = None
 
     def gather(self) -> None:
-        """Union every rank's consumed positions into every rank's ledger (a collective call)."""
-        for state in gather_objects(self.ledger.consumed.to_state(), self.world.world_size):
-            self.ledger.merge(RangeSet.from_state(state))
+        """Union every replica's consumed positions into every rank's ledger (a collective call).
+
+        The ranks of one model replica read the same batches, so their ledgers must be equal; one
+        that differs is a :class:`ReplicaMismatchError`, never a silent union.
+        """
+        mine = (self.world.data_rank, self.ledger.epoch, self.ledger.consumed.to_state())
+        for consumed in one_ledger_per_replica(gather_objects(mine, self.world.world_size)):
+            self.ledger.merge(consumed)
 
     def state(self, global_step: int | None = None) -> dict[str, Any]:
         """The checkpoint entry: the union of all ranks' ledgers (a collective call), with the optimizer
@@ -60,6 +65,7 @@ class LedgerKeeper:
         state["consumed"] = torch.from_numpy(state["consumed"])
         state["writer"] = {
             "world_size": self.world.world_size,
+            "data_parallel_size": self.world.data_size,
             "num_workers": self.options.num_workers,
             "batch_size": self.options.batch_size,
         }
@@ -113,3 +119,30 @@ class LedgerKeeper:
         self.ledger = Ledger(
             seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
         )
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Two ranks of one model replica consumed different data: their batches were not the same."""
+
+
+def one_ledger_per_replica(gathered: list[tuple[int, int, Any]]) -> list[RangeSet]:
+    """The consumed set of each replica from every rank's ``(data_rank, epoch, consumed state)``, in
+    global rank order; ranks of one replica that disagree raise :class:`ReplicaMismatchError`."""
+    replicas: dict[int, tuple[int, int, RangeSet]] = {}
+    for rank, (data_rank, epoch, state) in enumerate(gathered):
+        consumed = RangeSet.from_state(state)
+        if data_rank not in replicas:
+            replicas[data_rank] = (rank, epoch, consumed)
+            continue
+        first, first_epoch, first_consumed = replicas[data_rank]
+        if (epoch, consumed) != (first_epoch, first_consumed):
+            only_first = len(first_consumed.difference(consumed))
+            only_this = len(consumed.difference(first_consumed))
+            raise ReplicaMismatchError(
+                f"ranks {first} and {rank} are one model replica (data-parallel rank {data_rank}) but consumed "
+                f"different data: epoch {first_epoch} vs {epoch}, {len(first_consumed)} vs {len(consumed)} "
+                f"positions ({only_first} only on rank {first}, {only_this} only on rank {rank}). The ranks of a "
+                "replica must read the same batches: give them the same seed, batch size and data, and check the "
+                "strategy's distributed_sampler_kwargs or ShardedDataModule(data_parallel=...)"
+            )
+    return [consumed for _, _, consumed in replicas.values()]

@@ -10,7 +10,7 @@ from lightning_sharding.world import World
 
 @dataclass
 class EpochReport:
-    """What one epoch (or the part of it this run trained) served, summed over all ranks."""
+    """What one epoch (or the part of it this run trained) served, summed over all model replicas."""
 
     epoch: int
     samples: int
@@ -30,13 +30,14 @@ class EpochReport:
 
 def format_summary(reports: list[EpochReport], options: LoaderOptions, seed: int, worlds: list[World]) -> str:
     """A one-screen table of what every epoch served, and where every rank ran."""
+    replicas = ""
+    if worlds and worlds[0].data_size != len(worlds):
+        replicas = f" in {worlds[0].data_size} data-parallel replicas of {worlds[0].replica_size}"
     head = (
-        f"lightning_sharding summary: world {len(worlds)} rank(s) x {options.num_workers} worker(s), "
+        f"lightning_sharding summary: world {len(worlds)} rank(s){replicas} x {options.num_workers} worker(s), "
         f"batch {options.batch_size}, seed {seed}, even batches '{options.even_batches}'"
     )
-    ranks = "ranks: " + " | ".join(
-        f"rank {x.rank} = node {x.node_rank} local {x.local_rank}" for x in sorted(worlds, key=lambda x: x.rank)
-    )
+    ranks = "ranks: " + " | ".join(x.describe() for x in sorted(worlds, key=lambda x: x.rank))
     cols = f"{'epoch':>5} {'samples':>9} {'consumed':>9} {'padding':>7} {'dropped':>7} {'skipped':>7} "
     cols += f"{'batches/rank':>12} "
     cols += f"{'seconds':>8} {'samples/s':>10}"

@@ -7,6 +7,7 @@ variables: the trainer has already resolved them, whatever the launcher.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,33 +18,115 @@ _WORKER_SEEDS = 0x3017
 _SAMPLE_SEEDS = 0x5A3C
 
 
+DataParallel = tuple[int, int]
+"""``(data-parallel rank, data-parallel size)``: which model replica a rank belongs to, and how many there are."""
+
+
 @dataclass(frozen=True)
 class World:
-    """The distributed topology of one training process."""
+    """The distributed topology of one training process.
+
+    ``rank`` and ``world_size`` count every process; ``data_rank`` and ``data_size`` count model
+    replicas (data-parallel ranks). They are equal under DDP and FSDP. Under tensor, context or
+    pipeline parallelism several ranks make one replica: they share a ``data_rank`` and read the
+    identical batch sequence, and only the replicas split the data. ``replica_rank`` is this rank's
+    place among the ranks of its replica (0 writes the replica's audit trail); the DataModule sets
+    it once every rank's ``data_rank`` is known.
+    """
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     node_rank: int = 0
+    data_rank: int = -1  # -1: the same as ``rank``
+    data_size: int = -1  # -1: the same as ``world_size``
+    replica_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"World(rank={self.rank}, world_size={self.world_size}) is not a valid topology")
+        if (self.data_rank == -1) != (self.data_size == -1):
+            raise ValueError("World: give both data_rank and data_size, or neither")
+        if self.data_size == -1:
+            object.__setattr__(self, "data_rank", self.rank)
+            object.__setattr__(self, "data_size", self.world_size)
+        check_data_parallel(
+            (self.data_rank, self.data_size),
+            self.world_size,
+            f"World(data_rank={self.data_rank}, data_size={self.data_size})",
+        )
+        if not 0 <= self.replica_rank < self.replica_size:
+            raise ValueError(
+                f"World(replica_rank={self.replica_rank}) is outside a replica of {self.replica_size} rank(s)"
+            )
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks per model replica: the tensor x context x pipeline parallel size (1 under DDP)."""
+        return self.world_size // self.data_size
 
     @classmethod
-    def from_trainer(cls, trainer: Any) -> World:
-        """The world as the Lightning trainer sees it (works for every launcher)."""
+    def from_trainer(
+        cls, trainer: Any, data_parallel: DataParallel | Callable[[Any], DataParallel] | None = None
+    ) -> World:
+        """The world as the Lightning trainer sees it (works for every launcher).
+
+        The data-parallel view is ``data_parallel`` when given (a pair, or a function of the trainer
+        returning one), else the ``num_replicas`` and ``rank`` of the strategy's
+        ``distributed_sampler_kwargs`` (what Lightning gives its own ``DistributedSampler``; a
+        ``ModelParallelStrategy`` names its data-parallel mesh dimension there), else every rank.
+        """
+        rank, world_size = int(trainer.global_rank), int(trainer.world_size)
+        where = "the strategy's distributed_sampler_kwargs"
+        if data_parallel is None:
+            kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if world_size > 1 else None
+            pair: Any = (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (rank, world_size)
+        else:
+            where = "ShardedDataModule(data_parallel=...)"
+            pair = data_parallel(trainer) if callable(data_parallel) else data_parallel
+        data_rank, data_size = check_data_parallel(pair, world_size, where)
         return cls(
-            rank=int(trainer.global_rank),
-            world_size=int(trainer.world_size),
+            rank=rank,
+            world_size=world_size,
             local_rank=int(trainer.local_rank),
             node_rank=int(trainer.node_rank),
+            data_rank=data_rank,
+            data_size=data_size,
         )
+
+    def describe(self) -> str:
+        """``rank 3 = node 0 local 3 data 1`` (the data-parallel rank only where it differs)."""
+        data = f" data {self.data_rank}" if self.data_size != self.world_size else ""
+        return f"rank {self.rank} = node {self.node_rank} local {self.local_rank}{data}"
+
+
+def check_data_parallel(pair: Any, world_size: int | None, where: str) -> DataParallel:
+    """``pair`` as ``(data_rank, data_size)`` of a world of ``world_size`` ranks (``None``: not known
+    yet), or a ValueError naming ``where``."""
+    ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+    ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+    if not ok:
+        raise ValueError(f"{where} gave {pair!r}; it must be a pair of integers (data-parallel rank, size)")
+    data_rank, data_size = int(pair[0]), int(pair[1])
+    if data_size < 1:
+        raise ValueError(f"{where} gave a data-parallel size of {data_size}; it must be at least 1")
+    if world_size is not None and world_size % data_size:
+        raise ValueError(
+            f"{where} gave a data-parallel size of {data_size}, which does not divide the world of {world_size} "
+            f"rank(s): every model replica must have the same number of ranks (choose one of "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]})"
+        )
+    if not 0 <= data_rank < data_size:
+        raise ValueError(f"{where} gave data-parallel rank {data_rank}, outside 0..{data_size - 1}")
+    return data_rank, data_size
 
 
 @dataclass(frozen=True)
 class ShardContext:
     """Read-only facts a reader or transform may use inside a DataLoader worker.
+
+    ``rank`` and ``world_size`` are the data-parallel ones (see :class:`World`): every rank of one
+    model replica gets the same context, so its readers and seeded transforms do the same work.
 
     ``worker_id`` is 0 and ``num_workers`` is 0 when loading runs in the main process.
     """

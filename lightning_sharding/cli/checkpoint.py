@@ -59,8 +59,10 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
     ranges = np.asarray(state["consumed"])
     writer = state.get("writer")
     if isinstance(writer, Mapping):
+        world, replicas = writer.get("world_size", "?"), writer.get("data_parallel_size")
+        in_replicas = f" in {replicas} data-parallel replicas" if replicas not in (None, world) else ""
         topology = (
-            f"world_size {writer.get('world_size', '?')} x num_workers {writer.get('num_workers', '?')}, "
+            f"world_size {world}{in_replicas} x num_workers {writer.get('num_workers', '?')}, "
             f"batch_size {writer.get('batch_size', '?')}"
         )
     else:

@@ -46,12 +46,12 @@ class SourcePlan:
             self.total,
             self.consumed if epochs_done == 0 else RangeSet(),
             epoch=epoch,
-            world_size=self.world.world_size,
+            world_size=self.world.data_size,
             num_workers=self.num_sources,
             batch_size=self.batch_size,
             even_batches=self.even_batches,
         )
-        return epoch, merge_layout(plan.rank(self.world.rank), self.num_sources)
+        return epoch, merge_layout(plan.rank(self.world.data_rank), self.num_sources)
 
 
 class ShardedSource:

@@ -191,10 +191,11 @@ class BroadcastLoader(ShardedLoader):
         BroadcastStrategy().check(options, reader, owner="BroadcastLoader")
         assert isinstance(reader, WindowedReader)
         with_samples = [it for it in items if it.num_samples > 0]
-        if world.world_size > len(with_samples):
+        if world.data_size > len(with_samples):
             names = ", ".join(repr(it.key) for it in with_samples[:3]) + (", ..." if len(with_samples) > 3 else "")
             raise ValueError(
-                f"strategy 'broadcast' has {world.world_size} ranks but only {len(with_samples)} items with windows "
+                f"strategy 'broadcast' has {world.data_size} {'data-parallel ' * (world.replica_size > 1)}ranks "
+                f"but only {len(with_samples)} items with windows "
                 f"({names}): every rank needs an item of its own. Use at most {len(with_samples)} ranks, "
                 "or split the data into more items."
             )

@@ -146,7 +146,7 @@ class DaliLoader(TrainLoader):
         fields = self.fields()
         sources = [ShardedSource(self._batches(w), w, plan, fields) for w in range(self.num_sources)]
         opts = self.options
-        seed = derive_seed(self.sampler.ledger.seed, _PIPELINE_SEEDS, plan.epoch, plan.world.rank) % 2**31
+        seed = derive_seed(self.sampler.ledger.seed, _PIPELINE_SEEDS, plan.epoch, plan.world.data_rank) % 2**31
         pipe = Pipeline(
             batch_size=self.sampler.batch_size,
             num_threads=opts.num_threads,

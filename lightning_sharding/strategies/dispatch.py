@@ -100,7 +100,7 @@ class DispatchLoader(TrainLoader):
 
     def _spec(self) -> Spec:
         ledger, world = self.ledger, self.world
-        ctx = ShardContext(world.rank, world.world_size, 0, self.options.num_workers, ledger.epoch, ledger.seed)
+        ctx = ShardContext(world.data_rank, world.data_size, 0, self.options.num_workers, ledger.epoch, ledger.seed)
         plan = None
         self.sampler.epoch_plan, self.sampler.num_batches = None, None
         if not self.sync:
@@ -108,12 +108,12 @@ class DispatchLoader(TrainLoader):
                 ledger.total,
                 ledger.done,
                 epoch=ledger.epoch,
-                world_size=world.world_size,
+                world_size=world.data_size,
                 num_workers=self.options.num_workers,
                 batch_size=self.options.batch_size,
                 even_batches=self.options.even_batches,  # type: ignore[arg-type]  # "pad" or "drop" here
             )
-            plan = epoch_plan.rank(world.rank)
+            plan = epoch_plan.rank(world.data_rank)
             self.sampler.epoch_plan, self.sampler.num_batches = epoch_plan, plan.num_batches
         self.sampler.generation += 1
         return Spec(self.sampler.generation, ctx, self.options.batch_size, plan, ledger.done)
@@ -135,6 +135,10 @@ class DispatchLoader(TrainLoader):
     def _stop_sync(self, delivery: Delivery, served: int) -> None:
         unserved = 0 if delivery.end else len(delivery.positions) - delivery.num_padding
         counts = np.array(gather_counts(unserved, self._group), dtype=np.int64)
+        if self.world.replica_size > 1:  # the ranks of a replica fetched alike: count each replica once
+            data_ranks = gather_counts(self.world.data_rank, self._group)
+            first = {d: i for i, d in reversed(list(enumerate(data_ranks)))}
+            counts = counts[[first[d] for d in range(self.world.data_size)]]
         self.sampler.epoch_plan = SyncOutcome(served, np.zeros_like(counts), counts)
         if counts.any() and self.world.rank == 0:
             warnings.warn(

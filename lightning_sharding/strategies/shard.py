@@ -87,7 +87,7 @@ class PlanSampler(Sampler[BatchTask]):
             self.ledger.total,
             self.ledger.done,
             epoch=self.ledger.epoch,
-            world_size=self.world.world_size,
+            world_size=self.world.data_size,
             num_workers=self.num_workers,
             batch_size=self.batch_size,
             even_batches=self.even_batches,
@@ -96,7 +96,7 @@ class PlanSampler(Sampler[BatchTask]):
 
     def __iter__(self) -> Iterator[BatchTask]:
         self.epoch_plan = self.plan()
-        self.rank_plan = self.epoch_plan.rank(self.world.rank)
+        self.rank_plan = self.epoch_plan.rank(self.world.data_rank)
         return self.rank_plan.tasks()
 
 

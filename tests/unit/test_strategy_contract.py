@@ -120,3 +120,42 @@ def test_a_checkpoint_resumes_on_another_topology_serving_every_sample_once(
     resumed = next_epoch(strategy, data, manifest, state, after, options)
     assert resumed == next_epoch(strategy, data, manifest, None, after, options)
     assert sorted(i for ids in resumed for i in ids) == list(range(manifest.total))
+
+
+def replica_world(rank: int, world_size: int, replica: int) -> World:
+    """Global ``rank`` of ``world_size`` ranks in model replicas of ``replica`` consecutive ranks."""
+    return World(rank, world_size, data_rank=rank // replica, data_size=world_size // replica)
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_the_ranks_of_a_replica_get_the_same_batches_and_resume_on_other_replicas(tmp_path: Path, name: str) -> None:
+    """4 ranks in 2 replicas of 2 (tensor parallel) read 2 batches; the checkpoint holds one ledger per
+    replica; it resumes as 4 ranks in 1 replica of 4, then the epoch is whole: every sample once."""
+    if name == "dali" and not installed("nvidia.dali"):
+        pytest.skip("needs nvidia.dali: pip install 'lightning-sharding[dali]'")
+    from lightning_sharding.keeper import one_ledger_per_replica
+
+    strategy = get_strategy(name)
+    data, options = data_for(strategy, tmp_path)
+    manifest = strategy.manifest(data)
+    fresh = Ledger(seed=SEED, total=manifest.total, manifest=manifest.summary())
+    state = fresh.state_dict()
+    served: Counter[int] = Counter()
+    for world_size, replica, read in [(4, 2, 2), (4, 4, None)]:
+        ids, gathered = [], []
+        for rank in range(world_size):
+            ledger = Ledger.from_state_dict(state)
+            world = replica_world(rank, world_size, replica)
+            loader = strategy.build(data, manifest, ledger, world, options, track=True)
+            ids.append(serve(loader, ledger, read))
+            loader.close()
+            gathered.append((world.data_rank, ledger.epoch, ledger.consumed.to_state()))
+        for first in range(0, world_size, replica):
+            assert all(ids[r] == ids[first] for r in range(first, first + replica)), f"replica of rank {first}"
+            served.update(ids[first])
+        union = Ledger.from_state_dict(state)
+        for consumed in one_ledger_per_replica(gathered):
+            union.merge(consumed)
+        state = union.state_dict()
+    assert sorted(served) == list(range(manifest.total)), f"missing: {set(range(manifest.total)) - set(served)}"
+    assert max(served.values()) == 1, f"served twice: {[i for i, n in served.items() if n > 1]}"
