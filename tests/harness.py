@@ -103,6 +103,15 @@ class Job:
     # Instead of one fit: resume from each of these checkpoints in turn, one fresh Trainer each, in
     # this one process (segment "<segment>-<checkpoint stem>"), each to the end of training.
     resume_each: tuple[str, ...] = ()
+    # Model replicas of this many ranks (tensor parallel): by the strategy's distributed_sampler_kwargs
+    # (tests/jobs/parts.py::ReplicatedDDP), or with `data_parallel_override` by ShardedDataModule(data_parallel=)
+    tensor_parallel: int = 1
+    data_parallel_override: bool = False
+    model_parallel: bool = False  # Lightning's own ModelParallelStrategy (2-D mesh over gloo), no gradient sync
+
+    def first_of_replicas(self) -> list[int]:
+        """The first rank of each model replica: the ranks whose records count the samples trained."""
+        return list(range(0, self.world_size, self.tensor_parallel))
 
 
 @dataclass
@@ -210,14 +219,16 @@ def checkpoint_step(path: Path) -> int:
     return int(path.stem.rsplit("step=", 1)[1])
 
 
-def kept_records(segment: Segment, until_step: int | None) -> list[dict[str, Any]]:
-    """Records of all ranks up to the checkpoint at ``until_step`` (all when None).
+def kept_records(segment: Segment, until_step: int | None, ranks: list[int] | None = None) -> list[dict[str, Any]]:
+    """Records of ``ranks`` (all when None) up to the checkpoint at ``until_step`` (all when None).
 
     Each rank keeps its batches up to and including the first one whose step reached the
     checkpoint's step: those are the batches whose effect the checkpoint holds.
     """
     kept: list[dict[str, Any]] = []
-    for records in segment.records.values():
+    for rank, records in segment.records.items():
+        if ranks is not None and rank not in ranks:
+            continue
         for record in records:
             if until_step is not None and record["gs"] > until_step:
                 break
@@ -279,13 +290,14 @@ def check_resume(
         segments.append(segment)
         if after_segment is not None:
             after_segment(segment)
+        ranks = job.first_of_replicas()  # the other ranks of a model replica trained on the same batches
         if last:
-            kept += kept_records(segment, None)
+            kept += kept_records(segment, None, ranks)
             break
         written = [p for p in segment.checkpoints if checkpoint_step(p) == ckpt_at]
         assert written, f"segment {i} wrote no checkpoint at step {ckpt_at}: {segment.checkpoints}"
         resume = written[0]
-        kept += kept_records(segment, ckpt_at)
+        kept += kept_records(segment, ckpt_at, ranks)
     return served_per_epoch(kept), segments
 
 

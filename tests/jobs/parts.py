@@ -13,16 +13,37 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_sharding import Item, ShardingCallback, SyntheticReader
 from lightning_sharding.progress_bar import train_total
+
+
+class ReplicatedDDP(DDPStrategy):
+    """DDP whose ranks form model replicas of ``replica`` ranks each, as tensor parallelism makes them:
+    ranks ``d*T .. d*T+T-1`` are replica ``d`` (the data-parallel dimension outermost, like
+    ``ModelParallelStrategy``'s mesh). It says so where Lightning looks, ``distributed_sampler_kwargs``;
+    the gradients are still averaged over every rank, which the tests' model accounts for."""
+
+    def __init__(self, replica: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.replica = replica
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size // self.replica, "rank": self.global_rank // self.replica}
+
+
+def replica_of(replica: int, trainer: pl.Trainer) -> tuple[int, int]:
+    """A user's ``data_parallel=`` function for a mesh Lightning cannot see: replicas of ``replica`` ranks."""
+    return trainer.global_rank // replica, trainer.world_size // replica
 
 
 class RecordingModel(pl.LightningModule):
     """A tiny regression model that writes down every sample id its training steps used.
 
     With ``count_weights``, it also holds one float64 weight per sample id, trained by SGD with
-    learning rate 1 on ``-w[ids].sum()`` (padding left out, scaled by the world size and the
+    learning rate 1 on ``-w[ids].sum()`` (padding left out, scaled by the data-parallel size and the
     accumulation so that DDP's averaging and Lightning's loss division cancel): after training,
     ``w[i]`` counts how many times sample ``i``'s gradient was applied, in the weights themselves.
     Rank 0 saves ``w`` at every epoch's end to ``<out>/w-<segment>-epoch<E>.npy``.
@@ -52,6 +73,9 @@ class RecordingModel(pl.LightningModule):
             total = self.trainer.datamodule.manifest.total  # type: ignore[attr-defined]
             self.w = torch.nn.Parameter(torch.zeros(total, dtype=torch.float64))
 
+    def configure_model(self) -> None:
+        """Nothing to shard: ``ModelParallelStrategy`` only asks that the hook exists."""
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self._last = batch
         self._batches += 1
@@ -60,7 +84,9 @@ class RecordingModel(pl.LightningModule):
         loss = torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
         if self.count_weights:
             ids = batch["id"][~batch["is_padding"]]
-            scale = self.trainer.world_size * self.trainer.accumulate_grad_batches
+            # DDP averages over every rank; the ranks of a model replica add the same gradient.
+            replicas = self.trainer.datamodule.world.data_size  # type: ignore[attr-defined]
+            scale = replicas * self.trainer.accumulate_grad_batches
             loss = loss - self.w[ids].sum() * scale
         return loss
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
     """The segment's DataModule, as the config says."""
     from lightning_sharding import ShardedDataModule, SyntheticReader
     from lightning_sharding.datasets import to_regression
-    from tests.jobs.parts import SkewedReader, file_reader
+    from tests.jobs.parts import SkewedReader, file_reader, replica_of
     from tests.jobs.windows_data import MonthWindows
 
     transform = None
@@ -70,6 +71,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
             persistent_workers=cfg["persistent_workers"] and cfg["num_workers"] > 0,
             multiprocessing_context="spawn" if cfg["num_workers"] > 0 else None,
             strategy=cfg["strategy"],
+            data_parallel=partial(replica_of, cfg["tensor_parallel"]) if cfg["data_parallel_override"] else None,
             prefetch_items=cfg["prefetch_items"],
             val_reader=SyntheticReader(sizes=[16, 16]) if cfg["val_check_interval"] else None,
             **common,
@@ -161,6 +163,16 @@ def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any
         strategy, devices = "ddp", world // nodes
     else:
         strategy, devices = ("ddp_spawn" if world > 1 else "auto"), world
+    if cfg["model_parallel"]:  # started like ddp: the script runs again for each further rank
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        replica = cfg["tensor_parallel"]
+        strategy = ModelParallelStrategy(data_parallel_size=world // replica, tensor_parallel_size=replica)
+    elif cfg["tensor_parallel"] > 1 and not cfg["data_parallel_override"]:
+        from tests.jobs.parts import ReplicatedDDP
+
+        start = "spawn" if cfg["launcher"] == "spawn" else "popen"
+        strategy = ReplicatedDDP(cfg["tensor_parallel"], start_method=start)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
