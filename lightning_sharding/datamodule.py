@@ -7,7 +7,7 @@ keeps the ledger in step with training and in the checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,16 +27,16 @@ from lightning_sharding.readers.base import Reader
 from lightning_sharding.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies.base import strategies_where
+from lightning_sharding.streams import Stream, reader_of
 from lightning_sharding.world import DataParallel, World, check_data_parallel
 
 
 class ShardedDataModule(pl.LightningDataModule):
     """Exactly-once, two-level sharded data for Lightning.
 
-    Ranks take contiguous runs of the epoch order (whole items where possible); each rank's
-    DataLoader workers take contiguous runs of its batches. Every sample is served once per epoch
-    across all ranks and workers, also after a mid-epoch resume on another number of ranks or
-    workers, because the checkpoint holds a topology-free ledger of consumed samples.
+    Ranks take contiguous runs of the epoch order; each rank's workers take runs of its batches.
+    Every sample is served once per epoch, also after a mid-epoch resume on another number of ranks
+    or workers, because the checkpoint holds a topology-free ledger of consumed samples.
 
     Give it a :class:`~lightning_sharding.readers.Reader` (or override :meth:`make_reader`), and
     optionally a per-sample ``transform(sample, ctx)`` run inside workers. Validation and test
@@ -74,6 +74,9 @@ class ShardedDataModule(pl.LightningDataModule):
         prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
         source: the :class:`~lightning_sharding.sources.Source` of ``strategy="dispatch"``; a
             source of unknown length needs ``even_batches="sync"``.
+        streams, samples_per_epoch: a mixture of several readers at chosen shares instead of
+            ``reader`` (see :class:`~lightning_sharding.streams.Stream`), and the samples of an
+            epoch (of the mixture, or of ``reader`` alone).
         data_parallel: ``(rank, size)`` of this rank's model replica among all replicas, or a
             function of the trainer returning it, for meshes Lightning cannot see. By default it
             is the strategy's ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``), which is
@@ -107,6 +110,8 @@ class ShardedDataModule(pl.LightningDataModule):
         prefetch_items: int = 1,
         source: Source | None = None,
         data_parallel: DataParallel | Callable[[pl.Trainer], DataParallel] | None = None,
+        streams: Sequence[Stream] | None = None,
+        samples_per_epoch: int | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -141,7 +146,7 @@ class ShardedDataModule(pl.LightningDataModule):
         if not self.strategy.shuffles:  # e.g. a source, read in its own order
             self.options = self.options.replace(shuffle=False)
         self.strategy.check(self.options, owner=name)
-        self._reader, self.source = reader, source
+        self._reader, self.source = reader_of(reader, streams, samples_per_epoch, name), source
         self._val_reader, self._test_reader = val_reader, test_reader
         self.seed, self._seed_given = seed, seed
         self.allow_data_change = allow_data_change

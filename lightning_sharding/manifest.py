@@ -11,10 +11,14 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from lightning_sharding.mixture import Mixture, MixtureOrder
+    from lightning_sharding.order import EpochOrder
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,13 @@ class Item:
 class Manifest:
     """An ordered, non-empty tuple of items with their sample counts.
 
-    ``counts`` is an int64 array of shape ``(num_items,)``; ``total`` its sum; ``fingerprint`` a
-    SHA-256 of every item's key, count and fingerprint, in order.
+    ``counts`` is an int64 array of shape ``(num_items,)``; ``total`` the samples of an epoch (their
+    sum, or what a ``mixture`` of streams draws); ``fingerprint`` a SHA-256 of every item's key,
+    count and fingerprint, in order, and of the mixture's streams and shares.
     """
 
     items: tuple[Item, ...]
+    mixture: Mixture | None = None
 
     def __post_init__(self) -> None:
         if not self.items:
@@ -77,8 +83,16 @@ class Manifest:
 
     @cached_property
     def total(self) -> int:
-        """Total number of samples."""
-        return int(self.counts.sum())
+        """Samples in an epoch: all of them, or what the mixture draws."""
+        return sum(self.mixture.draws) if self.mixture is not None else int(self.counts.sum())
+
+    def order(self, seed: int, epoch: int, *, shuffle: bool = True) -> EpochOrder | MixtureOrder:
+        """The epoch order of these items: positions ``[0, total)`` to ``(item, index)``."""
+        from lightning_sharding.order import EpochOrder
+
+        if self.mixture is not None:
+            return self.mixture.order(self.counts, seed, epoch, shuffle=shuffle)
+        return EpochOrder(self.counts, seed, epoch, shuffle=shuffle)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -88,6 +102,8 @@ class Manifest:
             # JSON-encoded, so a tab or newline inside a key or an ETag cannot forge another item list.
             h.update(json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode())
             h.update(b"\n")
+        if self.mixture is not None:
+            h.update(json.dumps(self.mixture.summary(self.counts)).encode())
         return h.hexdigest()
 
     def summary(self) -> dict[str, Any]:
@@ -98,6 +114,7 @@ class Manifest:
             "total": self.total,
             "first_key": self.items[0].key,
             "last_key": self.items[-1].key,
+            **({"streams": self.mixture.summary(self.counts)} if self.mixture is not None else {}),
         }
 
     def explain_mismatch(self, saved: Mapping[str, Any]) -> str:
@@ -112,6 +129,19 @@ def describe_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
         for name in ("num_items", "total", "first_key", "last_key")
         if before.get(name) != after.get(name)
     ]
+    diffs += _stream_changes(before.get("streams") or [], after.get("streams") or [])
     if not diffs:
         diffs = ["the item list has the same size and ends, but an item's key, count or fingerprint changed"]
     return "; ".join(diffs)
+
+
+def _stream_changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str]:
+    """How a mixture's streams changed, one phrase per stream: added, removed, or its share or size."""
+    old, new = {s["name"]: s for s in before}, {s["name"]: s for s in after}
+    changes = [f"stream {name!r} was removed" for name in old if name not in new]
+    changes += [f"stream {name!r} was added" for name in new if name not in old]
+    for name in (n for n in new if n in old):
+        for key in ("share", "samples", "draws"):
+            if old[name][key] != new[name][key]:
+                changes.append(f"stream {name!r} {key} was {old[name][key]!r}, now {new[name][key]!r}")
+    return changes

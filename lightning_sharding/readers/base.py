@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.manifest import Item
+from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.world import ShardContext
 
 
@@ -24,6 +24,10 @@ class Reader(ABC):
     @abstractmethod
     def items(self) -> Sequence[Item]:
         """Every item with its sample count, in a stable order."""
+
+    def manifest(self) -> Manifest:
+        """The manifest of ``items()`` (a reader of several streams adds their mixture)."""
+        return Manifest.from_items(self.items())
 
     @abstractmethod
     def read(self, item: Item, index: int, ctx: ShardContext) -> Any:

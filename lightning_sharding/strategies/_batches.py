@@ -9,7 +9,8 @@ import numpy as np
 import numpy.typing as npt
 from torch.utils.data import Dataset
 
-from lightning_sharding.manifest import Item
+from lightning_sharding.manifest import Item, Manifest
+from lightning_sharding.mixture import MixtureOrder
 from lightning_sharding.options import LoaderOptions
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask
@@ -33,7 +34,7 @@ class PlannedBatches(Dataset[Delivery]):
     def __init__(
         self,
         reader: Reader,
-        items: Sequence[Item],
+        items: Sequence[Item] | Manifest,
         *,
         seed: int,
         world: World,
@@ -41,19 +42,19 @@ class PlannedBatches(Dataset[Delivery]):
         worker_id: int | None = None,
     ) -> None:
         self.reader = reader
-        self.items = tuple(items)
-        self.counts = np.array([it.num_samples for it in self.items], dtype=np.int64)
+        self.manifest = items if isinstance(items, Manifest) else Manifest.from_items(items)
+        self.items = self.manifest.items
         self.seed, self.shuffle, self.world = seed, options.shuffle, world
         self.transform, self.collate_fn, self.on_error = options.transform, options.collate_fn, options.on_error
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
-        self._order: EpochOrder | None = None
+        self._order: EpochOrder | MixtureOrder | None = None
 
     def __len__(self) -> int:
         raise TypeError("PlannedBatches is indexed by BatchTask and has no length")
 
-    def _epoch_order(self, epoch: int) -> EpochOrder:
+    def _epoch_order(self, epoch: int) -> EpochOrder | MixtureOrder:
         if self._order is None or self._order.epoch != epoch:
-            self._order = EpochOrder(self.counts, self.seed, epoch, shuffle=self.shuffle)
+            self._order = self.manifest.order(self.seed, epoch, shuffle=self.shuffle)
         return self._order
 
     def __getitem__(self, task: BatchTask) -> Delivery:

@@ -98,7 +98,8 @@ class Strategy(ABC):
     :class:`~lightning_sharding.readers.windows.WindowedReader`, or ``"source"`` for a
     :class:`~lightning_sharding.sources.Source`), ``even_batch_policies``, ``skips_errors`` (whether
     ``on_error="skip"`` works), ``worker_layout`` (how a rank's batches go to its workers),
-    ``shuffles`` (whether ``shuffle`` applies), ``fixed_options`` (loader options that do not apply)
+    ``shuffles`` (whether ``shuffle`` applies), ``mixes`` (whether it reads a mixture of
+    ``streams``: it plans by the manifest's order), ``fixed_options`` (loader options that do not apply)
     and the reasons said when an option or ``on_error="skip"`` is refused.
     """
 
@@ -108,6 +109,7 @@ class Strategy(ABC):
     skips_errors: ClassVar[bool] = False
     worker_layout: ClassVar[WorkerLayout] = "runs"
     shuffles: ClassVar[bool] = True
+    mixes: ClassVar[bool] = False
     fixed_options: ClassVar[tuple[str, ...]] = ()
     no_skip_reason: ClassVar[str] = ""
     fixed_reason: ClassVar[str] = ""
@@ -149,6 +151,13 @@ class Strategy(ABC):
         from lightning_sharding.sources import Source
 
         wanted: type = {"reader": Reader, "windows": WindowedReader, "source": Source}[self.takes]
+        from lightning_sharding.streams import MixtureReader
+
+        if isinstance(data, MixtureReader) and not self.mixes:
+            raise ValueError(
+                f"`{owner}(streams=...)`: strategy {self.name!r} does not read a mixture of streams; "
+                f"use {strategies_where(lambda s: s.mixes)}"
+            )
         if not isinstance(data, wanted):
             example = {"reader": "", "windows": " (such as NpyWindows)", "source": " (such as SqliteSource)"}
             argument = "source" if self.takes == "source" else "reader"
@@ -158,8 +167,10 @@ class Strategy(ABC):
             )
 
     def manifest(self, data: Any) -> Manifest:
-        """The manifest of the training data (a reader's items, or a source's length)."""
-        return Manifest.from_items(data.items())
+        """The manifest of the training data (a reader's items and mixture, or a source's length)."""
+        from lightning_sharding.readers.base import Reader
+
+        return data.manifest() if isinstance(data, Reader) else Manifest.from_items(data.items())
 
     @abstractmethod
     def build(

@@ -187,7 +187,8 @@ class BroadcastLoader(ShardedLoader):
     @classmethod
     def _parts(cls, request: LoaderRequest) -> tuple[Any, Any]:
         """Checked windows, cropped by workers from the segments the sampler attaches to each task."""
-        reader, items, ledger, world, options, _ = request
+        reader, manifest, ledger, world, options, _ = request
+        items = manifest.items
         BroadcastStrategy().check(options, reader, owner="BroadcastLoader")
         assert isinstance(reader, WindowedReader)
         with_samples = [it for it in items if it.num_samples > 0]

@@ -198,6 +198,7 @@ class DaliStrategy(Strategy):
     """
 
     name = "dali"
+    mixes = True
     fixed_options = ("collate_fn", "persistent_workers", "prefetch_factor", "pin_memory", "multiprocessing_context")
     fixed_reason = (
         "DALI assembles batches and runs its own workers; set its pipeline with "
@@ -226,9 +227,7 @@ class DaliStrategy(Strategy):
         per_sample = options.replace(collate_fn=list)  # DALI assembles the batch from the samples
 
         def batches(source: int) -> PlannedBatches:
-            return PlannedBatches(
-                data, manifest.items, seed=ledger.seed, world=world, options=per_sample, worker_id=source
-            )
+            return PlannedBatches(data, manifest, seed=ledger.seed, world=world, options=per_sample, worker_id=source)
 
         sampler = PlanSampler.of(ledger, world, options)
         return DaliLoader(batches, sampler, pipeline=self.pipeline, padding_key=options.padding_key, track=track)

@@ -104,7 +104,7 @@ class LoaderRequest(NamedTuple):
     """What a loader of one rank is built from."""
 
     reader: Reader
-    items: tuple[Item, ...]
+    manifest: Manifest
     ledger: Ledger
     world: World
     options: LoaderOptions
@@ -146,7 +146,7 @@ class ShardedLoader(TrainLoader):
     def build(
         cls,
         reader: Reader,
-        items: Sequence[Item],
+        items: Sequence[Item] | Manifest,
         ledger: Ledger,
         *,
         world: World,
@@ -158,14 +158,15 @@ class ShardedLoader(TrainLoader):
 
         ``worker_layout`` is how the rank's batches go to its workers (see :mod:`lightning_sharding.plan`).
         """
-        dataset, sampler = cls._parts(LoaderRequest(reader, tuple(items), ledger, world, options, worker_layout))
+        manifest = items if isinstance(items, Manifest) else Manifest.from_items(items)
+        dataset, sampler = cls._parts(LoaderRequest(reader, manifest, ledger, world, options, worker_layout))
         return cls(dataset, sampler, options, track=track)
 
     @classmethod
     def _parts(cls, request: LoaderRequest) -> tuple[Any, Any]:
         """The dataset the workers index and the sampler that plans their tasks."""
         r = request
-        dataset = PlannedBatches(r.reader, r.items, seed=r.ledger.seed, world=r.world, options=r.options)
+        dataset = PlannedBatches(r.reader, r.manifest, seed=r.ledger.seed, world=r.world, options=r.options)
         return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout)
 
     def __iter__(self) -> Iterator[Any]:
@@ -201,6 +202,7 @@ class ShardStrategy(Strategy):
     """Each DataLoader worker reads its own run of the rank's batches; bad samples may be skipped."""
 
     name = "shard"
+    mixes = True
     skips_errors = True
 
     @override
@@ -208,5 +210,5 @@ class ShardStrategy(Strategy):
         self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
     ) -> ShardedLoader:
         return ShardedLoader.build(
-            data, manifest.items, ledger, world=world, options=options, track=track, worker_layout=self.worker_layout
+            data, manifest, ledger, world=world, options=options, track=track, worker_layout=self.worker_layout
         )

@@ -1,0 +1,130 @@
+"""Streams: several readers mixed into one epoch at chosen shares (see :mod:`lightning_sharding.mixture`).
+
+``ShardedDataModule(streams=[Stream("web", web, weight=3), Stream("code", code, weight=1)])`` reads
+them as one :class:`MixtureReader`: its items are every stream's items, stream after stream (keys
+prefixed ``"<stream>/"``), and its manifest carries the mixture, whose epoch order every strategy
+that ``mixes`` plans like any other. The ledger, checkpoints and resumes are unchanged: they count
+positions of the mixture's epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.manifest import Item, Manifest
+from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.world import ShardContext
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A named reader and its share of the mixture: one of ``weight`` (relative share of what the
+    other streams leave of ``samples_per_epoch``; the default, ``weight=1``), ``proportion`` (a
+    fraction of the stream per epoch, up to 1), ``repeat`` (passes per epoch: 2.0 serves every
+    sample twice, 0.5 half of them) or ``choose`` (a number of samples per epoch)."""
+
+    name: str
+    reader: Reader
+    weight: float | None = None
+    proportion: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+    def __post_init__(self) -> None:
+        self.spec  # noqa: B018 - checks the share now, naming the stream
+        if not isinstance(self.reader, Reader):
+            raise TypeError(f"stream {self.name!r}: reader must be a Reader, got {type(self.reader).__name__}")
+
+    @property
+    def spec(self) -> StreamSpec:
+        """The stream's share, without its reader."""
+        return StreamSpec(self.name, self.weight, self.proportion, self.repeat, self.choose)
+
+
+class MixtureReader(Reader):
+    """The readers of ``streams`` as one reader whose manifest draws ``samples_per_epoch`` samples
+    an epoch (default: what the streams' shares imply) at the streams' shares."""
+
+    def __init__(self, streams: Sequence[Stream], samples_per_epoch: int | None = None) -> None:
+        streams = tuple(streams)
+        if not streams or not all(isinstance(s, Stream) for s in streams):
+            raise ValueError(f"streams= needs one or more Stream(name, reader, ...), got {streams!r}")
+        names = [s.name for s in streams]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"stream names must be unique; {twice} appear more than once")
+        self.streams, self.samples_per_epoch = streams, samples_per_epoch
+        self._listed: list[tuple[Item, ...]] | None = None
+        self._origin: dict[str, tuple[int, Item]] = {}
+
+    def _list(self) -> list[tuple[Item, ...]]:
+        """Every stream's items, listed once (in the main process; workers get them pickled)."""
+        if self._listed is None:
+            listed = [tuple(s.reader.items()) for s in self.streams]
+            for s, (stream, items) in enumerate(zip(self.streams, listed, strict=True)):
+                if sum(it.num_samples for it in items) == 0:
+                    raise ValueError(
+                        f"stream {stream.name!r} has no samples ({len(items)} items): check its data or remove it"
+                    )
+                self._origin.update((f"{stream.name}/{it.key}", (s, it)) for it in items)
+            self._listed = listed
+        return self._listed
+
+    def items(self) -> Sequence[Item]:
+        """Every stream's items, stream after stream, keys prefixed with ``"<stream>/"``."""
+        return [
+            Item(f"{stream.name}/{it.key}", it.num_samples, it.fingerprint)
+            for stream, items in zip(self.streams, self._list(), strict=True)
+            for it in items
+        ]
+
+    def manifest(self) -> Manifest:
+        """The items of every stream and the mixture that draws from them."""
+        listed = self._list()
+        sizes = [sum(it.num_samples for it in items) for items in listed]
+        draws = plan_draws([s.spec for s in self.streams], sizes, self.samples_per_epoch)
+        mixture = Mixture(
+            names=tuple(s.name for s in self.streams),
+            shares=tuple(s.spec.describe() for s in self.streams),
+            stream_items=tuple(len(items) for items in listed),
+            draws=tuple(draws),
+        )
+        return Manifest(tuple(self.items()), mixture=mixture)
+
+    def _source(self, item: Item) -> tuple[Reader, Item]:
+        if not self._origin:
+            self._list()
+        s, original = self._origin[item.key]
+        return self.streams[s].reader, original
+
+    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        """Sample ``index`` of ``item``, read by its stream's reader."""
+        reader, original = self._source(item)
+        return reader.read(original, index, ctx)
+
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+        """Samples ``indices`` of ``item``, read by its stream's reader."""
+        reader, original = self._source(item)
+        return reader.read_batch(original, indices, ctx)
+
+
+def reader_of(
+    reader: Reader | None, streams: Sequence[Stream] | None, samples_per_epoch: int | None, owner: str
+) -> Reader | None:
+    """The DataModule's training reader: ``reader`` as it is, or the mixture of ``streams``; a reader
+    with ``samples_per_epoch`` is a mixture of that one stream (named ``"data"``)."""
+    if streams is None:
+        if samples_per_epoch is None or reader is None:
+            return reader
+        streams = [Stream("data", reader)]
+    elif reader is not None:
+        raise ValueError(f"`{owner}`: give `reader=` or `streams=`, not both (a reader is one stream of a mixture)")
+    if isinstance(streams, (Stream, Reader)) or not isinstance(streams, Sequence):
+        raise ValueError(f"`{owner}(streams=...)` takes a list of Stream(name, reader, ...), got {streams!r}")
+    return MixtureReader(streams, samples_per_epoch)

@@ -1,0 +1,129 @@
+"""Streams in the DataModule: a real Trainer in this process reads a mixture at its shares; a
+checkpoint of one mixture refuses another, naming the stream; bad input names the stream."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+
+from lightning_sharding import CheckpointMismatchError, ShardedDataModule, SyntheticReader
+from lightning_sharding.streams import MixtureReader, Stream
+from tests.harness import cpu_trainer
+
+
+class Tagged(SyntheticReader):
+    """Synthetic samples that carry their stream's number in ``"stream"``."""
+
+    def __init__(self, tag: int, sizes: list[int]) -> None:
+        super().__init__(sizes=sizes)
+        self.tag = tag
+
+    def read_batch(self, item: Any, indices: Any, ctx: Any) -> list[Any]:
+        return [{**s, "stream": self.tag} for s in super().read_batch(item, indices, ctx)]
+
+
+class Counting(pl.LightningModule):
+    """Counts the real samples of each stream that training steps saw, per epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+        self.seen: dict[int, Counter[tuple[int, int]]] = {}
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        real = ~batch["is_padding"]
+        pairs = zip(batch["stream"][real].tolist(), batch["id"][real].tolist(), strict=True)
+        self.seen.setdefault(self.current_epoch, Counter()).update(pairs)
+        return torch.nn.functional.mse_loss(self.net(batch["x"]).squeeze(-1), batch["y"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def streams(**shares: Any) -> list[Stream]:
+    sizes = {"web": [40, 60], "code": [30], "books": [10]}
+    return [Stream(name, Tagged(i, sizes[name]), **share) for i, (name, share) in enumerate(shares.items())]
+
+
+def test_a_mixture_trains_at_its_shares_with_repeats_only_where_asked() -> None:
+    dm = ShardedDataModule(
+        streams=streams(web={"weight": 3}, code={"weight": 1}, books={"repeat": 2.0}),
+        samples_per_epoch=120,
+        batch_size=8,
+        seed=1,
+    )
+    model = Counting()
+    cpu_trainer(max_epochs=3).fit(model, datamodule=dm)
+    assert dm.manifest is not None and [s["draws"] for s in dm.manifest.summary()["streams"]] == [75, 25, 20]
+    for epoch, seen in model.seen.items():
+        per_stream = Counter(stream for (stream, _), n in seen.items() for _ in range(n))
+        assert per_stream == {0: 75, 1: 25, 2: 20}, epoch
+        assert all(n == 1 for (stream, _), n in seen.items() if stream < 2), "down-sampled: never twice an epoch"
+        assert all(n == 2 for (stream, _), n in seen.items() if stream == 2), "books: every sample twice"
+    # Over 3 epochs the down-sampled code stream (25 of 30 an epoch) has covered all of itself.
+    code = {i for seen in model.seen.values() for (stream, i) in seen if stream == 1}
+    assert code == set(range(30))
+
+
+def test_a_checkpoint_of_one_mixture_refuses_another_naming_the_stream(tmp_path: Path) -> None:
+    first = ShardedDataModule(streams=streams(web={"weight": 3}, code={"weight": 1}), batch_size=8, seed=1)
+    trainer = cpu_trainer(max_steps=3)
+    trainer.fit(Counting(), datamodule=first)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    changed = ShardedDataModule(streams=streams(web={"weight": 1}, code={"weight": 1}), batch_size=8, seed=1)
+    with pytest.raises(CheckpointMismatchError, match=r"stream 'web' share was 'weight=3', now 'weight=1'"):
+        cpu_trainer(max_steps=6).fit(Counting(), datamodule=changed, ckpt_path=tmp_path / "mid.ckpt")
+
+
+def test_samples_per_epoch_of_a_single_reader_sets_the_epoch() -> None:
+    dm = ShardedDataModule(Tagged(0, [10, 20]), samples_per_epoch=12, batch_size=4, seed=2)
+    model = Counting()
+    cpu_trainer(max_epochs=5).fit(model, datamodule=dm)
+    assert [sum(seen.values()) for seen in model.seen.values()] == [12] * 5
+    assert all(n == 1 for seen in model.seen.values() for n in seen.values()), "never twice in an epoch"
+    # 12 of 30 an epoch: epochs 0-2 cover every sample, the third one topping up with 6 of the first.
+    cycle = Counter(i for epoch in (0, 1, 2) for (_, i) in model.seen[epoch])
+    assert set(cycle) == set(range(30)) and sum(cycle.values()) == 36 and max(cycle.values()) == 2
+    first_two = [i for epoch in (0, 1) for (_, i) in model.seen[epoch]]
+    assert len(set(first_two)) == 24, "no sample twice before the stream is covered"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"reader": SyntheticReader(), "streams": []}, "give `reader=` or `streams=`, not both"),
+        ({"streams": []}, r"streams= needs one or more Stream"),
+        ({"streams": Stream("a", SyntheticReader())}, r"takes a list of Stream"),
+        (
+            {"streams": [Stream("a", SyntheticReader()), Stream("a", SyntheticReader())]},
+            r"\['a'\] appear more than once",
+        ),
+        ({"streams": [Stream("a", SyntheticReader())], "strategy": "dispatch"}, "source="),
+    ],
+)
+def test_bad_streams_are_named(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ShardedDataModule(**kwargs)
+
+
+def test_a_strategy_that_cannot_mix_says_which_can() -> None:
+    from lightning_sharding.strategies import get_strategy
+
+    reader = MixtureReader([Stream("a", SyntheticReader())])
+    with pytest.raises(
+        ValueError, match=r"strategy 'broadcast' does not read a mixture of streams; use strategy='shard'"
+    ):
+        get_strategy("broadcast").check_data(reader, "ShardedDataModule")
+
+
+def test_an_empty_stream_is_named() -> None:
+    empty = MixtureReader([Stream("a", SyntheticReader()), Stream("empty", SyntheticReader(sizes=[0, 0]))])
+    with pytest.raises(ValueError, match=r"stream 'empty' has no samples \(2 items\)"):
+        empty.manifest()
+    assert np.array_equal(MixtureReader([Stream("a", SyntheticReader(sizes=[3]))]).manifest().counts, [3])
