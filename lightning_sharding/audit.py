@@ -75,6 +75,17 @@ class _Segment:
 
 
 @dataclass
+class StreamAudit:
+    """One stream of a mixture in one epoch: its ``expected`` draws, the distinct draws ``consumed``
+    and the ``duplicates`` (extra servings of a draw; a stream's own repeats are separate draws)."""
+
+    name: str
+    expected: int
+    consumed: int
+    duplicates: int
+
+
+@dataclass
 class EpochAudit:
     """Per-epoch result: ``expected`` samples, distinct ``consumed``, ``duplicates`` (extra
     servings), ``missing`` (never served and not dropped), ``padding`` and ``dropped``."""
@@ -87,6 +98,7 @@ class EpochAudit:
     padding: int
     dropped: int
     complete: bool
+    streams: list[StreamAudit] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -167,9 +179,25 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
                 padding=padding[epoch],
                 dropped=dropped[epoch],
                 complete=epoch in finished,
+                streams=_per_stream(first.get("streams"), counts),
             )
         )
     return results
+
+
+def _per_stream(streams: list[dict[str, Any]] | None, counts: Counter[int]) -> list[StreamAudit]:
+    """Each stream's share of an epoch's served positions (a mixture's header names its streams)."""
+    if not streams:
+        return []
+    from lightning_sharding.interleave import Interleave
+
+    positions = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+    times = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+    which, _ = Interleave([int(s["draws"]) for s in streams]).streams(positions)
+    return [
+        StreamAudit(s["name"], int(s["draws"]), int((which == i).sum()), int((times[which == i] - 1).sum()))
+        for i, s in enumerate(streams)
+    ]
 
 
 def _kept(lines: list[dict[str, Any]], cut: int | None) -> Iterable[dict[str, Any]]:
@@ -196,6 +224,10 @@ def format_audit(results: list[EpochAudit]) -> str:
             f"{r.epoch:>5} {r.expected:>9} {r.consumed:>9} {r.duplicates:>10} {r.missing:>8} {r.padding:>8} "
             f"{r.dropped:>8}  {status}"
         )
+        rows += [
+            f"{'':>5} {s.expected:>9} {s.consumed:>9} {s.duplicates:>10} {'':>8} {'':>8} {'':>8}  stream {s.name!r}"
+            for s in r.streams
+        ]
     return "\n".join([head, *rows])
 
 

@@ -102,6 +102,9 @@ class ShardingCallback(pl.Callback):
             "start_step": trainer.global_step,
             "resumed_from": str(trainer.ckpt_path) if trainer.ckpt_path else None,
         }
+        mixture = keeper.manifest.mixture
+        if mixture is not None:  # the audit counts each stream's draws
+            header["streams"] = [{"name": n, "draws": d} for n, d in zip(mixture.names, mixture.draws, strict=True)]
         return AuditWriter(directory, segment, world.data_rank, header)
 
     @override

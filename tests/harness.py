@@ -107,6 +107,9 @@ class Job:
     # (tests/jobs/parts.py::ReplicatedDDP), or with `data_parallel_override` by ShardedDataModule(data_parallel=)
     tensor_parallel: int = 1
     data_parallel_override: bool = False
+    # A mixture instead of `sizes` (tests/jobs/streams_data.py): [{"name", "sizes", "weight"|...: v}]
+    streams: tuple[dict[str, Any], ...] | None = None
+    samples_per_epoch: int | None = None
     model_parallel: bool = False  # Lightning's own ModelParallelStrategy (2-D mesh over gloo), no gradient sync
 
     def first_of_replicas(self) -> list[int]:

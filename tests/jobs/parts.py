@@ -70,7 +70,8 @@ class RecordingModel(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.count_weights and not hasattr(self, "w"):
-            total = self.trainer.datamodule.manifest.total  # type: ignore[attr-defined]
+            # One weight per sample (of a mixture too, whose epoch may draw more or fewer).
+            total = int(self.trainer.datamodule.manifest.counts.sum())  # type: ignore[attr-defined]
             self.w = torch.nn.Parameter(torch.zeros(total, dtype=torch.float64))
 
     def configure_model(self) -> None:

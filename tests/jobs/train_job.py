@@ -48,6 +48,10 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
     elif cfg["strategy"] == "broadcast":
         months = sorted(str(p) for p in Path(cfg["months"]).glob("month-*.npy"))
         data = dict(reader=MonthWindows(months, window=cfg["window"], stride=cfg["stride"], halo=cfg["halo"]))
+    elif cfg["streams"]:
+        from tests.jobs.streams_data import make_streams
+
+        data = dict(streams=make_streams(cfg["streams"]), samples_per_epoch=cfg["samples_per_epoch"])
     elif cfg["data"]:
         data, transform = dict(reader=file_reader(cfg["data"], cache_dir=out / "cache")), to_regression
     else:

@@ -1,0 +1,47 @@
+"""Mixture data for the process tests: synthetic streams whose sample ids do not overlap.
+
+Light on imports (no Lightning): DataLoader workers unpickle :class:`OffsetReader` from here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from lightning_sharding import Item, SyntheticReader
+from lightning_sharding.streams import MixtureReader, Stream
+
+
+class OffsetReader(SyntheticReader):
+    """Synthetic samples whose ids start at ``offset``, so that streams' ids differ."""
+
+    def __init__(self, offset: int, sizes: list[int]) -> None:
+        super().__init__(sizes=sizes)
+        self.offset = offset
+
+    def read_batch(self, item: Item, indices: Any, ctx: Any) -> list[Any]:
+        samples = super().read_batch(item, indices, ctx)
+        for sample in samples:
+            sample["id"] = sample["id"] + self.offset
+        return samples
+
+
+def make_streams(specs: list[dict[str, Any]]) -> list[Stream]:
+    """``[{"name", "sizes", <share>: value}, ...]`` as streams with ids ``0..`` in stream order."""
+    streams, offset = [], 0
+    for spec in specs:
+        share = {k: v for k, v in spec.items() if k not in ("name", "sizes")}
+        streams.append(Stream(spec["name"], OffsetReader(offset, spec["sizes"]), **share))
+        offset += sum(spec["sizes"])
+    return streams
+
+
+def planned_ids(specs: list[dict[str, Any]], samples_per_epoch: int | None, seed: int, epoch: int) -> Counter[int]:
+    """How often each sample id is planned in ``epoch``: every draw of the mixture's order, once."""
+    manifest = MixtureReader(make_streams(specs), samples_per_epoch).manifest()
+    order = manifest.order(seed, epoch)
+    items, index = order.locate(np.arange(manifest.total))
+    starts = np.concatenate(([0], np.cumsum(manifest.counts)))
+    return Counter((starts[items] + index).tolist())
