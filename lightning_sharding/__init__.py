@@ -43,6 +43,7 @@ _EXPORTS = {
     "Source": "sources",
     "Strategy": "strategies",
     "SqliteSource": "sources",
+    "Stream": "streams",
     "ShardContext": "world",
     "ShardedDataModule": "datamodule",
     "ShardedLoader": "strategies.shard",
@@ -82,6 +83,7 @@ __all__ = [
     "Source",
     "Strategy",
     "SqliteSource",
+    "Stream",
     "ShardContext",
     "ShardedDataModule",
     "ShardedLoader",
@@ -118,6 +120,7 @@ if TYPE_CHECKING:
     from lightning_sharding.strategies import SampleError, Strategy, register_strategy
     from lightning_sharding.strategies.dispatch import DispatchLoader
     from lightning_sharding.strategies.shard import ShardedLoader
+    from lightning_sharding.streams import Stream
     from lightning_sharding.summary import EpochReport
     from lightning_sharding.world import SampleContext, ShardContext, World
 

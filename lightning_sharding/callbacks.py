@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from typing_extensions import override
@@ -25,6 +26,7 @@ from typing_extensions import override
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.audit import AuditWriter
+from lightning_sharding.interleave import Interleave
 from lightning_sharding.keeper import LedgerKeeper
 from lightning_sharding.ledger import CHECKPOINT_KEY
 from lightning_sharding.progress_bar import show_train_total
@@ -53,6 +55,8 @@ class ShardingCallback(pl.Callback):
         self._epoch_start = 0.0
         self._served = 0
         self._skipped = 0
+        self._interleave: Interleave | None = None
+        self._stream_served = np.zeros(0, dtype=np.int64)
         self._consumed_at_start = 0
         self._batch_start = self._batch_end = 0.0
         self._wait = self._busy = 0.0
@@ -113,6 +117,9 @@ class ShardingCallback(pl.Callback):
         self._epoch_start = time.perf_counter()
         self._served = 0
         self._skipped = 0
+        mixture = keeper.manifest.mixture
+        self._interleave = Interleave(mixture.draws) if mixture is not None else None
+        self._stream_served = np.zeros(len(mixture.draws) if mixture is not None else 0, dtype=np.int64)
         self._consumed_at_start = len(keeper.ledger.consumed)
         self._accounting.start_epoch()
         self._batch_end = 0.0
@@ -165,6 +172,7 @@ class ShardingCallback(pl.Callback):
         """Count and audit accounted batches, with those a checkpoint saved earlier in the hook accounted."""
         for provenance in self._unreported + provenances:
             self._served += len(provenance.positions) - provenance.num_padding
+            self._count_streams(provenance.consumed_positions)
             self._skipped += len(provenance.skipped)
             if self._audit is not None:
                 self._audit.step(
@@ -175,6 +183,12 @@ class ShardingCallback(pl.Callback):
                     skipped=len(provenance.skipped),
                 )
         self._unreported = []
+
+    def _count_streams(self, positions: Any) -> None:
+        """A mixture's samples trained this epoch, per stream (logged as ``data/stream/<name>``)."""
+        if self._interleave is not None and len(positions):
+            which, _ = self._interleave.streams(positions)
+            self._stream_served += np.bincount(which, minlength=len(self._stream_served))
 
     def _sync(self, trainer: pl.Trainer, keeper: LedgerKeeper) -> list[Provenance]:
         """Bring the ledger to what the weights hold now; the newly accounted batches, oldest first."""
@@ -235,6 +249,11 @@ class ShardingCallback(pl.Callback):
             sync_dist=True,
             reduce_fx="max",
         )
+        if keeper.manifest.mixture is not None:  # each replica's first rank counts; summed over ranks
+            share = float(keeper.world.replica_rank == 0)
+            names = [f"data/stream/{n}" for n in keeper.manifest.mixture.names]
+            per_stream = {name: share * n for name, n in zip(names, self._stream_served.tolist(), strict=True)}
+            pl_module.log_dict(per_stream, sync_dist=True, reduce_fx="sum")
 
     @override
     def on_save_checkpoint(

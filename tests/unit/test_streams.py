@@ -127,3 +127,27 @@ def test_an_empty_stream_is_named() -> None:
     with pytest.raises(ValueError, match=r"stream 'empty' has no samples \(2 items\)"):
         empty.manifest()
     assert np.array_equal(MixtureReader([Stream("a", SyntheticReader(sizes=[3]))]).manifest().counts, [3])
+
+
+def test_the_logger_and_inspect_count_each_stream(tmp_path: Path) -> None:
+    import torch as _torch
+
+    from lightning_sharding.cli.checkpoint import format_inspect
+
+    dm = ShardedDataModule(streams=streams(web={"weight": 3}, code={"choose": 25}), batch_size=10, seed=0)
+    model = Counting()
+    trainer = cpu_trainer(max_epochs=2, max_steps=15)  # 13 steps an epoch (100 + 25 draws): 2 into epoch 1
+    trainer.fit(model, datamodule=dm)
+    in_epoch_1 = Counter(stream for (stream, _), n in model.seen[1].items() for _ in range(n))
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if "stream" in k}
+    assert logged == {"data/stream/web": in_epoch_1[0], "data/stream/code": in_epoch_1[1]}, "the stopped epoch's"
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    report = format_inspect(tmp_path / "mid.ckpt", _torch.load(tmp_path / "mid.ckpt", weights_only=True))
+    assert f"stream       'web' (weight=3, 100 samples): consumed {in_epoch_1[0]} of 100 draws" in report, report
+    assert f"stream       'code' (choose=25, 30 samples): consumed {in_epoch_1[1]} of 25 draws" in report, report
+    full = cpu_trainer(max_epochs=1)
+    full.fit(Counting(), datamodule=ShardedDataModule(streams=streams(web={"weight": 3}, code={"choose": 25})))
+    assert {k: float(v) for k, v in full.callback_metrics.items() if "stream" in k} == {
+        "data/stream/web": 100.0,
+        "data/stream/code": 25.0,
+    }
