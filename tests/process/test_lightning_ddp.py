@@ -37,13 +37,13 @@ def test_two_epochs_serve_every_sample_once_in_different_orders(tmp_path: Path) 
     assert [e["consumed"] for e in segment.report["epochs"]] == [TOTAL, TOTAL]
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
-def test_mid_epoch_checkpoint_kill_and_resume_is_exactly_once(tmp_path: Path, persistent: bool) -> None:
+def test_mid_epoch_checkpoint_kill_and_resume_is_exactly_once_with_persistent_workers(tmp_path: Path) -> None:
     """Cases (c) and (d): save at step 4, SIGKILL at step 7, resume from step 4 on the same topology.
 
-    Two epochs, so the resumed run also crosses an epoch boundary with the same workers.
+    Two epochs, so the resumed run also crosses an epoch boundary with the same (persistent)
+    workers. Fresh workers resume in every other kill-and-resume test (test_elastic, test_faults).
     """
-    job = Job(epochs=2, persistent_workers=persistent)
+    job = Job(epochs=2, persistent_workers=True)
     seen, segments = check_resume(tmp_path, job, [job], checkpoint_every=4)
     assert_exactly_once(seen, TOTAL, epochs=2)
     # The killed segment really trained past its checkpoint: those steps are the ones re-served.
