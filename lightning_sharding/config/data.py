@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from omegaconf import MISSING
+
 
 @dataclass
 class DataOptions:
@@ -130,3 +132,38 @@ class SqliteData(DataOptions):
     def known_total(self) -> int | None:
         """Known for the generated table only."""
         return None if self.path else self.rows
+
+
+@dataclass
+class StreamOptions:
+    """One stream of ``data=mixture``: files of one format and one share of the epoch (give one of
+    ``weight``, ``proportion``, ``repeat`` or ``choose``; none is ``weight=1``).
+
+    With no ``urls``, ``num_items`` files of ``samples_per_item`` regression samples are generated.
+    """
+
+    name: str = MISSING
+    format: str = "npy"  # tar | parquet | npy | jsonl
+    urls: list[str] | None = None  # paths, globs or URLs; none: generate
+    num_items: int = 2
+    samples_per_item: int = 256
+    weight: float | None = None
+    proportion: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+
+@dataclass
+class MixtureData(DataOptions):
+    """Several streams of files mixed at chosen shares into epochs of ``samples_per_epoch``
+    (none: what the shares imply). See the README's "Mixtures"."""
+
+    _target_: str = "lightning_sharding.recipes.mixture.mixture"
+    streams: list[StreamOptions] = field(default_factory=list)
+    samples_per_epoch: int | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    dim: int = 16  # features of generated streams
+
+    def known_total(self) -> int | None:
+        """The epoch size when it is set."""
+        return self.samples_per_epoch

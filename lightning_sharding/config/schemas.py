@@ -14,7 +14,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
-from lightning_sharding.config.data import FilesData, MonthsData, SqliteData, SyntheticData, TokensData
+from lightning_sharding.config.data import FilesData, MixtureData, MonthsData, SqliteData, SyntheticData, TokensData
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the packaged Hydra config directory
 
@@ -150,6 +150,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "months_schema": MonthsData,
         "tokens_schema": TokensData,
         "sqlite_schema": SqliteData,
+        "mixture_schema": MixtureData,
     },
     "sharding": {
         "shard_schema": ShardSharding,

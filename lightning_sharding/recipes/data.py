@@ -57,12 +57,16 @@ def datamodule(
     source: Source | None = None,
     transform: Transform | None = None,
     audit_dir: str | None = None,
+    **data: Any,
 ) -> ShardedDataModule:
-    """A :class:`ShardedDataModule` over ``reader`` (or ``source``) with the config's loader options."""
+    """A :class:`ShardedDataModule` over ``reader`` (or ``source``, or ``data``'s ``streams=``) with
+    the config's loader options."""
     kwargs = {key: options[key] for key in _PASSED}
     kwargs["persistent_workers"] = bool(options["persistent_workers"]) and options["num_workers"] > 0
     strategy = dict(sharding)
-    return ShardedDataModule(reader, source=source, transform=transform, audit_dir=audit_dir, **kwargs, **strategy)
+    return ShardedDataModule(
+        reader, source=source, transform=transform, audit_dir=audit_dir, **data, **kwargs, **strategy
+    )
 
 
 def synthetic(
@@ -95,20 +99,39 @@ def files(
     **options: Any,
 ) -> ShardedDataModule:
     """``data=files``: files of one reader format; with no ``urls`` a regression set is generated."""
-    from lightning_sharding.datasets import FORMATS, to_regression, write_regression
-    from lightning_sharding.readers import FILE_READERS
+    from lightning_sharding.datasets import to_regression
 
-    if format not in FILE_READERS:
-        raise ValueError(f"data.format={format!r} is unknown; choose one of {list(FORMATS)}")
     storage = dict(storage_options)
     if endpoint_url:
         storage["client_kwargs"] = {**storage.get("client_kwargs", {}), "endpoint_url": endpoint_url}
+    spec = (format, urls, num_items, samples_per_item, dim)
+    reader = file_reader(*spec, storage_options=storage, cache_dir=options["cache_dir"], key="data")
+    return datamodule(options, sharding, reader=reader, transform=to_regression, audit_dir=audit_dir)
+
+
+def file_reader(
+    format: str,
+    urls: list[str] | None,
+    num_items: int,
+    samples_per_item: int,
+    dim: int,
+    *,
+    storage_options: Mapping[str, Any],
+    cache_dir: str | None,
+    key: str,
+) -> Reader:
+    """A reader of ``format`` over ``urls``; with none, of a regression set generated once into the
+    cache. ``key`` names the config key of ``format`` in errors (``data`` or ``data.streams[i]``)."""
+    from lightning_sharding.datasets import FORMATS, write_regression
+    from lightning_sharding.readers import FILE_READERS
+
+    if format not in FILE_READERS:
+        raise ValueError(f"{key}.format={format!r} is unknown; choose one of {list(FORMATS)}")
     if not urls:
 
         def write(directory: Path) -> None:
             write_regression(str(directory), format, [samples_per_item] * num_items, dim=dim)
 
-        where = generated(options["cache_dir"], f"{format}-{num_items}x{samples_per_item}x{dim}", write)
+        where = generated(cache_dir, f"{format}-{num_items}x{samples_per_item}x{dim}", write)
         urls = [str(where / f"part-*.{format}")]
-    reader = FILE_READERS[format](list(urls), storage_options=storage, cache_dir=cache_root(options["cache_dir"]))
-    return datamodule(options, sharding, reader=reader, transform=to_regression, audit_dir=audit_dir)
+    return FILE_READERS[format](list(urls), storage_options=dict(storage_options), cache_dir=cache_root(cache_dir))

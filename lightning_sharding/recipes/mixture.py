@@ -1,0 +1,55 @@
+"""``data=mixture``: several streams of files, each its own format, mixed at chosen shares."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.recipes.data import datamodule, file_reader
+
+_SHARES = ("weight", "proportion", "repeat", "choose")
+
+
+def mixture(
+    *,
+    streams: Sequence[Mapping[str, Any]],
+    samples_per_epoch: int | None,
+    storage_options: Mapping[str, Any],
+    dim: int,
+    sharding: Mapping[str, Any],
+    audit_dir: str | None = None,
+    **options: Any,
+) -> ShardedDataModule:
+    """A :class:`ShardedDataModule` over ``streams`` (see ``config.data.StreamOptions``)."""
+    from lightning_sharding.datasets import to_regression
+    from lightning_sharding.streams import Stream
+
+    if not streams:
+        raise ValueError("data.streams is empty: give one or more {name, format, ...} (see recipe=mixture)")
+    built = []
+    for i, spec in enumerate(streams):
+        key = f"data.streams[{i}]"
+        reader = file_reader(
+            spec["format"],
+            spec["urls"],
+            spec["num_items"],
+            spec["samples_per_item"],
+            dim,
+            storage_options=storage_options,
+            cache_dir=options["cache_dir"],
+            key=key,
+        )
+        shares = {k: spec[k] for k in _SHARES if spec.get(k) is not None}
+        try:
+            built.append(Stream(spec["name"], reader, **shares))
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from None
+    return datamodule(
+        options,
+        sharding,
+        transform=to_regression,
+        audit_dir=audit_dir,
+        streams=built,
+        samples_per_epoch=samples_per_epoch,
+    )
