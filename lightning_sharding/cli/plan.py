@@ -13,11 +13,13 @@ from lightning_sharding.cli.plan_format import format_plan
 from lightning_sharding.config import CONF_DIR
 from lightning_sharding.plan import EVEN_BATCH_POLICIES
 from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.world import check_data_parallel
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from lightning_sharding.manifest import Manifest
+    from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import EvenBatches
 
 
@@ -28,13 +30,22 @@ def register(sub: Any) -> None:
         help="show which samples, batches and items each rank and worker gets",
         description="Plan one epoch of the train config's data (any data option or recipe) for a topology and "
         "print, per rank and per (rank, worker), the samples, batches, padding, dropped samples and items touched.",
-        epilog=f"example: {PROG} plan data.num_items=16 data.samples_per_item=1000 --world-size 4 --workers 2",
+        epilog=f"example: {PROG} plan data.num_items=16 data.samples_per_item=1000 --world-size 4 --workers 2\n"
+        f"         {PROG} plan --world-size 8 --data-parallel 4   (4 replicas of 2 tensor-parallel ranks)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of the train config, e.g. data.num_items=16"
     )
     plan.add_argument(
         "--world-size", type=_int_at_least(1), metavar="N", help="ranks (default: trainer.devices x trainer.num_nodes)"
+    )
+    plan.add_argument(
+        "--data-parallel",
+        type=_int_at_least(1),
+        metavar="N",
+        help="model replicas among the ranks (tensor/context/pipeline parallel: each replica's ranks read the "
+        "same batches; default: every rank)",
     )
     plan.add_argument(
         "--workers", type=_int_at_least(0), metavar="N", help="DataLoader workers per rank (default: data.num_workers)"
@@ -134,14 +145,14 @@ def _manifest(cfg: DictConfig) -> Manifest:
         dm = build_datamodule(cfg)
         if dm.source is not None:
             return source_manifest(dm.source)
-        return Manifest.from_items(dm.make_reader().items())
+        manifest = dm.make_reader().manifest()
     except Exception as err:  # noqa: BLE001 - a bad data option: say which and why
         cause = err.__cause__ or err
         raise CliError(f"cannot build data={cfg.data.get('_target_')}: {_first_line(cause)}") from None
+    return manifest
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import plan_epoch
 
     plot = _check_plot_path(args.plot)
@@ -157,24 +168,40 @@ def _plan(args: argparse.Namespace) -> int:
         raise CliError(f"data.seed={seed} must be 0 or more")
     if even_batches not in EVEN_BATCH_POLICIES:
         raise CliError(f"data.even_batches={even_batches!r} must be one of {', '.join(map(repr, EVEN_BATCH_POLICIES))}")
+    world_size = args.world_size if args.world_size is not None else data.world_size
+    data_size = world_size if args.data_parallel is None else args.data_parallel
+    try:
+        check_data_parallel((0, data_size), world_size, f"--data-parallel {data_size} (world size {world_size})")
+    except ValueError as err:
+        raise CliError(str(err)) from None
     manifest = _manifest(cfg)
     # A source (strategy dispatch) is read in its own order: such a strategy never shuffles.
-    order = EpochOrder(manifest.counts, seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)
+    order = manifest.order(seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)
+    if plot is not None and manifest.mixture is not None:
+        raise CliError("--plot does not draw a mixture of streams yet; the table shows each stream's samples")
     plan = plan_epoch(
         manifest.total,
         RangeSet(),
         epoch=args.epoch,
-        world_size=args.world_size if args.world_size is not None else data.world_size,
+        world_size=data_size,  # the data-parallel ranks split the data; a replica's ranks share it
         num_workers=args.workers if args.workers is not None else data.num_workers,
         batch_size=batch_size,
         even_batches=cast("EvenBatches", even_batches),
         worker_layout=strategy.worker_layout,  # as the strategy's sampler plans
     )
-    print(format_plan(plan, order, fingerprint=manifest.fingerprint, strategy=strategy.name))
+    text = format_plan(
+        plan,
+        order,
+        fingerprint=manifest.fingerprint,
+        strategy=strategy.name,
+        replica_size=world_size // data_size,
+        shares=manifest.mixture.shares if manifest.mixture is not None else (),
+    )
+    print(text)
     if plot is not None:
         from lightning_sharding import plots
 
-        _draw(plots.plot_plan, plot, plan, order)
+        _draw(plots.plot_plan, plot, plan, cast("EpochOrder", order))
         print(f"plot written to {plot}")
     return 0
 

@@ -12,6 +12,7 @@ from lightning_sharding.cli._common import _plural
 from lightning_sharding.rangeset import RangeSet
 
 if TYPE_CHECKING:
+    from lightning_sharding.mixture import MixtureOrder
     from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import EpochPlan, RankPlan
 
@@ -33,6 +34,7 @@ class _Row:
     padding: int
     dropped: int | None
     items: int
+    streams: tuple[int, ...] = ()  # a mixture's samples per stream (then ``items`` is not counted)
 
 
 def _nonempty_slots(order: EpochOrder) -> RangeSet:
@@ -72,22 +74,41 @@ def _shown(count: int, limit: int, shown: int) -> list[int | None]:
     return [*range(half), None, *range(count - half, count)]
 
 
-def _plan_rows(plan: EpochPlan, order: EpochOrder) -> tuple[list[_Row | None], list[RangeSet]]:
-    """Printed rows (``None`` for ``...``) and every rank's slots, for the totals."""
+def _stream_counts(order: MixtureOrder, positions: RangeSet) -> tuple[int, ...]:
+    """Samples of each stream among ``positions``, counted per range from the interleave's prefixes."""
+    counts = np.zeros(len(order.names), dtype=np.int64)
+    for a, b in zip(positions.starts.tolist(), positions.ends.tolist(), strict=True):
+        counts += np.asarray(order.prefix(b), dtype=np.int64) - np.asarray(order.prefix(a), dtype=np.int64)
+    return tuple(counts.tolist())
+
+
+def _plan_rows(plan: EpochPlan, order: EpochOrder | MixtureOrder) -> tuple[list[_Row | None], list[RangeSet]]:
+    """Printed rows (``None`` for ``...``) and every rank's slots (or, for a mixture, served
+    positions), for the totals."""
+    from lightning_sharding.mixture import MixtureOrder
+
+    mixture = order if isinstance(order, MixtureOrder) else None
     rank_slots: list[RangeSet] = []
     rows: list[_Row | None] = []
-    nonempty = _nonempty_slots(order)
+    nonempty = None if mixture is not None else _nonempty_slots(order)  # type: ignore[arg-type]
+
+    def count(positions: RangeSet) -> tuple[int, tuple[int, ...]]:
+        if mixture is not None:
+            return 0, _stream_counts(mixture, positions)
+        return len(_slots(order, positions, nonempty)), ()  # type: ignore[arg-type]
+
     shown = set(_shown(plan.world_size, MAX_RANKS, RANKS_SHOWN))
     for r in range(plan.world_size):
         rank = plan.rank(r)
         served = rank.positions.select(0, rank.num_served)
-        rank_slots.append(_slots(order, served, nonempty))
+        rank_slots.append(served if mixture is not None else _slots(order, served, nonempty))  # type: ignore[arg-type]
         if r not in shown:
             if r - 1 in shown:
                 rows.append(None)
             continue
+        items, streams = (0, _stream_counts(mixture, served)) if mixture is not None else (len(rank_slots[-1]), ())
         rows.append(
-            _Row(r, None, rank.num_served, rank.num_batches, rank.num_padding, rank.num_dropped, len(rank_slots[-1]))
+            _Row(r, None, rank.num_served, rank.num_batches, rank.num_padding, rank.num_dropped, items, streams)
         )
         if plan.num_workers == 0:
             continue
@@ -96,53 +117,127 @@ def _plan_rows(plan: EpochPlan, order: EpochOrder) -> tuple[list[_Row | None], l
                 rows.append(None)
                 continue
             positions, padding = _worker_positions(rank, w)
-            items = len(_slots(order, positions, nonempty))
-            rows.append(_Row(r, w, len(positions), len(rank.worker_batches(w)), padding, None, items))
+            items, streams = count(positions)
+            rows.append(_Row(r, w, len(positions), len(rank.worker_batches(w)), padding, None, items, streams))
     return rows, rank_slots
 
 
-def format_plan(plan: EpochPlan, order: EpochOrder, *, fingerprint: str = "", strategy: str = "shard") -> str:
-    """The ``plan`` table: a header, one row per rank and per (rank, worker), and a totals line."""
+def _letters(names: Sequence[str]) -> list[str]:
+    """One letter per stream for the interleave picture: its first letter, else a digit."""
+    firsts = [name[:1].upper() or "?" for name in names]
+    if len(set(firsts)) == len(firsts) and all(f.isalpha() for f in firsts):
+        return firsts
+    return [str(i % 10) for i in range(len(names))]
+
+
+def _mixture_lines(order: MixtureOrder, shares: Sequence[str], width: int = 64) -> list[str]:
+    """Each stream's share and draws, and a picture of the first ``width`` positions of the epoch."""
+    letters = _letters(order.names)
+    lines = [
+        f"  {letter} {name}: {share}, {draws} draws an epoch from {size} samples"
+        for letter, name, share, draws, size in zip(letters, order.names, shares, order.draws, order.sizes, strict=True)
+    ]
+    stream, _ = order.streams(np.arange(min(width, order.total)))
+    picture = "".join(letters[s] for s in stream.tolist())
+    lines.append(f"interleave of positions 0..{len(picture) - 1}: {picture}")
+    return lines
+
+
+def format_plan(
+    plan: EpochPlan,
+    order: EpochOrder | MixtureOrder,
+    *,
+    fingerprint: str = "",
+    strategy: str = "shard",
+    replica_size: int = 1,
+    shares: Sequence[str] = (),
+) -> str:
+    """The ``plan`` table: a header, one row per rank and per (rank, worker), and a totals line.
+
+    With ``replica_size`` > 1 the plan's ranks are data-parallel ranks, each a model replica of
+    ``replica_size`` global ranks that read the same batches; a ``ranks`` column names them in
+    Lightning's ``ModelParallelStrategy`` layout (replica ``d`` is ranks ``d*T .. d*T+T-1``).
+    For a mixture (a :class:`MixtureOrder`, each stream's share in ``shares``) the ``items``
+    column gives way to one column of samples per stream.
+    """
+    from lightning_sharding.mixture import MixtureOrder
+
+    mixture = order if isinstance(order, MixtureOrder) else None
     rows, rank_slots = _plan_rows(plan, order)
-    items = int(np.count_nonzero(order.counts))
     workers = _plural(plan.num_workers, "worker") if plan.num_workers else "0 workers (loading in the rank's process)"
     shuffle = "shuffled" if order.shuffle else "not shuffled"
+    replicated = replica_size > 1
+    world = f"world {_plural(plan.world_size * replica_size, 'rank')}"
+    if replicated:
+        replicas = "replica" if plan.world_size == 1 else "replicas"
+        world += f" = {plan.world_size} data-parallel {replicas} x {replica_size} ranks that read the same batches"
+    if mixture is not None:
+        what = f"a mixture of {_plural(len(mixture.names), 'stream')} ({_plural(order.counts.size, 'item')})"
+        widths = [max(6, len(name)) for name in mixture.names]
+        tail_header = " ".join(f"{name:>{w}}" for name, w in zip(mixture.names, widths, strict=True))
+    else:
+        what = _plural(order.counts.size, "item")
+        widths = [6]
+        tail_header = f"{'items':>6}"
+
+    def tail(row: _Row) -> str:
+        values = row.streams if mixture is not None else (row.items,)
+        return " ".join(f"{v:>{w}}" for v, w in zip(values, widths, strict=True))
+
     lines = [
-        f"epoch {plan.epoch}, seed {order.seed}, {shuffle}: "
-        f"{_plural(plan.total, 'sample')} in {_plural(order.counts.size, 'item')}"
+        f"epoch {plan.epoch}, seed {order.seed}, {shuffle}: {_plural(plan.total, 'sample')} in {what}"
         + (f" (data fingerprint {fingerprint[:16]})" if fingerprint else ""),
-        f"world {_plural(plan.world_size, 'rank')} x {workers}, batch size {plan.batch_size}, "
-        f"even_batches={plan.even_batches}, strategy {strategy}",
+        f"{world} x {workers}, batch size {plan.batch_size}, even_batches={plan.even_batches}, strategy {strategy}",
+    ]
+    if mixture is not None:
+        lines += _mixture_lines(mixture, shares or ("",) * len(mixture.names))
+    lines += [
         "",
-        f"{'rank':>6} {'worker':>6} {'samples':>9} {'batches':>8} {'padding':>8} {'dropped':>8} {'items':>6}",
+        (f"{'dp rank':>7} {'ranks':>11}" if replicated else f"{'rank':>6}")
+        + f" {'worker':>6} {'samples':>9} {'batches':>8} {'padding':>8} {'dropped':>8} {tail_header}",
     ]
     for row in rows:
         if row is None:
-            lines.append(f"{'...':>6}")
+            lines.append(f"{'...':>7}" if replicated else f"{'...':>6}")
             continue
         worker = "all" if row.worker is None else str(row.worker)
         dropped = "-" if row.dropped is None else str(row.dropped)
-        lines.append(
-            f"{row.rank:>6} {worker:>6} {row.samples:>9} {row.batches:>8} {row.padding:>8} {dropped:>8} {row.items:>6}"
-        )
-    # Items read by two ranks or more: count, per slot, the ranks whose slots cover it.
-    cover = np.zeros(order.counts.size + 1, dtype=np.int64)
-    for slots in rank_slots:
-        np.add.at(cover, slots.starts, 1)
-        np.add.at(cover, slots.ends, -1)
-    shared = int(np.count_nonzero(np.cumsum(cover)[:-1] >= 2))
+        if replicated:
+            first = row.rank * replica_size
+            rank = f"{row.rank:>7} {f'{first}-{first + replica_size - 1}':>11}"
+        else:
+            rank = f"{row.rank:>6}"
+        lines.append(f"{rank} {worker:>6} {row.samples:>9} {row.batches:>8} {row.padding:>8} {dropped:>8} {tail(row)}")
     served = int(plan.rank_counts.sum() - plan.dropped_per_rank.sum())
-    touched = _union_len(rank_slots)
     dropped_total = int(plan.dropped_per_rank.sum())
+    if mixture is not None:
+        totals = np.zeros(len(mixture.names), dtype=np.int64)
+        for positions in rank_slots:  # a mixture's rank_slots are the served positions
+            totals += np.asarray(_stream_counts(mixture, positions), dtype=np.int64)
+        total_tail = " ".join(f"{v:>{w}}" for v, w in zip(totals.tolist(), widths, strict=True))
+        reading = "served of planned draws: " + ", ".join(
+            f"{name} {int(t)} of {d}" for name, t, d in zip(mixture.names, totals, mixture.draws, strict=True)
+        )
+    else:
+        # Items read by two ranks or more: count, per slot, the ranks whose slots cover it.
+        cover = np.zeros(order.counts.size + 1, dtype=np.int64)
+        for slots in rank_slots:
+            np.add.at(cover, slots.starts, 1)
+            np.add.at(cover, slots.ends, -1)
+        shared = int(np.count_nonzero(np.cumsum(cover)[:-1] >= 2))
+        total_tail = f"{_union_len(rank_slots):>6}"
+        items = int(np.count_nonzero(order.counts))
+        reading = f"{shared} of {_plural(items, 'item')} read by more than one {'replica' if replicated else 'rank'}"
     lines.append(
-        f"{'total':>6} {'':>6} {served:>9} {plan.num_batches * plan.world_size:>8} "
-        f"{int(plan.padding_per_rank.sum()):>8} {dropped_total:>8} {touched:>6}"
+        (f"{'total':>7} {'':>11}" if replicated else f"{'total':>6}")
+        + f" {'':>6} {served:>9} {plan.num_batches * plan.world_size:>8} "
+        f"{int(plan.padding_per_rank.sum()):>8} {dropped_total:>8} {total_tail}"
     )
-    per_rank = f"{plan.num_batches} {'batch' if plan.num_batches == 1 else 'batches'} per rank"
-    lines.append(
-        f"{per_rank}; {served} served + {dropped_total} dropped = {plan.total} samples; "
-        f"{shared} of {_plural(items, 'item')} read by more than one rank"
-    )
+    batches = "batch" if plan.num_batches == 1 else "batches"
+    per_rank = f"{plan.num_batches} {batches} per rank"
+    if replicated:
+        per_rank += f" (every rank of a replica: the same {batches})"
+    lines.append(f"{per_rank}; {served} served + {dropped_total} dropped = {plan.total} samples; {reading}")
     return "\n".join(lines)
 
 

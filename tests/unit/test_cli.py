@@ -169,6 +169,9 @@ def test_plan_large_world_is_one_screen(capsys: pytest.CaptureFixture[str]) -> N
         (["16"], "'16'"),
         (["--plot", "/no/such/dir/plan.png"], "/no/such/dir"),
         (["--bogus"], "--bogus"),
+        (["--world-size", "4", "--data-parallel", "3"], "[1, 2, 4]"),
+        (["--world-size", "2", "--data-parallel", "4"], "--data-parallel 4"),
+        (["--data-parallel", "0"], "0"),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], named: str) -> None:
@@ -179,6 +182,67 @@ def test_plan_user_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv:
     assert named in err and "Traceback" not in err
     if argv[0] == "--strategy":
         assert "shard" in err  # the choices are named
+
+
+DP_ROW = re.compile(r"^\s+(\d+)\s+(\d+)-(\d+)\s+(all|\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$")
+
+
+def test_plan_with_data_parallel_replicas_is_the_plan_of_the_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    """8 ranks in 4 replicas of 2: the rows are the 4 data-parallel ranks, each naming its 2 global
+    ranks, with the numbers of a plain 4-rank plan; 8 of 8 is the plain table."""
+    data = ["data.num_items=6", "data.samples_per_item=50", "--workers", "2", "--batch-size", "8"]
+    code, out, err = run(capsys, "plan", *data, "--world-size", "8", "--data-parallel", "4")
+    assert code == 0, err
+    assert "world 8 ranks = 4 data-parallel replicas x 2 ranks that read the same batches x 2 workers" in out
+    replicas: dict[tuple[int, str], list[int]] = {}
+    for line in out.splitlines():
+        m = DP_ROW.match(line)
+        if m:
+            dp, first, last, worker, *numbers = m.groups()
+            assert (int(first), int(last)) == (2 * int(dp), 2 * int(dp) + 1)  # ModelParallelStrategy's layout
+            replicas[int(dp), worker] = [int(n) for n in numbers if n != "-"]
+    assert {dp for dp, _ in replicas} == {0, 1, 2, 3}
+    _, plain, _ = run(capsys, "plan", *data, "--world-size", "4")
+    ranks, workers = table(plain)
+    assert {dp: replicas[dp, "all"] for dp in range(4)} == ranks
+    assert {(dp, int(w)): row for (dp, w), row in replicas.items() if w != "all"} == workers
+    assert "read by more than one replica" in out
+    _, same, _ = run(capsys, "plan", *data, "--world-size", "4", "--data-parallel", "4")
+    assert same == plain
+
+
+def test_plan_of_a_mixture_counts_each_streams_samples_per_rank_and_worker(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Per-stream columns, counted on ranges from the interleave's prefixes, equal the streams of
+    every single position the plan gives each rank and worker; the picture is the interleave's."""
+    from lightning_sharding.cli.plan import _compose, _manifest
+
+    overrides = [f"data.cache_dir={tmp_path}", "recipe=mixture", "data.samples_per_epoch=1000"]
+    args = ["--world-size", "3", "--workers", "2", "--batch-size", "16", "--even-batches", "drop", "--seed", "4"]
+    code, out, err = run(capsys, "plan", *overrides, *args)
+    assert code == 0, err
+    manifest = _manifest(_compose(overrides))
+    assert manifest.mixture is not None and manifest.mixture.names == ("web", "code", "books")
+    order = manifest.order(4, 0)
+    plan = plan_epoch(1000, RangeSet(), epoch=0, world_size=3, num_workers=2, batch_size=16, even_batches="drop")
+    row = re.compile(r"^\s+(\d+)\s+(all|\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)\s+(\d+)\s+(\d+)$")
+    rows = {m[1] + "/" + m[2]: [int(m[i]) for i in (7, 8, 9)] for m in map(row.match, out.splitlines()) if m}
+    for r in range(3):
+        rank = plan.rank(r)
+        streams, _ = order.streams(rank.positions.select(0, rank.num_served).to_array())
+        assert rows[f"{r}/all"] == np.bincount(streams, minlength=3).tolist()
+        for w in range(2):
+            tasks = [rank.batch(b) for b in rank.worker_batches(w)]
+            positions = np.concatenate([t.positions[: t.positions.size - t.num_padding] for t in tasks])
+            streams, _ = order.streams(positions.astype(np.int64))
+            assert rows[f"{r}/{w}"] == np.bincount(streams, minlength=3).tolist()
+    picture = "".join("WCB"[s] for s in order.streams(np.arange(64))[0].tolist())
+    assert f"interleave of positions 0..63: {picture}" in out
+    assert "web: weight=3.0" in out and "books: repeat=2.0, 128 draws an epoch from 64 samples" in out
+    assert "1000 samples in a mixture of 3 streams" in out and "dropped = 1000 samples" in out
+    code, _, err = run(capsys, "plan", *overrides, "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and "--plot does not draw a mixture" in err
 
 
 def test_overrides_may_follow_or_surround_options(capsys: pytest.CaptureFixture[str]) -> None:

@@ -151,3 +151,19 @@ def test_the_logger_and_inspect_count_each_stream(tmp_path: Path) -> None:
         "data/stream/web": 100.0,
         "data/stream/code": 25.0,
     }
+
+
+def test_the_mixture_config_names_a_bad_stream(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from lightning_sharding.cli.main import main
+    from lightning_sharding.config import CONF_DIR
+    from lightning_sharding.train import build_datamodule
+
+    overrides = [f"data.cache_dir={tmp_path}", "recipe=mixture"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("train", overrides=[*overrides, "+data.streams.1.choose=5"])
+    with pytest.raises(Exception, match=r"data.streams\[1\]: stream 'code' sets weight and choose"):
+        build_datamodule(cfg)  # Hydra's InstantiationException, naming the stream's key
+    assert main(["plan", *overrides, "+data.streams.1.choose=5"]) == 2
+    assert "data.streams[1]: stream 'code' sets weight and choose" in capsys.readouterr().err
