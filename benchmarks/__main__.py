@@ -127,6 +127,8 @@ def main() -> None:
     log("planning scale")
     results["planning"] = scale.planning_seconds(max(3, repeats)) | {"target_seconds": 1.0}
     results["planning"]["met"] = results["planning"]["seconds"] < 1.0
+    results["mixture_planning"] = scale.mixture_planning_seconds(max(3, repeats)) | {"target_seconds": 1.0}
+    results["mixture_planning"]["met"] = results["mixture_planning"]["seconds"] < 1.0
     log("checkpoint")
     results["checkpoint"] = scale.checkpoint(repeats)
     log("memory (broadcast)")

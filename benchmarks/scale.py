@@ -29,6 +29,7 @@ from lightning_sharding.plan import plan_epoch
 from lightning_sharding.rangeset import RangeSet
 
 ITEMS, RANKS, WORKERS, LEDGER_RANGES, PLAN_BATCH = 1_000_000, 4096, 8, 10_000, 16
+STREAMS = 16  # the mixture row: 16 streams of ITEMS items each (one sample per item), weights 1..16
 
 
 def planning_seconds(repeats: int) -> dict[str, Any]:
@@ -45,6 +46,46 @@ def planning_seconds(repeats: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
         assert len(tasks) == counts[0] and len(counts[1]) == RANKS
     return {"seconds": statistics.median(times), "runs": times, "batches_per_rank": plan.num_batches}
+
+
+def mixture_planning_seconds(repeats: int) -> dict[str, Any]:
+    """Median seconds to plan a mixture epoch of 16 streams x 10^6 items for 4,096 ranks x 8 workers
+    (the mixture's order, one rank's tasks, every rank's counts and the stream of each of the rank's
+    positions, with a 10,000-range ledger), and separately to map that rank's positions to items:
+    that builds each stream's item order (a permutation of its 10^6 items), once per epoch."""
+    from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
+
+    specs = [StreamSpec(f"s{i}", weight=float(i + 1)) for i in range(STREAMS)]
+    draws = plan_draws(specs, [ITEMS] * STREAMS)
+    mixture = Mixture(
+        tuple(s.name for s in specs), tuple(s.describe() for s in specs), (ITEMS,) * STREAMS, tuple(draws)
+    )
+    counts = np.ones(STREAMS * ITEMS, dtype=np.int64)
+    total = sum(draws)
+    starts = np.arange(LEDGER_RANGES, dtype=np.int64) * (total // LEDGER_RANGES)
+    consumed = RangeSet(starts, starts + total // LEDGER_RANGES // 2)
+    plan_times, locate_times = [], []
+    for epoch in range(repeats):
+        start = time.perf_counter()
+        order = mixture.order(counts, 0, epoch)
+        plan = plan_epoch(total, consumed, epoch=epoch, world_size=RANKS, num_workers=WORKERS, batch_size=PLAN_BATCH)
+        tasks = list(plan.rank(RANKS - 1).tasks())
+        positions = np.concatenate([t.positions for t in tasks])
+        streams, _ = order.streams(positions)
+        plan_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        items, _ = order.locate(positions)
+        locate_times.append(time.perf_counter() - start)
+        assert len(plan.rank_counts) == RANKS and items.size == positions.size
+        assert np.array_equal(np.searchsorted(np.arange(1, STREAMS + 1) * ITEMS, items, side="right"), streams)
+    return {
+        "seconds": statistics.median(plan_times),
+        "runs": plan_times,
+        "locate_seconds": statistics.median(locate_times),
+        "locate_runs": locate_times,
+        "streams": STREAMS,
+        "samples_per_epoch": total,
+    }
 
 
 def _consume_half(ledger: Ledger, world_size: int, workers: int, batch: int) -> None:

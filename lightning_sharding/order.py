@@ -54,12 +54,15 @@ class EpochOrder:
             raise ValueError(f"EpochOrder needs a non-empty 1-d array of counts, got shape {self.counts.shape}")
         self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)
         n = self.counts.size
-        self.item_order: Int64Array = (
-            _rng(_ITEM_STREAM, self.seed, self.epoch).permutation(n).astype(np.int64)
-            if self.shuffle
-            else np.arange(n, dtype=np.int64)
-        )
-        self.starts: Int64Array = np.concatenate(([0], np.cumsum(self.counts[self.item_order]))).astype(np.int64)
+        if self.shuffle:
+            # rng.permutation(n) shuffles arange(n): the same swaps on 4-byte integers give the same
+            # order in about half the time (less memory to move), for the 10^6 items of a stream.
+            order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+            _rng(_ITEM_STREAM, self.seed, self.epoch).shuffle(order)
+            self.item_order: Int64Array = order.astype(np.int64)
+        else:
+            self.item_order = np.arange(n, dtype=np.int64)
+        self.starts: Int64Array = np.concatenate((np.zeros(1, np.int64), np.cumsum(self.counts[self.item_order])))
         self.total = int(self.starts[-1])
         self._cache: OrderedDict[int, Int64Array] = OrderedDict()
         self._cache_items = cache_items
@@ -68,7 +71,12 @@ class EpochOrder:
         """The permutation of an item's sample indices, shape ``(counts[item],)``."""
         perm = self._cache.get(item)
         if perm is None:
-            perm = _rng(_SAMPLE_STREAM, self.seed, self.epoch, item).permutation(int(self.counts[item]))
+            count = int(self.counts[item])
+            # One sample (a token window, a row per item) has one order: no generator to seed.
+            if count <= 1:
+                perm = np.arange(count)
+            else:
+                perm = _rng(_SAMPLE_STREAM, self.seed, self.epoch, item).permutation(count)
             self._cache[item] = perm
             if len(self._cache) > self._cache_items:
                 self._cache.popitem(last=False)

@@ -35,9 +35,11 @@ def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert systems[name].get("samples_per_s", 0) > 0 or systems[name]["unavailable"]
     assert set(results["resume"]["systems"]["lightning_sharding"]["seconds"]) == {"0.0", "0.5", "0.9"}
     assert results["planning"]["seconds"] > 0
+    mixture = results["mixture_planning"]
+    assert mixture["streams"] == 16 and mixture["seconds"] > 0 and mixture["locate_seconds"] > 0
     assert all(row["bytes"] > 0 and row["gather_save_seconds"] > 0 for row in results["checkpoint"].values())
     memory = results["memory"]["data_per_item"]
     assert memory["broadcast, no prefetch"] > 0 and memory["baseline: a copy per worker"] > 0
     assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = done.stdout
-    assert "| measure | system / setting |" in table and "planning" in table and "memory" in table
+    assert "| measure | system / setting |" in table and "planning a mixture" in table and "memory" in table
