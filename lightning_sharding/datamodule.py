@@ -221,7 +221,7 @@ class ShardedDataModule(pl.LightningDataModule):
                 "If your subclass overrides setup(), call super().setup(stage) in it."
             )
         if self.trainer is not None:
-            keeper.ledger.start_epoch(_epoch_lightning_runs_next(self.trainer))
+            keeper.start_epoch(_epoch_lightning_runs_next(self.trainer))
         self.seed = keeper.ledger.seed  # a restored checkpoint's seed
         keeper.options = self.options  # set again since setup (Lightning's batch-size finder)
         self.strategy.release(keeper.train_loader)

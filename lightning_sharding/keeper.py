@@ -43,6 +43,7 @@ class LedgerKeeper:
         self.ledger, self.manifest, self.world, self.options = ledger, manifest, world, options
         self.seed_given, self.allow_data_change, self.audit_dir = seed_given, allow_data_change, audit_dir
         self.train_loader: TrainLoader | None = None
+        self.restored_from: str | None = None  # the checkpoint restored, until the first loader after it
 
     def gather(self) -> None:
         """Union every replica's consumed positions into every rank's ledger (a collective call).
@@ -72,6 +73,26 @@ class LedgerKeeper:
         if global_step is not None:
             state[GLOBAL_STEP_KEY] = int(global_step)
         return state
+
+    def start_epoch(self, epoch: int) -> None:
+        """Move the ledger to ``epoch``, the one Lightning trains next. Right after a restore, an
+        epoch the checkpoint left part-trained that Lightning skips is warned about, never silent."""
+        ledger, source = self.ledger, self.restored_from
+        self.restored_from = None
+        consumed = len(ledger.consumed)
+        left = ledger.total - consumed
+        # "drop" (and "sync") may leave up to one sample per data-parallel rank untrained by design.
+        tolerated = self.world.data_size if self.options.even_batches != "pad" else 1
+        if source is not None and epoch > ledger.epoch and consumed and left >= tolerated:
+            warnings.warn(
+                f"{source} stopped epoch {ledger.epoch} after {consumed} of its {ledger.total} samples, and "
+                f"Lightning goes on with epoch {epoch}: the other {left} samples of epoch {ledger.epoch} are "
+                "not trained. Lightning counts an epoch as done in a checkpoint written after fit() returned "
+                "(max_steps reached, say) or cut short by limit_train_batches; to finish the epoch, resume "
+                "from one written during training (ModelCheckpoint(every_n_train_steps=...)).",
+                stacklevel=2,
+            )
+        ledger.start_epoch(epoch)
 
     def committed(self) -> None:
         """The checkpoint written last is saved: the train loader may tell its source."""
@@ -104,6 +125,7 @@ class LedgerKeeper:
             )
         if restored.fingerprint == self.manifest.fingerprint:
             self.ledger = restored
+            self.restored_from = source
             return
         change = describe_change(restored.manifest, self.manifest.summary())
         if not self.allow_data_change:

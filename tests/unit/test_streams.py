@@ -81,6 +81,57 @@ def test_a_checkpoint_of_one_mixture_refuses_another_naming_the_stream(tmp_path:
         cpu_trainer(max_steps=6).fit(Counting(), datamodule=changed, ckpt_path=tmp_path / "mid.ckpt")
 
 
+def test_max_steps_over_a_mixture_rolls_epochs_over_and_resumes_exactly(tmp_path: Path) -> None:
+    """Training by steps with no epoch to care about: 40 steps of 8 over epochs of 120 draws run
+    2 2/3 epochs; resuming from the checkpoint written at step 20 (mid-epoch 1) trains the very
+    batches the uninterrupted run trained after it. A checkpoint written after fit() returned, which
+    Lightning resumes in the next epoch, names the samples of the epoch it skips."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Steps(Counting):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[tuple[int, list[tuple[int, int]]]] = []
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            real = ~batch["is_padding"]
+            self.steps.append(
+                (self.current_epoch, list(zip(batch["stream"][real].tolist(), batch["id"][real].tolist(), strict=True)))
+            )
+            return super().training_step(batch, batch_idx)
+
+    def fit(max_steps: int, ckpt: Path | None = None, **trainer: Any) -> Steps:
+        dm = ShardedDataModule(
+            streams=streams(web={"weight": 3}, code={"weight": 1}, books={"repeat": 2.0}),
+            samples_per_epoch=120,
+            batch_size=8,
+            seed=3,
+        )
+        model = Steps()
+        fitted = cpu_trainer(max_epochs=-1, max_steps=max_steps, **trainer)
+        fitted.fit(model, datamodule=dm, ckpt_path=ckpt)
+        assert fitted.global_step == max_steps
+        if max_steps == 20:
+            fitted.save_checkpoint(tmp_path / "after_fit.ckpt")
+        return model
+
+    every_20 = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=20, save_top_k=-1)
+    whole = fit(40, callbacks=[every_20], enable_checkpointing=True)
+    assert sorted(whole.seen) == [0, 1, 2]
+    assert [sum(whole.seen[e].values()) for e in (0, 1, 2)] == [120, 120, 80]
+    for epoch in (0, 1):  # whole epochs: each stream at its draws, repeats only where asked
+        per_stream = Counter(stream for (stream, _), n in whole.seen[epoch].items() for _ in range(n))
+        assert per_stream == {0: 75, 1: 25, 2: 20}
+    resumed = fit(40, tmp_path / "step=20.ckpt")
+    assert [e for e, _ in whole.steps[20:]] == [1] * 10 + [2] * 10
+    assert resumed.steps == whole.steps[20:]
+
+    fit(20)
+    with pytest.warns(UserWarning, match=r"stopped epoch 1 after 40 of its 120 samples.*other 80 samples"):
+        skipped = fit(40, tmp_path / "after_fit.ckpt")
+    assert sorted(skipped.seen) == [2, 3]  # Lightning's choice, now said
+
+
 def test_samples_per_epoch_of_a_single_reader_sets_the_epoch() -> None:
     dm = ShardedDataModule(Tagged(0, [10, 20]), samples_per_epoch=12, batch_size=4, seed=2)
     model = Counting()
