@@ -39,13 +39,18 @@ mixtures = st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=4), min_siz
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(mixtures, st.integers(0, 2**31), st.integers(0, 6))
-def test_positions_map_one_to_one_and_prefixes_hold_every_share(mixture, seed, epoch) -> None:
+def drawn(mixture: tuple[list[list[int]], list[int]], seed: int, epoch: int) -> tuple[MixtureOrder, list[int]]:
+    """The order of a generated mixture (one that draws nothing draws one sample of its first stream)."""
     item_counts, draws = mixture
     if sum(draws) == 0:
         draws[0] = 1
-    order = build(item_counts, draws, seed, epoch)
+    return build(item_counts, draws, seed, epoch), draws
+
+
+@settings(max_examples=60, deadline=None)
+@given(mixtures, st.integers(0, 2**31), st.integers(0, 6))
+def test_positions_map_one_to_one_and_prefixes_hold_every_share(mixture, seed, epoch) -> None:
+    order, draws = drawn(mixture, seed, epoch)
     stream, draw = order.streams(np.arange(order.total))
     for s, d in enumerate(draws):
         assert sorted(draw[stream == s].tolist()) == list(range(d))
@@ -64,14 +69,11 @@ def test_positions_map_one_to_one_and_prefixes_hold_every_share(mixture, seed, e
 @settings(max_examples=60, deadline=None)
 @given(mixtures, st.integers(0, 2**31), st.integers(0, 6))
 def test_a_stream_repeats_a_sample_in_an_epoch_only_when_it_draws_more_than_it_has(mixture, seed, epoch) -> None:
-    item_counts, draws = mixture
-    if sum(draws) == 0:
-        draws[0] = 1
-    order = build(item_counts, draws, seed, epoch)
+    order, draws = drawn(mixture, seed, epoch)
     ids = sample_ids(order, np.arange(order.total))
     stream, _ = order.streams(np.arange(order.total))
     start = 0
-    for s, counts in enumerate(item_counts):
+    for s, counts in enumerate(mixture[0]):
         size, d = sum(counts), draws[s]
         seen = Counter(ids[stream == s].tolist())
         assert all(start <= i < start + size for i in seen), "a stream serves only its own samples"

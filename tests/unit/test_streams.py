@@ -51,13 +51,18 @@ def streams(**shares: Any) -> list[Stream]:
     return [Stream(name, Tagged(i, sizes[name]), **share) for i, (name, share) in enumerate(shares.items())]
 
 
-def test_a_mixture_trains_at_its_shares_with_repeats_only_where_asked() -> None:
-    dm = ShardedDataModule(
+def three_streams(seed: int) -> ShardedDataModule:
+    """web (weight 3) and code (weight 1) down-sampled, books twice over: 75 + 25 + 20 = 120 an epoch."""
+    return ShardedDataModule(
         streams=streams(web={"weight": 3}, code={"weight": 1}, books={"repeat": 2.0}),
         samples_per_epoch=120,
         batch_size=8,
-        seed=1,
+        seed=seed,
     )
+
+
+def test_a_mixture_trains_at_its_shares_with_repeats_only_where_asked() -> None:
+    dm = three_streams(seed=1)
     model = Counting()
     cpu_trainer(max_epochs=3).fit(model, datamodule=dm)
     assert dm.manifest is not None and [s["draws"] for s in dm.manifest.summary()["streams"]] == [75, 25, 20]
@@ -101,12 +106,7 @@ def test_max_steps_over_a_mixture_rolls_epochs_over_and_resumes_exactly(tmp_path
             return super().training_step(batch, batch_idx)
 
     def fit(max_steps: int, ckpt: Path | None = None, **trainer: Any) -> Steps:
-        dm = ShardedDataModule(
-            streams=streams(web={"weight": 3}, code={"weight": 1}, books={"repeat": 2.0}),
-            samples_per_epoch=120,
-            batch_size=8,
-            seed=3,
-        )
+        dm = three_streams(seed=3)
         model = Steps()
         fitted = cpu_trainer(max_epochs=-1, max_steps=max_steps, **trainer)
         fitted.fit(model, datamodule=dm, ckpt_path=ckpt)
