@@ -88,12 +88,17 @@ def test_lightnings_model_parallel_strategy_gives_each_replica_its_share(tmp_pat
     assert "world 4 rank(s) in 2 data-parallel replicas of 2" in segment.output
 
 
-def test_a_tensor_parallel_checkpoint_resumes_as_plain_ddp_exactly_once(tmp_path: Path) -> None:
-    seen, segments = check_resume(tmp_path, tp(), [ddp()], checkpoint_every=2)
+def test_a_tensor_parallel_checkpoint_resumes_with_another_replica_size_and_as_plain_ddp(tmp_path: Path) -> None:
+    """Tensor-parallel 2 (2 replicas of 2 ranks), killed; resumed as tensor-parallel 4 (one replica
+    of 4 ranks: another data-parallel size), killed; resumed as plain DDP on 2 ranks."""
+    seen, segments = check_resume(tmp_path, tp(), [tp(tensor_parallel=4), ddp()], checkpoint_every=2)
     assert_exactly_once(seen, TOTAL, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
     killed = segments[0].records
     assert batches(killed[0]) == batches(killed[1]) and max(r["gs"] for r in killed[0]) > 2
+    one_replica = segments[1].records
+    assert batches(one_replica[0]) == batches(one_replica[1]) == batches(one_replica[2]) == batches(one_replica[3])
+    assert max(r["gs"] for r in one_replica[0]) > 4
     (row,) = audit([tmp_path])
     assert (row.consumed, row.duplicates, row.missing, row.complete) == (TOTAL, 0, 0, True)
     inspect = subprocess.run(
