@@ -81,9 +81,13 @@ class World:
         if data_parallel is None:
             kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if world_size > 1 else None
             pair: Any = (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (rank, world_size)
+        elif callable(data_parallel):
+            pair = data_parallel(trainer)
+            name = getattr(data_parallel, "__name__", type(data_parallel).__name__)
+            where = f"ShardedDataModule(data_parallel={name}) on rank {rank} of {world_size}"
         else:
-            where = "ShardedDataModule(data_parallel=...)"
-            pair = data_parallel(trainer) if callable(data_parallel) else data_parallel
+            pair = data_parallel
+            where = f"ShardedDataModule(data_parallel={data_parallel!r}) on rank {rank} of {world_size}"
         data_rank, data_size = check_data_parallel(pair, world_size, where)
         return cls(
             rank=rank,

@@ -170,10 +170,15 @@ def _plan(args: argparse.Namespace) -> int:
         raise CliError(f"data.even_batches={even_batches!r} must be one of {', '.join(map(repr, EVEN_BATCH_POLICIES))}")
     world_size = args.world_size if args.world_size is not None else data.world_size
     data_size = world_size if args.data_parallel is None else args.data_parallel
+    source = "--world-size" if args.world_size is not None else "trainer.devices x trainer.num_nodes; set --world-size"
     try:
-        check_data_parallel((0, data_size), world_size, f"--data-parallel {data_size} (world size {world_size})")
+        check_data_parallel(
+            (0, data_size), world_size, f"--data-parallel {data_size} (world size {world_size} from {source})"
+        )
     except ValueError as err:
         raise CliError(str(err)) from None
+    if plot is not None and data_size != world_size:
+        raise CliError("--plot draws ranks, not replicas: leave out --data-parallel to draw the plan of plain ranks")
     manifest = _manifest(cfg)
     # A source (strategy dispatch) is read in its own order: such a strategy never shuffles.
     order = manifest.order(seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)

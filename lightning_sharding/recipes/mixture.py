@@ -44,7 +44,11 @@ def mixture(
         try:
             built.append(Stream(spec["name"], reader, **shares))
         except ValueError as err:
-            raise ValueError(f"{key}: {err}") from None
+            hint = ""
+            if len(shares) > 1:  # the recipe's own share stays unless set to null
+                override = f"data.streams.{i}.{next(iter(shares))}=null"
+                hint = f" (from the command line, set the others to null, e.g. {override})"
+            raise ValueError(f"{key}: {err}{hint}") from None
     return datamodule(
         options,
         sharding,

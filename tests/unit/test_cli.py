@@ -172,6 +172,8 @@ def test_plan_large_world_is_one_screen(capsys: pytest.CaptureFixture[str]) -> N
         (["--world-size", "4", "--data-parallel", "3"], "[1, 2, 4]"),
         (["--world-size", "2", "--data-parallel", "4"], "--data-parallel 4"),
         (["--data-parallel", "0"], "0"),
+        (["--data-parallel", "2"], "world size 1 from trainer.devices x trainer.num_nodes; set --world-size"),
+        (["--world-size", "4", "--data-parallel", "2", "--plot", "p.png"], "leave out --data-parallel"),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], named: str) -> None:

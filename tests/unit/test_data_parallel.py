@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -56,9 +57,12 @@ def test_an_override_wins_and_may_be_a_function_of_the_trainer() -> None:
     ],
 )
 def test_a_bad_data_parallel_view_is_named(pair: Any, message: str) -> None:
-    with pytest.raises(ValueError, match="ShardedDataModule\\(data_parallel=...\\) gave") as err:
+    with pytest.raises(ValueError, match=r"ShardedDataModule\(data_parallel=<lambda>\) on rank 0 of 4 gave") as err:
         World.from_trainer(trainer(0, 4, None), lambda _: pair)
     assert message in str(err.value)
+    if isinstance(pair, tuple):  # a pair given as it is is named by its value
+        with pytest.raises(ValueError, match=re.escape(f"data_parallel={pair!r}) on rank 0 of 4 gave")):
+            World.from_trainer(trainer(0, 4, None), pair)
     with pytest.raises(ValueError, match="the strategy's distributed_sampler_kwargs gave"):
         World.from_trainer(trainer(0, 4, {"num_replicas": 3, "rank": 0}))
 
@@ -66,7 +70,8 @@ def test_a_bad_data_parallel_view_is_named(pair: Any, message: str) -> None:
 def test_setup_names_an_override_that_does_not_divide_the_world() -> None:
     dm = ShardedDataModule(SyntheticReader(sizes=[8]), batch_size=4, data_parallel=(0, 2))
     with pytest.raises(
-        ValueError, match=r"data_parallel=...\) gave a data-parallel size of 2, which does not divide the world of 1"
+        ValueError,
+        match=r"data_parallel=\(0, 2\)\) on rank 0 of 1 gave a data-parallel size of 2, which does not divide",
     ):
         cpu_trainer().fit(Regressor(dim=8, hidden=4, learning_rate=0.01), datamodule=dm)
 

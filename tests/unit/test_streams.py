@@ -217,4 +217,9 @@ def test_the_mixture_config_names_a_bad_stream(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(Exception, match=r"data.streams\[1\]: stream 'code' sets weight and choose"):
         build_datamodule(cfg)  # Hydra's InstantiationException, naming the stream's key
     assert main(["plan", *overrides, "+data.streams.1.choose=5"]) == 2
-    assert "data.streams[1]: stream 'code' sets weight and choose" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "data.streams[1]: stream 'code' sets weight and choose" in err
+    assert "set the others to null, e.g. data.streams.1.weight=null" in err
+    fixed = ["data.streams.1.weight=null", "+data.streams.1.choose=5"]
+    assert main(["plan", *overrides, *fixed]) == 0, capsys.readouterr().err
+    assert "code: choose=5, 5 draws an epoch" in capsys.readouterr().out
