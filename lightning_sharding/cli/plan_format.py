@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -83,30 +83,33 @@ def _stream_counts(order: MixtureOrder, positions: RangeSet) -> tuple[int, ...]:
 
 
 def _plan_rows(plan: EpochPlan, order: EpochOrder | MixtureOrder) -> tuple[list[_Row | None], list[RangeSet]]:
-    """Printed rows (``None`` for ``...``) and every rank's slots (or, for a mixture, served
-    positions), for the totals."""
+    """Printed rows (``None`` for ``...``) and what every rank covers, for the totals: the slots of
+    its items, or for a mixture its served positions."""
     from lightning_sharding.mixture import MixtureOrder
 
     mixture = order if isinstance(order, MixtureOrder) else None
-    rank_slots: list[RangeSet] = []
+    items_order = cast("EpochOrder", order)
+    nonempty = _nonempty_slots(items_order) if mixture is None else RangeSet()
+
+    def covered(positions: RangeSet) -> RangeSet:
+        return positions if mixture is not None else _slots(items_order, positions, nonempty)
+
+    def tally(positions: RangeSet, cover: RangeSet) -> tuple[int, tuple[int, ...]]:
+        """Items touched, or (mixture) samples per stream."""
+        return (0, _stream_counts(mixture, positions)) if mixture is not None else (len(cover), ())
+
+    rank_cover: list[RangeSet] = []
     rows: list[_Row | None] = []
-    nonempty = None if mixture is not None else _nonempty_slots(order)  # type: ignore[arg-type]
-
-    def count(positions: RangeSet) -> tuple[int, tuple[int, ...]]:
-        if mixture is not None:
-            return 0, _stream_counts(mixture, positions)
-        return len(_slots(order, positions, nonempty)), ()  # type: ignore[arg-type]
-
     shown = set(_shown(plan.world_size, MAX_RANKS, RANKS_SHOWN))
     for r in range(plan.world_size):
         rank = plan.rank(r)
         served = rank.positions.select(0, rank.num_served)
-        rank_slots.append(served if mixture is not None else _slots(order, served, nonempty))  # type: ignore[arg-type]
+        rank_cover.append(covered(served))
         if r not in shown:
             if r - 1 in shown:
                 rows.append(None)
             continue
-        items, streams = (0, _stream_counts(mixture, served)) if mixture is not None else (len(rank_slots[-1]), ())
+        items, streams = tally(served, rank_cover[-1])
         rows.append(
             _Row(r, None, rank.num_served, rank.num_batches, rank.num_padding, rank.num_dropped, items, streams)
         )
@@ -117,9 +120,9 @@ def _plan_rows(plan: EpochPlan, order: EpochOrder | MixtureOrder) -> tuple[list[
                 rows.append(None)
                 continue
             positions, padding = _worker_positions(rank, w)
-            items, streams = count(positions)
+            items, streams = tally(positions, covered(positions))
             rows.append(_Row(r, w, len(positions), len(rank.worker_batches(w)), padding, None, items, streams))
-    return rows, rank_slots
+    return rows, rank_cover
 
 
 def _letters(names: Sequence[str]) -> list[str]:
@@ -211,10 +214,8 @@ def format_plan(
     served = int(plan.rank_counts.sum() - plan.dropped_per_rank.sum())
     dropped_total = int(plan.dropped_per_rank.sum())
     if mixture is not None:
-        totals = np.zeros(len(mixture.names), dtype=np.int64)
-        for positions in rank_slots:  # a mixture's rank_slots are the served positions
-            totals += np.asarray(_stream_counts(mixture, positions), dtype=np.int64)
-        total_tail = " ".join(f"{v:>{w}}" for v, w in zip(totals.tolist(), widths, strict=True))
+        totals = _stream_counts(mixture, _union(rank_slots))  # a mixture's rank_slots are served positions
+        total_tail = " ".join(f"{v:>{w}}" for v, w in zip(totals, widths, strict=True))
         reading = "served of planned draws: " + ", ".join(
             f"{name} {int(t)} of {d}" for name, t, d in zip(mixture.names, totals, mixture.draws, strict=True)
         )
@@ -225,7 +226,7 @@ def format_plan(
             np.add.at(cover, slots.starts, 1)
             np.add.at(cover, slots.ends, -1)
         shared = int(np.count_nonzero(np.cumsum(cover)[:-1] >= 2))
-        total_tail = f"{_union_len(rank_slots):>6}"
+        total_tail = f"{len(_union(rank_slots)):>6}"
         items = int(np.count_nonzero(order.counts))
         reading = f"{shared} of {_plural(items, 'item')} read by more than one {'replica' if replicated else 'rank'}"
     lines.append(
@@ -241,9 +242,7 @@ def format_plan(
     return "\n".join(lines)
 
 
-def _union_len(sets: Sequence[RangeSet]) -> int:
+def _union(sets: Sequence[RangeSet]) -> RangeSet:
     if not sets:
-        return 0
-    starts = np.concatenate([s.starts for s in sets])
-    ends = np.concatenate([s.ends for s in sets])
-    return len(RangeSet(starts, ends))
+        return RangeSet()
+    return RangeSet(np.concatenate([s.starts for s in sets]), np.concatenate([s.ends for s in sets]))
