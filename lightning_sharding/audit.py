@@ -179,21 +179,24 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
                 padding=padding[epoch],
                 dropped=dropped[epoch],
                 complete=epoch in finished,
-                streams=_per_stream(first.get("streams"), counts),
+                streams=_per_stream(first.get("streams"), counts, first),
             )
         )
     return results
 
 
-def _per_stream(streams: list[dict[str, Any]] | None, counts: Counter[int]) -> list[StreamAudit]:
-    """Each stream's share of an epoch's served positions (a mixture's header names its streams)."""
+def _per_stream(
+    streams: list[dict[str, Any]] | None, counts: Counter[int], header: dict[str, Any]
+) -> list[StreamAudit]:
+    """Each stream's share of an epoch's served positions (a mixture's header names its streams and
+    their composition)."""
     if not streams:
         return []
-    from lightning_sharding.interleave import Interleave
+    from lightning_sharding.composition import layout_of_summary
 
     positions = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
     times = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
-    which, _ = Interleave([int(s["draws"]) for s in streams]).streams(positions)
+    which, _ = layout_of_summary(streams, header).streams(positions)
     return [
         StreamAudit(s["name"], int(s["draws"]), int((which == i).sum()), int((times[which == i] - 1).sum()))
         for i, s in enumerate(streams)

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.audit import AuditWriter
-from lightning_sharding.interleave import Interleave
+from lightning_sharding.composition import Layout, layout
 from lightning_sharding.keeper import LedgerKeeper
 from lightning_sharding.ledger import CHECKPOINT_KEY
 from lightning_sharding.progress_bar import show_train_total
@@ -55,7 +55,7 @@ class ShardingCallback(pl.Callback):
         self._epoch_start = 0.0
         self._served = 0
         self._skipped = 0
-        self._interleave: Interleave | None = None
+        self._interleave: Layout | None = None
         self._stream_served = np.zeros(0, dtype=np.int64)
         self._consumed_at_start = 0
         self._batch_start = self._batch_end = 0.0
@@ -109,6 +109,7 @@ class ShardingCallback(pl.Callback):
         mixture = keeper.manifest.mixture
         if mixture is not None:  # the audit counts each stream's draws
             header["streams"] = [{"name": n, "draws": d} for n, d in zip(mixture.names, mixture.draws, strict=True)]
+            header.update(mixture.composition_summary())
         return AuditWriter(directory, segment, world.data_rank, header)
 
     @override
@@ -118,7 +119,7 @@ class ShardingCallback(pl.Callback):
         self._served = 0
         self._skipped = 0
         mixture = keeper.manifest.mixture
-        self._interleave = Interleave(mixture.draws) if mixture is not None else None
+        self._interleave = layout(mixture.draws, mixture.composition, mixture.batch_size) if mixture else None
         self._stream_served = np.zeros(len(mixture.draws) if mixture is not None else 0, dtype=np.int64)
         self._consumed_at_start = len(keeper.ledger.consumed)
         self._accounting.start_epoch()

@@ -74,9 +74,9 @@ class ShardedDataModule(pl.LightningDataModule):
         prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
         source: the :class:`~lightning_sharding.sources.Source` of ``strategy="dispatch"``; a
             source of unknown length needs ``even_batches="sync"``.
-        streams, samples_per_epoch: a mixture of several readers at chosen shares instead of
-            ``reader`` (see :class:`~lightning_sharding.streams.Stream`), and the samples of an
-            epoch (of the mixture, or of ``reader`` alone).
+        streams, samples_per_epoch, batch_composition: a mixture of readers at chosen shares instead
+            of ``reader`` (see :class:`~lightning_sharding.streams.Stream`), the samples of an epoch, and
+            ``"mixed"``, ``"stratified"`` or ``"per_stream"`` batches (see the README's "Mixtures").
         data_parallel: ``(rank, size)`` of this rank's model replica among all replicas, or a
             function of the trainer returning it, for meshes Lightning cannot see. By default it
             is the strategy's ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``), which is
@@ -112,6 +112,7 @@ class ShardedDataModule(pl.LightningDataModule):
         data_parallel: DataParallel | Callable[[pl.Trainer], DataParallel] | None = None,
         streams: Sequence[Stream] | None = None,
         samples_per_epoch: int | None = None,
+        batch_composition: str = "mixed",
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -146,8 +147,8 @@ class ShardedDataModule(pl.LightningDataModule):
         if not self.strategy.shuffles:  # e.g. a source, read in its own order
             self.options = self.options.replace(shuffle=False)
         self.strategy.check(self.options, owner=name)
-        self._reader, self.source = reader_of(reader, streams, samples_per_epoch, name), source
-        self._val_reader, self._test_reader = val_reader, test_reader
+        self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size)
+        self._val_reader, self._test_reader, self.source = val_reader, test_reader, source
         self.seed, self._seed_given = seed, seed
         self.allow_data_change = allow_data_change
         self.audit_dir = audit_dir
@@ -177,8 +178,7 @@ class ShardedDataModule(pl.LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Read the topology from the trainer; for fitting, build the reader, the manifest (checked
-        to be the same on every rank), a fresh ledger, and add the callback."""
+        """Read the topology; to fit, build the reader, manifest (agreed by all ranks), ledger, callback."""
         if self.trainer is not None:
             self.world = World.from_trainer(self.trainer, self.data_parallel)
         if stage != "fit":
@@ -186,7 +186,7 @@ class ShardedDataModule(pl.LightningDataModule):
         data = self.source if self.source is not None else self.make_reader()
         self.strategy.check(self.options, data, owner=type(self).__name__)
         self._train_data = data
-        self.manifest = self.strategy.manifest(data)
+        self.manifest = self.strategy.manifest(data, self.options.batch_size)
         seed = self._shared_seed()
         self.world = agree(self.world, self.manifest, seed, self.options)
         ledger = Ledger(seed=seed, total=self.manifest.total, manifest=self.manifest.summary())

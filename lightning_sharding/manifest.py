@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
+    from lightning_sharding.composition import Blocks
     from lightning_sharding.mixture import Mixture, MixtureOrder
     from lightning_sharding.order import EpochOrder
 
@@ -94,6 +95,11 @@ class Manifest:
             return self.mixture.order(self.counts, seed, epoch, shuffle=shuffle)
         return EpochOrder(self.counts, seed, epoch, shuffle=shuffle)
 
+    @property
+    def blocks(self) -> Blocks | None:
+        """The blocks a stratified or per_stream mixture's batches follow (``None``: batches anywhere)."""
+        return self.mixture.blocks if self.mixture is not None else None
+
     @cached_property
     def fingerprint(self) -> str:
         """A SHA-256 over every item's key, count and fingerprint, in order."""
@@ -104,6 +110,8 @@ class Manifest:
             h.update(b"\n")
         if self.mixture is not None:
             h.update(json.dumps(self.mixture.summary(self.counts)).encode())
+            if self.mixture.composition_summary():
+                h.update(json.dumps(self.mixture.composition_summary()).encode())
         return h.hexdigest()
 
     def summary(self) -> dict[str, Any]:
@@ -115,6 +123,7 @@ class Manifest:
             "first_key": self.items[0].key,
             "last_key": self.items[-1].key,
             **({"streams": self.mixture.summary(self.counts)} if self.mixture is not None else {}),
+            **(self.mixture.composition_summary() if self.mixture is not None else {}),
         }
 
     def explain_mismatch(self, saved: Mapping[str, Any]) -> str:
@@ -130,6 +139,11 @@ def describe_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
         if before.get(name) != after.get(name)
     ]
     diffs += _stream_changes(before.get("streams") or [], after.get("streams") or [])
+    for name in ("composition", "batch_size"):  # a mixture's stratified or per_stream blocks
+        default = "mixed" if name == "composition" else None
+        was, now = before.get(name, default), after.get(name, default)
+        if before.get("streams") and after.get("streams") and was != now:
+            diffs.append(f"the mixture's {name} was {was!r}, now {now!r}")
     if not diffs:
         diffs = ["the item list has the same size and ends, but an item's key, count or fingerprint changed"]
     return "; ".join(diffs)

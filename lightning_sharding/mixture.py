@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.interleave import Interleave
+from lightning_sharding.composition import Blocks, apportion, blocks_of, layout
 from lightning_sharding.order import EpochOrder, derive_seed
 
 Int64Array = npt.NDArray[np.int64]
@@ -91,18 +91,6 @@ class StreamSpec:
             if getattr(self, key) is not None:
                 return f"{key}={getattr(self, key)}"
         return "weight=1"
-
-
-def apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """``total`` split in proportion to ``weights`` by largest remainders (ties: the earlier first);
-    every share is within one of its exact quota and the shares add up to ``total``."""
-    whole = sum(weights)
-    quotas = [total * w / whole for w in weights]
-    shares = [math.floor(q) for q in quotas]
-    by_remainder = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - shares[i]), i))
-    for i in by_remainder[: total - sum(shares)]:
-        shares[i] += 1
-    return shares
 
 
 def plan_draws(specs: Sequence[StreamSpec], sizes: Sequence[int], samples_per_epoch: int | None = None) -> list[int]:
@@ -174,7 +162,8 @@ class MixtureOrder:
     """Maps a mixture's epoch positions to ``(item, index)`` and to streams, for one ``(seed, epoch)``.
 
     ``counts`` holds every stream's item counts, stream after stream; ``stream_items[s]`` is how many
-    items stream ``s`` has; ``draws`` the samples per epoch of each stream (:func:`plan_draws`).
+    items stream ``s`` has; ``draws`` the samples per epoch of each stream (:func:`plan_draws`);
+    ``composition`` and ``batch_size`` place the draws in the epoch (:mod:`~lightning_sharding.composition`).
     """
 
     def __init__(
@@ -187,6 +176,8 @@ class MixtureOrder:
         epoch: int,
         *,
         shuffle: bool = True,
+        composition: str = "mixed",
+        batch_size: int | None = None,
     ) -> None:
         self.names = tuple(names)
         self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
@@ -204,8 +195,9 @@ class MixtureOrder:
         ]
         self._segment_starts = [np.cumsum([0] + [g.hi - g.lo for g in segs]) for segs in self.segments]
         self._orders: OrderedDict[tuple[int, int, int], EpochOrder] = OrderedDict()
-        self.interleave = Interleave(self.draws)
+        self.interleave = layout(self.draws, composition, batch_size)
         self.prefix, self.streams = self.interleave.prefix, self.interleave.streams
+        self.blocks: Blocks | None = blocks_of(self.interleave)
 
     # -- a stream's draw -> (item, index) --------------------------------------------------------
 
@@ -245,16 +237,43 @@ class MixtureOrder:
 @dataclass(frozen=True)
 class Mixture:
     """What a manifest of several streams adds to its items: each stream's name, share, number of
-    items (its items come stream after stream) and samples per epoch."""
+    items (its items come stream after stream) and samples per epoch, and the batch composition
+    (with the batch size it cuts blocks of, for ``stratified`` and ``per_stream``)."""
 
     names: tuple[str, ...]
     shares: tuple[str, ...]
     stream_items: tuple[int, ...]
     draws: tuple[int, ...]
+    composition: str = "mixed"
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        layout(self.draws, self.composition, self.batch_size)  # checks the composition
 
     def order(self, counts: npt.ArrayLike, seed: int, epoch: int, *, shuffle: bool = True) -> MixtureOrder:
         """The epoch order of this mixture over items of sample ``counts``."""
-        return MixtureOrder(self.names, counts, self.stream_items, self.draws, seed, epoch, shuffle=shuffle)
+        return MixtureOrder(
+            self.names,
+            counts,
+            self.stream_items,
+            self.draws,
+            seed,
+            epoch,
+            shuffle=shuffle,
+            composition=self.composition,
+            batch_size=self.batch_size,
+        )
+
+    @property
+    def blocks(self) -> Blocks | None:
+        """The blocks every batch must follow (``None`` for ``mixed``)."""
+        return blocks_of(layout(self.draws, self.composition, self.batch_size))
+
+    def composition_summary(self) -> dict[str, object]:
+        """The composition as a checkpoint keeps it (empty for ``mixed``, as before compositions)."""
+        if self.composition == "mixed":
+            return {}
+        return {"composition": self.composition, "batch_size": self.batch_size}
 
     def summary(self, counts: npt.ArrayLike) -> list[dict[str, object]]:
         """Per stream: name, share, samples and draws per epoch (what a checkpoint keeps of the spec)."""

@@ -13,6 +13,12 @@ The whole sharding scheme, in four steps, all pure functions of integers:
    rank with fewer samples than batches (batch size 1, or nothing left) adds one padding sample,
    flagged and never counted. Policy ``drop``: the long rank leaves its last sample unserved this
    epoch (reported).
+With ``blocks`` (a mixture's ``stratified`` or ``per_stream`` composition) steps 2 and 3 work on
+*groups* instead: the remaining positions of one block of the epoch order. Ranks take near-equal
+runs of groups and each group is one batch, so a batch holds what its block holds. Under ``pad`` a
+rank one batch short splits its last group in two (or adds a padding sample when that group has
+one sample); under ``drop`` a rank one batch long leaves its last group unserved.
+
 4. Workers take contiguous runs of the rank's batches, so each worker reads its items in
    sequence (layout ``runs``, the ``shard`` strategy). With layout ``interleaved`` (the
    ``broadcast`` strategy) batch ``i`` goes to worker ``i % W`` instead, so all workers read the
@@ -30,6 +36,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.composition import Blocks, fit_edges
 from lightning_sharding.rangeset import RangeSet
 
 EvenBatches = Literal["pad", "drop"]
@@ -93,6 +100,7 @@ class RankPlan:
     num_dropped: int
     pad_position: int
     worker_layout: WorkerLayout = "runs"
+    batch_edges: Int64Array | None = None  # blocked plans: batch i is [edges[i], edges[i+1]) of positions
 
     @property
     def num_served(self) -> int:
@@ -112,6 +120,8 @@ class RankPlan:
         Batches are full but for the last. A rank one batch short (all its batches full) splits
         its last full batch into two halves instead of padding.
         """
+        if self.batch_edges is not None:
+            return int(self.batch_edges[index]), int(self.batch_edges[index + 1])
         n, size, last = self.num_served, self.batch_size, self.num_batches - 1
         if self.num_padding == 0 and -(-n // size) < self.num_batches and index >= last - 1:
             middle = (last - 1) * size + (size + 1) // 2
@@ -156,12 +166,20 @@ class EpochPlan:
     rank_counts: Int64Array
     num_batches: int
     worker_layout: WorkerLayout = "runs"
+    group_sizes: Int64Array | None = None  # blocked plans: samples of each remaining group, in order
 
     def rank(self, rank: int) -> RankPlan:
         """The plan of one rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of size {self.world_size}")
-        start, end = _split(len(self.remaining), self.world_size, rank)
+        edges = None
+        if self.group_sizes is None:
+            start, end = _split(len(self.remaining), self.world_size, rank)
+        else:
+            g0, g1 = _split(self.group_sizes.size, self.world_size, rank)
+            cum = self._group_starts
+            start, end = int(cum[g0]), int(cum[g1])
+            edges = fit_edges(cum[g0 : g1 + 1] - start, self.num_batches)
         positions = self.remaining.select(start, end)
         # A rank with nothing left pads with any remaining position; it is flagged, never counted.
         source = positions if positions else self.remaining
@@ -177,16 +195,36 @@ class EpochPlan:
             num_dropped=int(self.dropped_per_rank[rank]),
             pad_position=pad_position,
             worker_layout=self.worker_layout,
+            batch_edges=edges,
         )
+
+    @property
+    def _group_starts(self) -> Int64Array:
+        assert self.group_sizes is not None
+        return np.concatenate(([0], np.cumsum(self.group_sizes))).astype(np.int64)
+
+    def _rank_groups(self) -> tuple[Int64Array, Int64Array]:
+        """Groups per rank and the size of each rank's last group (0 for none), shape ``(world_size,)``."""
+        assert self.group_sizes is not None
+        groups = _run_lengths(self.group_sizes.size, self.world_size)
+        ends = np.cumsum(groups)
+        last = np.where(groups > 0, self.group_sizes[np.maximum(ends - 1, 0)] if self.group_sizes.size else 0, 0)
+        return groups, np.asarray(last, dtype=np.int64)
 
     @property
     def padding_per_rank(self) -> Int64Array:
         """Padding samples per rank, shape ``(world_size,)``."""
+        if self.group_sizes is not None:
+            groups, last = self._rank_groups()
+            return ((groups < self.num_batches) & (last < 2)).astype(np.int64)
         return _padding(self.rank_counts, self.num_batches)
 
     @property
     def dropped_per_rank(self) -> Int64Array:
         """Positions left unserved per rank by the ``drop`` policy, shape ``(world_size,)``."""
+        if self.group_sizes is not None:
+            groups, last = self._rank_groups()
+            return np.where(groups > self.num_batches, last, 0).astype(np.int64)
         return _dropped(self.rank_counts, self.num_batches, self.batch_size)
 
 
@@ -200,8 +238,10 @@ def plan_epoch(
     batch_size: int,
     even_batches: EvenBatches = "pad",
     worker_layout: WorkerLayout = "runs",
+    blocks: Blocks | None = None,
 ) -> EpochPlan:
-    """Plan the rest of an epoch of ``total`` positions, of which ``consumed`` are done.
+    """Plan the rest of an epoch of ``total`` positions, of which ``consumed`` are done; with
+    ``blocks``, every batch is the remaining part of one block.
 
     Raises ``ValueError`` naming the argument when a size is impossible.
     """
@@ -219,12 +259,23 @@ def plan_epoch(
         raise ValueError(f"plan_epoch(worker_layout={worker_layout!r}) must be one of {WORKER_LAYOUTS}")
     if consumed and int(consumed.ends[-1]) > total:
         raise ValueError(f"the ledger holds position {int(consumed.ends[-1]) - 1}, outside an epoch of {total} samples")
+    if blocks is not None and _end(blocks) != total:
+        raise ValueError(f"plan_epoch: blocks end at {_end(blocks)}, the epoch at {total}")
     remaining = consumed.complement(total)
     left = len(remaining)
-    counts = _run_lengths(left, world_size)
-    # pad: the longest rank sets the batch count; drop: the shortest does.
-    governing = int(counts.max() if even_batches == "pad" else counts.min())
-    num_batches = -(-governing // batch_size)
+    group_sizes = None
+    if blocks is None:
+        counts = _run_lengths(left, world_size)
+        # pad: the longest rank sets the batch count; drop: the shortest does.
+        governing = int(counts.max() if even_batches == "pad" else counts.min())
+        num_batches = -(-governing // batch_size)
+    else:
+        group_sizes = blocks.groups(remaining)
+        groups = _run_lengths(group_sizes.size, world_size)
+        group_ends = np.concatenate(([0], np.cumsum(group_sizes)))
+        rank_ends = np.cumsum(groups)
+        counts = (group_ends[rank_ends] - group_ends[rank_ends - groups]).astype(np.int64)
+        num_batches = int(groups.max() if even_batches == "pad" else groups.min())
     return EpochPlan(
         epoch=epoch,
         total=total,
@@ -236,4 +287,10 @@ def plan_epoch(
         rank_counts=counts,
         num_batches=num_batches,
         worker_layout=worker_layout,
+        group_sizes=group_sizes,
     )
+
+
+def _end(blocks: Blocks) -> int:
+    """Where the last block ends."""
+    return blocks.tail[-1] if blocks.tail else blocks.aligned

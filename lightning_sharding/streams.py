@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.composition import COMPOSITIONS
 from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
 from lightning_sharding.readers.base import Reader
@@ -49,9 +50,17 @@ class Stream:
 
 class MixtureReader(Reader):
     """The readers of ``streams`` as one reader whose manifest draws ``samples_per_epoch`` samples
-    an epoch (default: what the streams' shares imply) at the streams' shares."""
+    an epoch (default: what the streams' shares imply) at the streams' shares, composed into
+    batches of ``batch_size`` by ``composition`` (``"mixed"``, ``"stratified"`` or ``"per_stream"``)."""
 
-    def __init__(self, streams: Sequence[Stream], samples_per_epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        streams: Sequence[Stream],
+        samples_per_epoch: int | None = None,
+        *,
+        composition: str = "mixed",
+        batch_size: int | None = None,
+    ) -> None:
         streams = tuple(streams)
         if not streams or not all(isinstance(s, Stream) for s in streams):
             raise ValueError(f"streams= needs one or more Stream(name, reader, ...), got {streams!r}")
@@ -59,7 +68,12 @@ class MixtureReader(Reader):
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"stream names must be unique; {twice} appear more than once")
+        if composition not in COMPOSITIONS:
+            raise ValueError(f"batch_composition={composition!r} is not one of {list(COMPOSITIONS)}")
+        if composition != "mixed" and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_composition={composition!r} needs a batch_size of 1 or more, got {batch_size!r}")
         self.streams, self.samples_per_epoch = streams, samples_per_epoch
+        self.composition, self.batch_size = composition, batch_size if composition != "mixed" else None
         self._listed: list[tuple[Item, ...]] | None = None
         self._origin: dict[str, tuple[int, Item]] = {}
 
@@ -84,8 +98,9 @@ class MixtureReader(Reader):
             for it in items
         ]
 
-    def manifest(self) -> Manifest:
-        """The items of every stream and the mixture that draws from them."""
+    def manifest(self, batch_size: int | None = None) -> Manifest:
+        """The items of every stream and the mixture that draws from them (in blocks of
+        ``batch_size``, default the one given, for a ``stratified`` or ``per_stream`` composition)."""
         listed = self._list()
         sizes = [sum(it.num_samples for it in items) for items in listed]
         draws = plan_draws([s.spec for s in self.streams], sizes, self.samples_per_epoch)
@@ -94,6 +109,8 @@ class MixtureReader(Reader):
             shares=tuple(s.spec.describe() for s in self.streams),
             stream_items=tuple(len(items) for items in listed),
             draws=tuple(draws),
+            composition=self.composition,
+            batch_size=None if self.composition == "mixed" else batch_size or self.batch_size,
         )
         return Manifest(tuple(self.items()), mixture=mixture)
 
@@ -115,11 +132,21 @@ class MixtureReader(Reader):
 
 
 def reader_of(
-    reader: Reader | None, streams: Sequence[Stream] | None, samples_per_epoch: int | None, owner: str
+    reader: Reader | None,
+    streams: Sequence[Stream] | None,
+    samples_per_epoch: int | None,
+    owner: str,
+    composition: str = "mixed",
+    batch_size: int | None = None,
 ) -> Reader | None:
-    """The DataModule's training reader: ``reader`` as it is, or the mixture of ``streams``; a reader
-    with ``samples_per_epoch`` is a mixture of that one stream (named ``"data"``)."""
+    """The DataModule's training reader: ``reader`` as it is, or the mixture of ``streams`` composed
+    by ``composition`` into batches of ``batch_size``; a reader with ``samples_per_epoch`` is a
+    mixture of that one stream (named ``"data"``)."""
     if streams is None:
+        if composition != "mixed":
+            raise ValueError(
+                f"`{owner}(batch_composition={composition!r})` composes batches of a mixture: give `streams=[...]`"
+            )
         if samples_per_epoch is None or reader is None:
             return reader
         streams = [Stream("data", reader)]
@@ -127,4 +154,4 @@ def reader_of(
         raise ValueError(f"`{owner}`: give `reader=` or `streams=`, not both (a reader is one stream of a mixture)")
     if isinstance(streams, (Stream, Reader)) or not isinstance(streams, Sequence):
         raise ValueError(f"`{owner}(streams=...)` takes a list of Stream(name, reader, ...), got {streams!r}")
-    return MixtureReader(streams, samples_per_epoch)
+    return MixtureReader(streams, samples_per_epoch, composition=composition, batch_size=batch_size)

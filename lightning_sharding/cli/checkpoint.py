@@ -80,19 +80,19 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
             f"ledger size  {_plural(ledger.consumed.num_ranges, 'range')}, {ranges.nbytes} bytes",
             f"lightning    global_step {ckpt.get('global_step', 'n/a')}, epoch {ckpt.get('epoch', 'n/a')}",
             _step_line(state, ckpt.get("global_step")),
-            *_stream_lines(manifest.get("streams"), ledger),
+            *_stream_lines(manifest.get("streams"), ledger, manifest),
         ]
     )
 
 
-def _stream_lines(streams: Any, ledger: Any) -> list[str]:
+def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:
     """A mixture's streams: each one's share, and how many of its draws this epoch are consumed."""
     if not streams:
         return []
-    from lightning_sharding.interleave import Interleave
+    from lightning_sharding.composition import layout_of_summary
 
     positions = ledger.consumed.to_array()
-    which, _ = Interleave([int(s["draws"]) for s in streams]).streams(positions)
+    which, _ = layout_of_summary(streams, manifest).streams(positions)
     return [
         f"stream       {s['name']!r} ({s['share']}, {s['samples']} samples): consumed {int((which == i).sum())} "
         f"of {s['draws']} draws, remaining {int(s['draws']) - int((which == i).sum())}"

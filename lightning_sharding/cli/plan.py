@@ -127,8 +127,9 @@ def _data_settings(cfg: DictConfig) -> _DataSettings:
         raise CliError(f"the train config's data group is unusable: {_first_line(err)}") from None
 
 
-def _manifest(cfg: DictConfig) -> Manifest:
-    """The items the config's data holds (any data option or recipe: built as training builds it)."""
+def _manifest(cfg: DictConfig, batch_size: int | None = None) -> Manifest:
+    """The items the config's data holds (any data option or recipe: built as training builds it;
+    a stratified or per_stream mixture in blocks of ``batch_size``)."""
     from lightning_sharding.manifest import Manifest
     from lightning_sharding.readers.synthetic import SyntheticReader
 
@@ -145,7 +146,7 @@ def _manifest(cfg: DictConfig) -> Manifest:
         dm = build_datamodule(cfg)
         if dm.source is not None:
             return source_manifest(dm.source)
-        manifest = dm.make_reader().manifest()
+        manifest = dm.strategy.manifest(dm.make_reader(), batch_size)
     except Exception as err:  # noqa: BLE001 - a bad data option: say which and why
         cause = err.__cause__ or err
         raise CliError(f"cannot build data={cfg.data.get('_target_')}: {_first_line(cause)}") from None
@@ -179,7 +180,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     if plot is not None and data_size != world_size:
         raise CliError("--plot draws ranks, not replicas: leave out --data-parallel to draw the plan of plain ranks")
-    manifest = _manifest(cfg)
+    manifest = _manifest(cfg, batch_size)
     # A source (strategy dispatch) is read in its own order: such a strategy never shuffles.
     order = manifest.order(seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)
     if plot is not None and manifest.mixture is not None:
@@ -193,6 +194,7 @@ def _plan(args: argparse.Namespace) -> int:
         batch_size=batch_size,
         even_batches=cast("EvenBatches", even_batches),
         worker_layout=strategy.worker_layout,  # as the strategy's sampler plans
+        blocks=manifest.blocks,  # a stratified or per_stream mixture: one batch per block
     )
     text = format_plan(
         plan,

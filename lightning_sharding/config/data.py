@@ -161,6 +161,7 @@ class MixtureData(DataOptions):
     _target_: str = "lightning_sharding.recipes.mixture.mixture"
     streams: list[StreamOptions] = field(default_factory=list)
     samples_per_epoch: int | None = None
+    batch_composition: str = "mixed"  # mixed | stratified | per_stream
     storage_options: dict[str, Any] = field(default_factory=dict)
     dim: int = 16  # features of generated streams
 

@@ -15,6 +15,7 @@ def mixture(
     *,
     streams: Sequence[Mapping[str, Any]],
     samples_per_epoch: int | None,
+    batch_composition: str,
     storage_options: Mapping[str, Any],
     dim: int,
     sharding: Mapping[str, Any],
@@ -56,4 +57,5 @@ def mixture(
         audit_dir=audit_dir,
         streams=built,
         samples_per_epoch=samples_per_epoch,
+        batch_composition=batch_composition,
     )

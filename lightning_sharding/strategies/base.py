@@ -99,7 +99,8 @@ class Strategy(ABC):
     :class:`~lightning_sharding.sources.Source`), ``even_batch_policies``, ``skips_errors`` (whether
     ``on_error="skip"`` works), ``worker_layout`` (how a rank's batches go to its workers),
     ``shuffles`` (whether ``shuffle`` applies), ``mixes`` (whether it reads a mixture of
-    ``streams``: it plans by the manifest's order), ``fixed_options`` (loader options that do not apply)
+    ``streams``: it plans by the manifest's order), ``compositions`` (the mixture batch compositions
+    it plans), ``fixed_options`` (loader options that do not apply)
     and the reasons said when an option or ``on_error="skip"`` is refused.
     """
 
@@ -110,6 +111,7 @@ class Strategy(ABC):
     worker_layout: ClassVar[WorkerLayout] = "runs"
     shuffles: ClassVar[bool] = True
     mixes: ClassVar[bool] = False
+    compositions: ClassVar[tuple[str, ...]] = ("mixed",)
     fixed_options: ClassVar[tuple[str, ...]] = ()
     no_skip_reason: ClassVar[str] = ""
     fixed_reason: ClassVar[str] = ""
@@ -158,6 +160,12 @@ class Strategy(ABC):
                 f"`{owner}(streams=...)`: strategy {self.name!r} does not read a mixture of streams; "
                 f"use {strategies_where(lambda s: s.mixes)}"
             )
+        composition = getattr(data, "composition", "mixed")
+        if isinstance(data, MixtureReader) and composition not in self.compositions:
+            raise ValueError(
+                f"`{owner}(batch_composition={composition!r})`: strategy {self.name!r} plans only "
+                f"{list(self.compositions)} batches; use {strategies_where(lambda s: composition in s.compositions)}"
+            )
         if not isinstance(data, wanted):
             example = {"reader": "", "windows": " (such as NpyWindows)", "source": " (such as SqliteSource)"}
             argument = "source" if self.takes == "source" else "reader"
@@ -166,10 +174,14 @@ class Strategy(ABC):
                 f"got {type(data).__name__}"
             )
 
-    def manifest(self, data: Any) -> Manifest:
-        """The manifest of the training data (a reader's items and mixture, or a source's length)."""
+    def manifest(self, data: Any, batch_size: int | None = None) -> Manifest:
+        """The manifest of the training data (a reader's items and mixture, whose blocks take
+        ``batch_size``; or a source's length)."""
         from lightning_sharding.readers.base import Reader
+        from lightning_sharding.streams import MixtureReader
 
+        if isinstance(data, MixtureReader):
+            return data.manifest(batch_size)
         return data.manifest() if isinstance(data, Reader) else Manifest.from_items(data.items())
 
     @abstractmethod

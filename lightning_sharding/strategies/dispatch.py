@@ -277,7 +277,7 @@ class DispatchStrategy(Strategy):
     no_skip_reason = "an element of a source cannot be read again to fill its place"
 
     @override
-    def manifest(self, data: Any) -> Manifest:
+    def manifest(self, data: Any, batch_size: int | None = None) -> Manifest:
         return source_manifest(data)
 
     @override

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import Self, override
 
+from lightning_sharding.composition import COMPOSITIONS, Blocks, check_blocks
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.options import DEFAULT_OPTIONS, LoaderOptions
@@ -53,16 +54,25 @@ class PlanSampler(Sampler[BatchTask]):
         batch_size: int,
         even_batches: EvenBatches,
         worker_layout: WorkerLayout = "runs",
+        blocks: Blocks | None = None,
     ) -> None:
         self.ledger = ledger
         self.world, self.num_workers = world, num_workers
         self.batch_size, self.even_batches, self.worker_layout = batch_size, even_batches, worker_layout
+        self.blocks = blocks  # a stratified or per_stream mixture: one batch per block
         self.epoch_plan: EpochPlan | None = None
         self.rank_plan: RankPlan | None = None
 
     @classmethod
-    def of(cls, ledger: Ledger, world: World, options: LoaderOptions, worker_layout: WorkerLayout = "runs") -> Any:
-        """The sampler of ``world.rank`` with ``options``' batching."""
+    def of(
+        cls,
+        ledger: Ledger,
+        world: World,
+        options: LoaderOptions,
+        worker_layout: WorkerLayout = "runs",
+        blocks: Blocks | None = None,
+    ) -> Any:
+        """The sampler of ``world.rank`` with ``options``' batching (and a mixture's ``blocks``)."""
         return cls(
             ledger,
             world=world,
@@ -70,6 +80,7 @@ class PlanSampler(Sampler[BatchTask]):
             batch_size=options.batch_size,
             even_batches=options.even_batches,  # type: ignore[arg-type]  # a strategy's check allowed it
             worker_layout=worker_layout,
+            blocks=blocks,
         )
 
     @property
@@ -92,6 +103,7 @@ class PlanSampler(Sampler[BatchTask]):
             batch_size=self.batch_size,
             even_batches=self.even_batches,
             worker_layout=self.worker_layout,
+            blocks=self.blocks,
         )
 
     def __iter__(self) -> Iterator[BatchTask]:
@@ -166,8 +178,9 @@ class ShardedLoader(TrainLoader):
     def _parts(cls, request: LoaderRequest) -> tuple[Any, Any]:
         """The dataset the workers index and the sampler that plans their tasks."""
         r = request
+        check_blocks(r.manifest, r.options.batch_size)
         dataset = PlannedBatches(r.reader, r.manifest, seed=r.ledger.seed, world=r.world, options=r.options)
-        return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout)
+        return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout, r.manifest.blocks)
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()
@@ -203,6 +216,7 @@ class ShardStrategy(Strategy):
 
     name = "shard"
     mixes = True
+    compositions = COMPOSITIONS
     skips_errors = True
 
     @override

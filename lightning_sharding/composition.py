@@ -1,0 +1,300 @@
+"""Batch composition of a mixture: which stream each epoch position draws from, batch by batch.
+
+``mixed`` (the default) is the :class:`~lightning_sharding.interleave.Interleave`: streams spread
+through the epoch at their shares, batches cut wherever the plan cuts them. The other two cut the
+epoch into *blocks* of ``batch_size`` positions, and the plan serves each block as one batch
+(:class:`Blocks`, ``plan_epoch(blocks=...)``), so a block's composition is a batch's:
+
+- ``stratified``: every full block holds ``floor(q)`` or ``ceil(q)`` samples of each stream, ``q``
+  being the stream's share of the full blocks (its draws less what the last, short block takes,
+  over the number of full blocks). Each stream takes ``floor(q)`` of every block; the ``e`` blocks
+  where it takes one more are found by wrapping the streams' extras around the blocks (McNaughton's
+  rule: extra ``j`` goes to block ``j mod F``), so no block gets two extras of one stream. Inside a
+  block the streams are interleaved.
+- ``per_stream``: every block comes from one stream. A stream of ``d`` draws has ``d // B`` full
+  blocks, spread through the epoch at the streams' shares of full blocks (an interleave of blocks),
+  and its ``d % B`` leftover draws make one short block at the end of the epoch.
+
+Like the interleave, both map a position to ``(stream, draw)`` with a few integer operations per
+block, never by walking the epoch, and depend only on the draws and the batch size (so the order
+is the same on every topology, and a changed batch size is a changed mixture).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.interleave import Interleave
+from lightning_sharding.rangeset import RangeSet
+
+Int64Array = npt.NDArray[np.int64]
+COMPOSITIONS: tuple[str, ...] = ("mixed", "stratified", "per_stream")
+
+
+class Layout(Protocol):
+    """Where each stream's draws sit in the epoch: ``streams(positions)`` gives ``(stream, draw)`` of
+    each position, ``prefix(p)`` each stream's draws among the first ``p`` positions."""
+
+    draws: tuple[int, ...]
+    total: int
+
+    def streams(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Stream and draw of each position, shape ``(n,)`` each."""
+        ...
+
+    def prefix(self, position: int) -> list[int]:
+        """Each stream's draws among the first ``position`` positions."""
+        ...
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The batches of a blocked layout: positions ``[0, aligned)`` are blocks of ``size``; after
+    them come blocks ending at each of ``tail`` (the last is the epoch's end)."""
+
+    size: int
+    aligned: int
+    tail: tuple[int, ...] = ()
+
+    @property
+    def count(self) -> int:
+        """Blocks in the epoch."""
+        return self.aligned // self.size + len(self.tail)
+
+    def ids(self, positions: npt.ArrayLike) -> Int64Array:
+        """The block of each position, shape ``(n,)``."""
+        pos = np.asarray(positions, dtype=np.int64)
+        tail = np.searchsorted(np.asarray(self.tail, dtype=np.int64), pos, side="right")
+        return np.where(pos < self.aligned, pos // self.size, self.aligned // self.size + tail).astype(np.int64)
+
+    def bounds(self, ids: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Where each block starts and ends (its last position + 1), shape ``(n,)`` each."""
+        ids = np.asarray(ids, dtype=np.int64)
+        full = self.aligned // self.size
+        edges = np.concatenate(([self.aligned], np.asarray(self.tail, dtype=np.int64)))
+        in_tail = np.clip(ids - full, 0, len(edges) - 1)
+        starts = np.where(ids < full, ids * self.size, edges[np.minimum(in_tail, len(edges) - 1)])
+        ends = np.where(ids < full, (ids + 1) * self.size, edges[np.minimum(in_tail + 1, len(edges) - 1)])
+        return starts.astype(np.int64), ends.astype(np.int64)
+
+    def groups(self, remaining: RangeSet) -> Int64Array:
+        """Samples of each non-empty intersection of ``remaining`` with a block, in order, shape ``(G,)``."""
+        starts, ends = remaining.starts, remaining.ends
+        if starts.size == 0:
+            return np.empty(0, np.int64)
+        first, last = self.ids(starts), self.ids(ends - 1)
+        spans = last - first + 1
+        which = np.repeat(np.arange(starts.size), spans)
+        block = np.repeat(first, spans) + np.arange(which.size) - np.repeat(np.cumsum(spans) - spans, spans)
+        block_starts, block_ends = self.bounds(block)
+        sizes = np.minimum(ends[which], block_ends) - np.maximum(starts[which], block_starts)
+        new = np.concatenate(([True], block[1:] != block[:-1]))
+        return np.add.reduceat(sizes, np.flatnonzero(new)).astype(np.int64)
+
+
+class Stratified:
+    """Blocks of ``batch_size`` positions, each holding every stream at its share within one sample."""
+
+    def __init__(self, draws: Sequence[int], batch_size: int) -> None:
+        self.draws = tuple(int(d) for d in draws)
+        self.total, self.batch_size = sum(self.draws), int(batch_size)
+        full, short = divmod(self.total, self.batch_size)
+        self.full = full
+        # The short last block takes each stream's share of it; the full blocks share the rest.
+        self.last = apportion(short, self.draws) if short else [0] * len(self.draws)
+        left = [d - x for d, x in zip(self.draws, self.last, strict=True)]
+        self.floor = [x // full if full else 0 for x in left]
+        self.extra = [x - full * f for x, f in zip(left, self.floor, strict=True)]  # each < full
+        self.extra_start = np.concatenate(([0], np.cumsum(self.extra)[:-1])).astype(np.int64)
+        self.blocks = Blocks(self.batch_size, full * self.batch_size, (self.total,) if short else ())
+
+    def block_counts(self, block: int) -> list[int]:
+        """Each stream's samples in ``block``."""
+        if block >= self.full:
+            return list(self.last)
+        starts = self.extra_start.tolist()
+        return [
+            f + (1 if (block - a) % self.full < e else 0)
+            for f, a, e in zip(self.floor, starts, self.extra, strict=True)
+        ]
+
+    def before(self, block: int) -> list[int]:
+        """Each stream's samples in the blocks before ``block``."""
+        if block >= self.full:
+            return self._full()
+        return [
+            f * block + _wrapped(a, e, self.full, block)
+            for f, a, e in zip(self.floor, self.extra_start.tolist(), self.extra, strict=True)
+        ]
+
+    def _full(self) -> list[int]:
+        return [d - x for d, x in zip(self.draws, self.last, strict=True)]
+
+    def prefix(self, position: int) -> list[int]:
+        """Each stream's draws among the first ``position`` positions."""
+        _check(position, self.total, inclusive=True)
+        block, offset = divmod(position, self.batch_size)
+        counts = self.before(block)
+        if offset:
+            inside = _inner(tuple(self.block_counts(block))).prefix(offset)
+            counts = [c + i for c, i in zip(counts, inside, strict=True)]
+        return counts
+
+    def streams(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Stream and draw of each position, shape ``(n,)`` each."""
+        pos = np.asarray(positions, dtype=np.int64)
+        _check_all(pos, self.total)
+        stream, draw = np.empty_like(pos), np.empty_like(pos)
+        block_of = pos // self.batch_size
+        for block in np.unique(block_of).tolist():
+            at = block_of == block
+            counts = self.block_counts(block)
+            s, k = _inner(tuple(counts)).streams(pos[at] - block * self.batch_size)
+            stream[at], draw[at] = s, k + np.asarray(self.before(block), dtype=np.int64)[s]
+        return stream, draw
+
+
+class PerStream:
+    """Blocks of ``batch_size`` positions from one stream each: full blocks interleaved at the
+    streams' shares, then one short block per stream whose draws do not fill a whole number."""
+
+    def __init__(self, draws: Sequence[int], batch_size: int) -> None:
+        self.draws = tuple(int(d) for d in draws)
+        self.total, self.batch_size = sum(self.draws), int(batch_size)
+        self.full_blocks = [d // self.batch_size for d in self.draws]
+        self.rest = [d % self.batch_size for d in self.draws]
+        self.full = sum(self.full_blocks)
+        self.order = Interleave(self.full_blocks) if self.full else None
+        aligned = self.full * self.batch_size
+        self.tail_streams = [s for s, r in enumerate(self.rest) if r]
+        self.tail_starts = np.concatenate(([aligned], aligned + np.cumsum([self.rest[s] for s in self.tail_streams])))
+        self.blocks = Blocks(self.batch_size, aligned, tuple(int(x) for x in self.tail_starts[1:]))
+
+    def prefix(self, position: int) -> list[int]:
+        """Each stream's draws among the first ``position`` positions."""
+        _check(position, self.total, inclusive=True)
+        if position < self.blocks.aligned:
+            assert self.order is not None
+            block, offset = divmod(position, self.batch_size)
+            counts = [b * self.batch_size for b in self.order.prefix(block)]
+            if offset:
+                counts[int(self.order.streams([block])[0][0])] += offset
+            return counts
+        counts = [b * self.batch_size for b in self.full_blocks]
+        for s, start, end in zip(self.tail_streams, self.tail_starts[:-1], self.tail_starts[1:], strict=True):
+            counts[s] += max(0, min(position, int(end)) - int(start))
+        return counts
+
+    def streams(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Stream and draw of each position, shape ``(n,)`` each."""
+        pos = np.asarray(positions, dtype=np.int64)
+        _check_all(pos, self.total)
+        stream, draw = np.empty_like(pos), np.empty_like(pos)
+        head = pos < self.blocks.aligned
+        if head.any():
+            assert self.order is not None
+            block, offset = np.divmod(pos[head], self.batch_size)
+            s, k = self.order.streams(block)
+            stream[head], draw[head] = s, k * self.batch_size + offset
+        if not head.all():
+            tail = pos[~head]
+            which = np.searchsorted(self.tail_starts, tail, side="right") - 1
+            s = np.asarray(self.tail_streams, dtype=np.int64)[which]
+            stream[~head] = s
+            draw[~head] = np.asarray(self.full_blocks, dtype=np.int64)[s] * self.batch_size + (
+                tail - self.tail_starts[which]
+            )
+        return stream, draw
+
+
+def layout(draws: Sequence[int], composition: str = "mixed", batch_size: int | None = None) -> Layout:
+    """The layout of streams of ``draws`` under ``composition`` (blocked ones need ``batch_size``)."""
+    if composition == "mixed":
+        return Interleave(draws)
+    if composition not in COMPOSITIONS:
+        raise ValueError(f"batch_composition={composition!r} is not one of {list(COMPOSITIONS)}")
+    if batch_size is None or batch_size < 1:
+        raise ValueError(f"batch_composition={composition!r} needs the batch size, got {batch_size!r}")
+    return Stratified(draws, batch_size) if composition == "stratified" else PerStream(draws, batch_size)
+
+
+def layout_of_summary(streams: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> Layout:
+    """The layout a saved manifest summary or audit header describes: its ``streams``' draws and
+    its ``composition`` and ``batch_size`` (absent for ``mixed``)."""
+    return layout([int(s["draws"]) for s in streams], summary.get("composition", "mixed"), summary.get("batch_size"))
+
+
+def fit_edges(edges: Int64Array, num_batches: int) -> Int64Array:
+    """A blocked rank's batch edges from its groups' edges (one batch per group), fitted to
+    ``num_batches``: a rank short of a batch splits its last group, a long one leaves it unserved."""
+    groups = edges.size - 1
+    if groups > num_batches:
+        return edges[: num_batches + 1]
+    if groups < num_batches:
+        if groups and edges[-1] - edges[-2] >= 2:
+            middle = edges[-2] + (edges[-1] - edges[-2] + 1) // 2
+            return np.concatenate((edges[:-1], [middle], edges[-1:])).astype(np.int64)
+        return np.concatenate((edges, edges[-1:])).astype(np.int64)  # an empty batch: one padding sample
+    return edges
+
+
+def check_blocks(manifest: Any, batch_size: int) -> None:
+    """Raise when a stratified or per_stream mixture's blocks are not ``batch_size`` (the batch size
+    changed after ``setup``, as Lightning's batch-size finder does)."""
+    blocks = manifest.blocks
+    if blocks is not None and blocks.size != batch_size:
+        raise ValueError(
+            f"batch_composition={manifest.mixture.composition!r} cut the epoch into batches of {blocks.size} at "
+            f"setup, but batch_size is now {batch_size}: set batch_size before fit() (the batch-size finder "
+            "cannot change it for a stratified or per_stream mixture)"
+        )
+
+
+def blocks_of(layout: Layout) -> Blocks | None:
+    """The blocks a layout's batches must follow (``None``: the plan cuts batches anywhere)."""
+    return getattr(layout, "blocks", None)
+
+
+@lru_cache(maxsize=256)
+def _inner(counts: tuple[int, ...]) -> Interleave:
+    """The interleave inside one block of ``counts``."""
+    return Interleave(counts)
+
+
+def _wrapped(start: int, length: int, period: int, block: int) -> int:
+    """How many of ``start .. start+length-1`` fall in blocks before ``block``, taken ``mod period``."""
+
+    def upto(x: int) -> int:
+        return (x // period) * block + min(x % period, block)
+
+    return upto(start + length) - upto(start)
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """``total`` split in proportion to ``weights`` by largest remainders (ties: the earlier first);
+    every share is within one of its exact quota and the shares add up to ``total``."""
+    whole = sum(weights)
+    quotas = [total * w / whole for w in weights]
+    shares = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - shares[i]), i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def _check(position: int, total: int, *, inclusive: bool) -> None:
+    if not 0 <= position <= total - (0 if inclusive else 1):
+        raise ValueError(f"mixture position {position} is outside [0, {total}]")
+
+
+def _check_all(pos: Int64Array, total: int) -> None:
+    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= total):
+        bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
+        raise ValueError(f"epoch position {bad} is outside [0, {total})")
