@@ -110,6 +110,7 @@ class Job:
     # A mixture instead of `sizes` (tests/jobs/streams_data.py): [{"name", "sizes", "weight"|...: v}]
     streams: tuple[dict[str, Any], ...] | None = None
     samples_per_epoch: int | None = None
+    batch_composition: str = "mixed"
     model_parallel: bool = False  # Lightning's own ModelParallelStrategy (2-D mesh over gloo), no gradient sync
 
     def first_of_replicas(self) -> list[int]:

@@ -38,10 +38,42 @@ def make_streams(specs: list[dict[str, Any]]) -> list[Stream]:
     return streams
 
 
-def planned_ids(specs: list[dict[str, Any]], samples_per_epoch: int | None, seed: int, epoch: int) -> Counter[int]:
+def planned_ids(
+    specs: list[dict[str, Any]],
+    samples_per_epoch: int | None,
+    seed: int,
+    epoch: int,
+    composition: str = "mixed",
+    batch_size: int | None = None,
+) -> Counter[int]:
     """How often each sample id is planned in ``epoch``: every draw of the mixture's order, once."""
-    manifest = MixtureReader(make_streams(specs), samples_per_epoch).manifest()
-    order = manifest.order(seed, epoch)
-    items, index = order.locate(np.arange(manifest.total))
+    return Counter(_ids(specs, samples_per_epoch, seed, epoch, composition, batch_size)[0].tolist())
+
+
+def planned_blocks(
+    specs: list[dict[str, Any]], samples_per_epoch: int | None, seed: int, epoch: int, composition: str, batch_size: int
+) -> dict[int, set[int]]:
+    """The blocks of a stratified or per_stream epoch that hold each sample id (more than one if repeated)."""
+    ids, blocks = _ids(specs, samples_per_epoch, seed, epoch, composition, batch_size)
+    held: dict[int, set[int]] = {}
+    for i, b in zip(ids.tolist(), blocks.tolist(), strict=True):
+        held.setdefault(i, set()).add(b)
+    return held
+
+
+def _ids(
+    specs: list[dict[str, Any]],
+    samples_per_epoch: int | None,
+    seed: int,
+    epoch: int,
+    composition: str,
+    batch_size: int | None,
+) -> tuple[Any, Any]:
+    """The sample id at each position of the epoch, and the block of each position (zeros: none)."""
+    reader = MixtureReader(make_streams(specs), samples_per_epoch, composition=composition, batch_size=batch_size)
+    manifest = reader.manifest()
+    positions = np.arange(manifest.total)
+    items, index = manifest.order(seed, epoch).locate(positions)
     starts = np.concatenate(([0], np.cumsum(manifest.counts)))
-    return Counter((starts[items] + index).tolist())
+    blocks = manifest.blocks.ids(positions) if manifest.blocks is not None else np.zeros_like(positions)
+    return starts[items] + index, blocks

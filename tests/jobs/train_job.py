@@ -51,7 +51,11 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
     elif cfg["streams"]:
         from tests.jobs.streams_data import make_streams
 
-        data = dict(streams=make_streams(cfg["streams"]), samples_per_epoch=cfg["samples_per_epoch"])
+        data = dict(
+            streams=make_streams(cfg["streams"]),
+            samples_per_epoch=cfg["samples_per_epoch"],
+            batch_composition=cfg["batch_composition"],
+        )
     elif cfg["data"]:
         data, transform = dict(reader=file_reader(cfg["data"], cache_dir=out / "cache")), to_regression
     else:

@@ -14,7 +14,7 @@ import pytest
 
 from lightning_sharding.audit import audit, format_audit
 from tests.harness import Job, check_resume, weights_of_run
-from tests.jobs.streams_data import planned_ids
+from tests.jobs.streams_data import planned_blocks, planned_ids
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
@@ -57,3 +57,43 @@ def test_a_mixture_resumes_on_other_topologies_serving_each_planned_draw_once(tm
     assert "stream 'books'" in table
     # web draws 96 of its 107 samples an epoch: the two epochs cover all of it.
     assert {i for e in (0, 1) for i in seen[e] if i < 107} == set(range(107))
+
+
+def test_a_stratified_mixture_resumes_on_other_topologies_with_every_batch_at_the_shares(tmp_path: Path) -> None:
+    job = Job(
+        streams=STREAMS,
+        samples_per_epoch=PER_EPOCH,
+        batch_composition="stratified",
+        audit=True,
+        count_weights=True,
+        epochs=1,
+        seed=SEED,
+    )  # 18 batches of 8 (each web 5, code 1 or 2, books 1 or 2) and one of 6, on 2 ranks x 2 workers
+    then = [Job(**{**job.__dict__, "world_size": 1}), Job(**{**job.__dict__, "num_workers": 1})]
+    seen, segments = check_resume(tmp_path, job, then, checkpoint_every=3)
+    planned = planned_ids(list(STREAMS), PER_EPOCH, SEED, 0, "stratified", job.batch_size)
+    assert seen[0] == planned, f"served {sum(seen[0].values())} of {PER_EPOCH} draws"
+    weights = weights_of_run(tmp_path, segments)
+    expected = np.zeros(158)
+    expected[list(planned)] = list(planned.values())
+    assert np.array_equal(weights[0], expected), "the weights hold each planned draw once"
+    # Every batch trained, in any segment, is (part of) one block of the order; the full ones held
+    # each stream at its share within one sample.
+    held_in = planned_blocks(list(STREAMS), PER_EPOCH, SEED, 0, "stratified", job.batch_size)
+    for s in segments:
+        for r in (r for rs in s.records.values() for r in rs):
+            assert set.intersection(*(held_in[i] for i in r["ids"])), f"a batch crosses blocks: {r['ids']}"
+    stream_of = np.repeat([0, 1, 2], [107, 40, 11])
+    full = [r["ids"] for s in segments for rs in s.records.values() for r in rs if len(r["ids"]) == job.batch_size]
+    assert len(full) >= 16, f"only {len(full)} full batches recorded"
+    shares = [96 * 8 / 150, 32 * 8 / 150, 22 * 8 / 150]  # 5.12, 1.71, 1.17 samples a batch
+    for ids in full:
+        held = np.bincount(stream_of[ids], minlength=3)
+        assert all(abs(h - q) < 1 for h, q in zip(held, shares, strict=True)), (ids, held)
+    results = audit([tmp_path])
+    assert results[0].ok and results[0].complete, format_audit(results)
+    assert [(s.name, s.consumed, s.duplicates) for s in results[0].streams] == [
+        ("web", 96, 0),
+        ("code", 32, 0),
+        ("books", 22, 0),
+    ]
