@@ -140,9 +140,23 @@ def _mixture_lines(order: MixtureOrder, shares: Sequence[str], width: int = 64) 
         f"  {letter} {name}: {share}, {draws} draws an epoch from {size} samples"
         for letter, name, share, draws, size in zip(letters, order.names, shares, order.draws, order.sizes, strict=True)
     ]
-    stream, _ = order.streams(np.arange(min(width, order.total)))
-    picture = "".join(letters[s] for s in stream.tolist())
-    lines.append(f"interleave of positions 0..{len(picture) - 1}: {picture}")
+    blocks = order.blocks
+    if blocks is None:
+        stream, _ = order.streams(np.arange(min(width, order.total)))
+        picture = "".join(letters[s] for s in stream.tolist())
+        lines.append(f"interleave of positions 0..{len(picture) - 1}: {picture}")
+        return lines
+    from lightning_sharding.composition import PerStream
+
+    if isinstance(order.interleave, PerStream):
+        starts, _ = blocks.bounds(np.arange(min(width, blocks.count)))
+        picture = "".join(letters[s] for s in order.streams(starts)[0].tolist())
+        lines.append(f"per_stream batches of {blocks.size}: the stream of batches 0..{len(picture) - 1}: {picture}")
+    else:
+        shares = ", ".join(
+            f"{n} {blocks.size * d / order.total:.2f}" for n, d in zip(order.names, order.draws, strict=True)
+        )
+        lines.append(f"stratified batches of {blocks.size}, each within one sample of the shares {shares}")
     return lines
 
 

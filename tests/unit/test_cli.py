@@ -213,21 +213,32 @@ def test_plan_with_data_parallel_replicas_is_the_plan_of_the_replicas(capsys: py
     assert same == plain
 
 
+@pytest.mark.parametrize("composition", ["mixed", "stratified", "per_stream"])
 def test_plan_of_a_mixture_counts_each_streams_samples_per_rank_and_worker(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, composition: str
 ) -> None:
-    """Per-stream columns, counted on ranges from the interleave's prefixes, equal the streams of
-    every single position the plan gives each rank and worker; the picture is the interleave's."""
+    """Per-stream columns, counted on ranges from the layout's prefixes, equal the streams of every
+    single position the plan gives each rank and worker; the picture is the layout's."""
     from lightning_sharding.cli.plan import _compose, _manifest
 
     overrides = [f"data.cache_dir={tmp_path}", "recipe=mixture", "data.samples_per_epoch=1000"]
+    overrides.append(f"data.batch_composition={composition}")
     args = ["--world-size", "3", "--workers", "2", "--batch-size", "16", "--even-batches", "drop", "--seed", "4"]
     code, out, err = run(capsys, "plan", *overrides, *args)
     assert code == 0, err
-    manifest = _manifest(_compose(overrides))
+    manifest = _manifest(_compose(overrides), 16)
     assert manifest.mixture is not None and manifest.mixture.names == ("web", "code", "books")
     order = manifest.order(4, 0)
-    plan = plan_epoch(1000, RangeSet(), epoch=0, world_size=3, num_workers=2, batch_size=16, even_batches="drop")
+    plan = plan_epoch(
+        1000,
+        RangeSet(),
+        epoch=0,
+        world_size=3,
+        num_workers=2,
+        batch_size=16,
+        even_batches="drop",
+        blocks=manifest.blocks,
+    )
     row = re.compile(r"^\s+(\d+)\s+(all|\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)\s+(\d+)\s+(\d+)$")
     rows = {m[1] + "/" + m[2]: [int(m[i]) for i in (7, 8, 9)] for m in map(row.match, out.splitlines()) if m}
     for r in range(3):
@@ -239,8 +250,17 @@ def test_plan_of_a_mixture_counts_each_streams_samples_per_rank_and_worker(
             positions = np.concatenate([t.positions[: t.positions.size - t.num_padding] for t in tasks])
             streams, _ = order.streams(positions.astype(np.int64))
             assert rows[f"{r}/{w}"] == np.bincount(streams, minlength=3).tolist()
-    picture = "".join("WCB"[s] for s in order.streams(np.arange(64))[0].tolist())
-    assert f"interleave of positions 0..63: {picture}" in out
+    if composition == "mixed":
+        picture = "".join("WCB"[s] for s in order.streams(np.arange(64))[0].tolist())
+        assert f"interleave of positions 0..63: {picture}" in out
+    elif composition == "per_stream":  # web 654 = 40 batches of 16 + 14, code 218 = 13 + 10, books 8 x 16
+        blocks = manifest.blocks
+        assert blocks is not None and blocks.count == 63
+        picture = "".join("WCB"[s] for s in order.streams(blocks.bounds(np.arange(63))[0])[0].tolist())
+        assert f"per_stream batches of 16: the stream of batches 0..62: {picture}" in out
+        assert (picture.count("W"), picture.count("C"), picture.count("B"), picture[-2:]) == (41, 14, 8, "WC")
+    else:
+        assert "stratified batches of 16, each within one sample of the shares web 10.46, code 3.49, books 2.05" in out
     assert "web: weight=3.0" in out and "books: repeat=2.0, 128 draws an epoch from 64 samples" in out
     assert "1000 samples in a mixture of 3 streams" in out and "dropped = 1000 samples" in out
     code, _, err = run(capsys, "plan", *overrides, "--plot", str(tmp_path / "p.png"))

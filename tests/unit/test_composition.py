@@ -177,3 +177,18 @@ def test_the_datamodule_refuses_a_composition_without_streams_or_with_a_strategy
 
     with pytest.raises(ValueError, match=r"strategy 'mixed_only' plans only \['mixed'\] batches; use .*'shard'"):
         Blocked().check_data(dm.make_reader(), "ShardedDataModule")
+
+
+def test_inspect_counts_a_blocked_mixtures_streams_through_its_layout() -> None:
+    from lightning_sharding.cli.checkpoint import _stream_lines
+    from lightning_sharding.ledger import Ledger
+
+    manifest = mixture("per_stream").manifest()  # web 48 = 6 batches of 8, code 16 = 2
+    order = manifest.order(0, 0)
+    ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
+    ledger.merge(RangeSet.interval(0, 16))  # the first two batches
+    first_two = np.bincount(order.streams(np.arange(16))[0], minlength=2).tolist()
+    summary = manifest.summary()
+    lines = _stream_lines(summary["streams"], ledger, summary)
+    assert f"consumed {first_two[0]} of 48 draws" in lines[0] and f"consumed {first_two[1]} of 16 draws" in lines[1]
+    assert sorted(first_two) in ([0, 16], [8, 8]), "whole batches of one stream"
