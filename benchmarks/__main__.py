@@ -127,8 +127,10 @@ def main() -> None:
     log("planning scale")
     results["planning"] = scale.planning_seconds(max(3, repeats)) | {"target_seconds": 1.0}
     results["planning"]["met"] = results["planning"]["seconds"] < 1.0
-    results["mixture_planning"] = scale.mixture_planning_seconds(max(3, repeats)) | {"target_seconds": 1.0}
-    results["mixture_planning"]["met"] = results["mixture_planning"]["seconds"] < 1.0
+    for composition in ("mixed", "stratified", "per_stream"):
+        key = "mixture_planning" + ("" if composition == "mixed" else f"_{composition}")
+        results[key] = scale.mixture_planning_seconds(max(3, repeats), composition) | {"target_seconds": 1.0}
+        results[key]["met"] = results[key]["seconds"] < 1.0
     log("checkpoint")
     results["checkpoint"] = scale.checkpoint(repeats)
     log("memory (broadcast)")

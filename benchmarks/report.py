@@ -47,11 +47,14 @@ def markdown(results: dict[str, Any]) -> str:
         f"| planning: one rank + all ranks' counts (4,096 ranks x 8 workers x 10^6 items, 10,000-range ledger) | "
         f"lightning_sharding | {pl['seconds'] * 1000:.1f} ms | - | < 1 s | {_status(pl)} |"
     )
-    mp = results.get("mixture_planning")
-    if mp is not None:
+    for key in ("mixture_planning", "mixture_planning_stratified", "mixture_planning_per_stream"):
+        mp = results.get(key)
+        if mp is None:
+            continue
+        batches = mp.get("composition", "mixed")
         lines.append(
-            f"| planning a mixture: {mp['streams']} streams x 10^6 items, 4,096 ranks x 8 workers, one rank's "
-            f"tasks and streams + all ranks' counts (then, once an epoch, its items: "
+            f"| planning a mixture ({batches} batches): {mp['streams']} streams x 10^6 items, 4,096 ranks x 8 "
+            f"workers, one rank's tasks and streams + all ranks' counts (then, once an epoch, its items: "
             f"{mp['locate_seconds'] * 1000:.0f} ms) | lightning_sharding | {mp['seconds'] * 1000:.1f} ms | - | "
             f"< 1 s | {_status(mp)} |"
         )

@@ -48,18 +48,19 @@ def planning_seconds(repeats: int) -> dict[str, Any]:
     return {"seconds": statistics.median(times), "runs": times, "batches_per_rank": plan.num_batches}
 
 
-def mixture_planning_seconds(repeats: int) -> dict[str, Any]:
+def mixture_planning_seconds(repeats: int, composition: str = "mixed") -> dict[str, Any]:
     """Median seconds to plan a mixture epoch of 16 streams x 10^6 items for 4,096 ranks x 8 workers
     (the mixture's order, one rank's tasks, every rank's counts and the stream of each of the rank's
     positions, with a 10,000-range ledger), and separately to map that rank's positions to items:
-    that builds each stream's item order (a permutation of its 10^6 items), once per epoch."""
+    that builds each stream's item order (a permutation of its 10^6 items), once per epoch. A
+    ``stratified`` or ``per_stream`` composition plans blocks of the batch size (one batch each)."""
     from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
 
     specs = [StreamSpec(f"s{i}", weight=float(i + 1)) for i in range(STREAMS)]
     draws = plan_draws(specs, [ITEMS] * STREAMS)
-    mixture = Mixture(
-        tuple(s.name for s in specs), tuple(s.describe() for s in specs), (ITEMS,) * STREAMS, tuple(draws)
-    )
+    names, shares = tuple(s.name for s in specs), tuple(s.describe() for s in specs)
+    batch = None if composition == "mixed" else PLAN_BATCH
+    mixture = Mixture(names, shares, (ITEMS,) * STREAMS, tuple(draws), composition, batch)
     counts = np.ones(STREAMS * ITEMS, dtype=np.int64)
     total = sum(draws)
     starts = np.arange(LEDGER_RANGES, dtype=np.int64) * (total // LEDGER_RANGES)
@@ -68,7 +69,15 @@ def mixture_planning_seconds(repeats: int) -> dict[str, Any]:
     for epoch in range(repeats):
         start = time.perf_counter()
         order = mixture.order(counts, 0, epoch)
-        plan = plan_epoch(total, consumed, epoch=epoch, world_size=RANKS, num_workers=WORKERS, batch_size=PLAN_BATCH)
+        plan = plan_epoch(
+            total,
+            consumed,
+            epoch=epoch,
+            world_size=RANKS,
+            num_workers=WORKERS,
+            batch_size=PLAN_BATCH,
+            blocks=order.blocks,
+        )
         tasks = list(plan.rank(RANKS - 1).tasks())
         positions = np.concatenate([t.positions for t in tasks])
         streams, _ = order.streams(positions)
@@ -84,6 +93,7 @@ def mixture_planning_seconds(repeats: int) -> dict[str, Any]:
         "locate_seconds": statistics.median(locate_times),
         "locate_runs": locate_times,
         "streams": STREAMS,
+        "composition": composition,
         "samples_per_epoch": total,
     }
 
