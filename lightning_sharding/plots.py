@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+    from lightning_sharding.mixture import MixtureOrder
     from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import EpochPlan
 
@@ -85,13 +86,42 @@ def _item_band(ax: Axes, order: EpochOrder) -> None:
     ax.set_xlabel("epoch position")
 
 
-def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder) -> None:
+def _stream_band(ax: Axes, order: MixtureOrder) -> None:
+    """A thin band coloured by stream along a mixture's epoch, sampled at about one value per pixel."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    total, count = order.total, len(order.names)
+    xs = np.unique(np.linspace(0, total - 1, num=min(total, 4000)).astype(np.int64))
+    streams, _ = order.streams(xs)
+    colours = [_colour(s, count) for s in range(count)]
+    edges = np.append(xs, total).astype(np.float64)
+    ax.pcolormesh(
+        edges,
+        [0.0, 1.0],
+        streams[None, :].astype(np.float64),
+        cmap=ListedColormap(colours),
+        vmin=-0.5,
+        vmax=count - 0.5,
+    )
+    ax.set_yticks([0.5], ["stream"])
+    handles = [Patch(color=c, label=f"{n} ({d})") for c, n, d in zip(colours, order.names, order.draws, strict=True)]
+    ax.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -1.2), ncols=min(count, 6), fontsize=7, frameon=False
+    )
+    ax.set_xlim(0, total)
+    ax.set_xlabel("epoch position")
+
+
+def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder | MixtureOrder) -> None:
     """Draw which epoch positions each (rank, worker) reads into the image ``path``.
 
     One horizontal band per (rank, worker) (per rank when there are more than ``MAX_BANDS``), with
     the worker's batches in alternating shades of its rank's colour, above a thin band coloured by
-    item id along the epoch order. Padding samples are not drawn.
+    item id along the epoch order (by stream, for a mixture). Padding samples are not drawn.
     """
+    from lightning_sharding.mixture import MixtureOrder
+
     fig = _figure(10.0, 2.0)  # fails first when matplotlib is missing; resized below
     from matplotlib.collections import PolyCollection
     from matplotlib.colors import to_rgba
@@ -140,7 +170,7 @@ def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder) -> None:
     fig.set_size_inches(10.0, height)
     ax, items_ax = fig.subplots(2, 1, sharex=True, height_ratios=[height - 1.3, 0.3])
     ax.add_collection(PolyCollection(list(verts), facecolors=face, linewidths=0), autolim=False)
-    if order.counts.size <= MAX_ITEM_LINES:
+    if not isinstance(order, MixtureOrder) and order.counts.size <= MAX_ITEM_LINES:
         ax.vlines(order.starts[1:-1], -0.5, bands - 0.5, colors="0.6", linewidth=0.6, linestyles="dotted")
     step = max(1, -(-bands // 32))
     ax.set_yticks(range(0, bands, step), labels[::step])
@@ -151,7 +181,10 @@ def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder) -> None:
         + (" (shades: batches)" if shaded else " (one band per rank)" if per_rank else ""),
         fontsize=10,
     )
-    _item_band(items_ax, order)
+    if isinstance(order, MixtureOrder):
+        _stream_band(items_ax, order)
+    else:
+        _item_band(items_ax, order)
     fig.savefig(path, dpi=100)
 
 

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from lightning_sharding.manifest import Manifest
-    from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import EvenBatches
 
 
@@ -183,8 +182,6 @@ def _plan(args: argparse.Namespace) -> int:
     manifest = _manifest(cfg, batch_size)
     # A source (strategy dispatch) is read in its own order: such a strategy never shuffles.
     order = manifest.order(seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)
-    if plot is not None and manifest.mixture is not None:
-        raise CliError("--plot does not draw a mixture of streams yet; the table shows each stream's samples")
     plan = plan_epoch(
         manifest.total,
         RangeSet(),
@@ -208,7 +205,7 @@ def _plan(args: argparse.Namespace) -> int:
     if plot is not None:
         from lightning_sharding import plots
 
-        _draw(plots.plot_plan, plot, plan, cast("EpochOrder", order))
+        _draw(plots.plot_plan, plot, plan, order)
         print(f"plot written to {plot}")
     return 0
 

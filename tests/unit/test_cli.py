@@ -263,8 +263,17 @@ def test_plan_of_a_mixture_counts_each_streams_samples_per_rank_and_worker(
         assert "stratified batches of 16, each within one sample of the shares web 10.46, code 3.49, books 2.05" in out
     assert "web: weight=3.0" in out and "books: repeat=2.0, 128 draws an epoch from 64 samples" in out
     assert "1000 samples in a mixture of 3 streams" in out and "dropped = 1000 samples" in out
-    code, _, err = run(capsys, "plan", *overrides, "--plot", str(tmp_path / "p.png"))
-    assert code == 2 and "--plot does not draw a mixture" in err
+
+
+@pytest.mark.needs("matplotlib")
+def test_plan_plot_of_a_mixture_draws_its_streams(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    overrides = [f"data.cache_dir={tmp_path}", "recipe=mixture", "data.batch_composition=per_stream"]
+    code, out, err = run(capsys, "plan", *overrides, "--world-size", "2", "--plot", str(tmp_path / "p.png"))
+    assert code == 0 and "plot written to" in out, err
+    image = imread(tmp_path / "p.png")
+    assert image.shape[0] > 100 and len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 4
 
 
 def test_overrides_may_follow_or_surround_options(capsys: pytest.CaptureFixture[str]) -> None:
