@@ -81,8 +81,11 @@ class LedgerKeeper:
         self.restored_from = None
         consumed = len(ledger.consumed)
         left = ledger.total - consumed
-        # "drop" (and "sync") may leave up to one sample per data-parallel rank untrained by design.
-        tolerated = self.world.data_size if self.options.even_batches != "pad" else 1
+        # "drop" (and "sync") may leave up to one sample per data-parallel rank untrained by design (a
+        # batch per rank when a stratified or per_stream mixture's batches are blocks).
+        blocks = self.manifest.blocks
+        per_rank = blocks.size if blocks is not None else 1
+        tolerated = self.world.data_size * per_rank if self.options.even_batches != "pad" else 1
         if source is not None and epoch > ledger.epoch and consumed and left >= tolerated:
             warnings.warn(
                 f"{source} stopped epoch {ledger.epoch} after {consumed} of its {ledger.total} samples, and "

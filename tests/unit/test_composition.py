@@ -192,3 +192,26 @@ def test_inspect_counts_a_blocked_mixtures_streams_through_its_layout() -> None:
     lines = _stream_lines(summary["streams"], ledger, summary)
     assert f"consumed {first_two[0]} of 48 draws" in lines[0] and f"consumed {first_two[1]} of 16 draws" in lines[1]
     assert sorted(first_two) in ([0, 16], [8, 8]), "whole batches of one stream"
+
+
+@pytest.mark.parametrize(("even_batches", "warns"), [("drop", False), ("pad", True)])
+def test_a_resume_after_a_blocked_epoch_that_dropped_a_batch_warns_only_when_samples_were_lost(
+    even_batches, warns
+) -> None:
+    import warnings
+
+    from lightning_sharding.keeper import LedgerKeeper
+    from lightning_sharding.ledger import Ledger
+    from lightning_sharding.options import LoaderOptions
+    from lightning_sharding.world import World
+
+    manifest = mixture("stratified").manifest()  # 64 samples in 8 blocks of 8
+    ledger = Ledger(seed=0, total=64, manifest=manifest.summary())
+    ledger.merge(RangeSet.interval(0, 56))  # "drop" on 3 ranks: 8 blocks, 2 each, one rank's last left
+    options = LoaderOptions(batch_size=8, even_batches=even_batches)
+    keeper = LedgerKeeper(ledger, manifest, World(rank=0, world_size=3), options)
+    keeper.restored_from = "last.ckpt"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        keeper.start_epoch(1)
+    assert any("the other 8 samples of epoch 0 are not trained" in str(w.message) for w in caught) == warns
