@@ -19,7 +19,7 @@ import numpy.typing as npt
 from lightning_sharding.composition import COMPOSITIONS
 from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
-from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.base import Columns, Reader
 from lightning_sharding.world import ShardContext
 
 
@@ -129,6 +129,16 @@ class MixtureReader(Reader):
         """Samples ``indices`` of ``item``, read by its stream's reader."""
         reader, original = self._source(item)
         return reader.read_batch(original, indices, ctx)
+
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+        """Samples ``indices`` of ``item`` as columns, read by its stream's reader."""
+        reader, original = self._source(item)
+        return reader.read_columns(original, indices, ctx)
+
+    @property
+    def columnar(self) -> bool:
+        """Whether every stream's reader reads columns."""
+        return all(s.reader.columnar for s in self.streams)
 
 
 def reader_of(

@@ -12,6 +12,9 @@ import numpy.typing as npt
 from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.world import ShardContext
 
+# A batch read as columns: one array of shape (n, ...), or a dict of such arrays by field.
+Columns = npt.NDArray[Any] | dict[str, npt.NDArray[Any]]
+
 
 class Reader(ABC):
     """How a data set becomes items and samples.
@@ -39,3 +42,23 @@ class Reader(ABC):
         Override it when the storage reads many samples faster at once (a memory map, a row group).
         """
         return [self.read(item, int(i), ctx) for i in indices]
+
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+        """Samples ``indices`` of one item as columns: one array of shape ``(n, ...)``, or a dict of
+        such arrays, exactly what PyTorch's default collate makes of :meth:`read_batch`'s samples.
+
+        Override it when the storage holds columns (a memory map, a row group, computed data): a
+        batch with no ``transform`` and the default ``collate_fn`` is then read with no per-sample
+        Python object. A subclass that overrides ``read_batch`` below it turns it off (see
+        :attr:`columnar`), so its own samples are never bypassed.
+        """
+        raise NotImplementedError(f"{type(self).__name__} reads samples, not columns")
+
+    @property
+    def columnar(self) -> bool:
+        """Whether :meth:`read_columns` stands for :meth:`read_batch`: a class overrides it, and no
+        subclass of that class overrides ``read_batch``."""
+        mro = type(self).__mro__
+        columns = next(i for i, cls in enumerate(mro) if "read_columns" in cls.__dict__)
+        batch = next(i for i, cls in enumerate(mro) if "read_batch" in cls.__dict__)
+        return mro[columns] is not Reader and columns <= batch

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.manifest import Item
+from lightning_sharding.readers.base import Columns
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
 from lightning_sharding.storage import FileInfo, filesystem
@@ -136,3 +137,8 @@ class NpyReader(FileReader):
         """Gather the rows in one call, then split them into samples."""
         rows = self.rows(item, indices)
         return list(rows) if self.key is None else [{self.key: row} for row in rows]
+
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+        """The rows in one array of shape ``(n, *row_shape)`` (under ``key``, when given)."""
+        rows = self.rows(item, indices)
+        return rows if self.key is None else {self.key: rows}

@@ -14,7 +14,7 @@ import numpy.typing as npt
 import torch
 
 from lightning_sharding.manifest import Item
-from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.base import Columns, Reader
 from lightning_sharding.world import ShardContext
 
 
@@ -61,13 +61,22 @@ class SyntheticReader(Reader):
         """One sample, through :meth:`read_batch`."""
         return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
-        """Samples ``indices`` (shape ``(n,)``) of ``item``, computed in one vectorised pass."""
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+        """Samples ``indices`` (shape ``(n,)``) of ``item`` as columns ``id``, ``x`` and ``y``."""
+        ids, x, y = self._arrays(item, indices)
+        return {"id": ids, "x": x, "y": y}
+
+    def _arrays(self, item: Item, indices: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], Any, Any]:
         if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= item.num_samples):
             bad = int(indices.min()) if int(indices.min()) < 0 else int(indices.max())
             raise IndexError(f"{item.key}: sample index {bad} is outside [0, {item.num_samples})")
-        ids = self._first_id[self._item_number(item)] + indices
+        ids = (self._first_id[self._item_number(item)] + indices).astype(np.int64)
         x, y = regression_arrays(ids, self.dim)
+        return ids, x, y
+
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+        """Samples ``indices`` (shape ``(n,)``) of ``item``, computed in one vectorised pass."""
+        ids, x, y = self._arrays(item, indices)
         return [
             {"id": torch.tensor(i), "x": torch.from_numpy(xi), "y": torch.tensor(yi)}
             for i, xi, yi in zip(ids.tolist(), x, y, strict=True)

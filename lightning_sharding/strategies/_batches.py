@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, default_collate
 
 from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.mixture import MixtureOrder
@@ -48,6 +49,8 @@ class PlannedBatches(Dataset[Delivery]):
         self.transform, self.collate_fn, self.on_error = options.transform, options.collate_fn, options.on_error
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
         self._order: EpochOrder | MixtureOrder | None = None
+        # Columns straight into the batch when nothing per sample runs: no transform, default collate.
+        self.columnar = reader.columnar and self.transform is None and self.collate_fn is default_collate
 
     def __len__(self) -> int:
         raise TypeError("PlannedBatches is indexed by BatchTask and has no length")
@@ -62,8 +65,14 @@ class PlannedBatches(Dataset[Delivery]):
         item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
         # Read runs of consecutive positions that fall in the same item with one call.
         cuts = np.flatnonzero(np.diff(item_ids)) + 1
+        starts, ends = np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(item_ids)])).tolist()
+        runs = list(zip(starts, ends, strict=True))
+        if self.columnar:
+            batch = self._read_columns(runs, item_ids, indices, ctx)
+            if batch is not None:
+                return Delivery(batch, task.epoch, task.positions, task.num_padding)
         samples: list[Any] = []
-        for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(item_ids)])), strict=True):
+        for lo, hi in runs:
             samples.extend(self._read_run(self.items[int(item_ids[lo])], indices[lo:hi], task.positions[lo:hi], ctx))
         if self.transform is not None:
             transform = self._transform  # the per-sample loop is the hot path: plain ints, no lookups
@@ -121,6 +130,17 @@ class PlannedBatches(Dataset[Delivery]):
                 raise failure from err
             out.append((i, failure))
         return out
+
+    def _read_columns(
+        self, runs: list[tuple[int, int]], item_ids: npt.NDArray[np.int64], indices: npt.NDArray[np.int64], ctx: Any
+    ) -> Any:
+        """The batch from the reader's columns, one read per run; ``None`` (read sample by sample,
+        which names a bad sample) when a read fails or the runs' columns do not line up."""
+        try:
+            parts = [self.reader.read_columns(self.items[int(item_ids[lo])], indices[lo:hi], ctx) for lo, hi in runs]
+        except Exception:  # noqa: BLE001 - the per-sample path reads again and names the failing sample
+            return None
+        return join_columns(parts, len(item_ids))
 
     def _read_run(
         self, item: Item, indices: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], ctx: ShardContext
@@ -189,3 +209,29 @@ class PlannedBatches(Dataset[Delivery]):
         num_padding = len(order) - len(keep_real)
         skipped = task.positions[np.flatnonzero(real_bad)]
         return Delivery(self.collate_fn([samples[i] for i in order]), task.epoch, positions, num_padding, skipped)
+
+
+def join_columns(parts: list[Any], n: int) -> Any:
+    """The runs' columns (arrays of shape ``(k, ...)``, or dicts of them) as one batch of tensors of
+    ``n`` rows; ``None`` when they do not line up (other fields, dtypes or row shapes, or a wrong length)."""
+
+    def join(arrays: list[Any]) -> torch.Tensor | None:
+        if not all(isinstance(a, np.ndarray) for a in arrays):
+            return None
+        first = arrays[0]
+        if any(a.dtype != first.dtype or a.shape[1:] != first.shape[1:] for a in arrays):
+            return None
+        joined = np.concatenate(arrays) if len(arrays) > 1 else first
+        if joined.shape[:1] != (n,) or joined.dtype.kind not in "biuf":
+            return None
+        if not (joined.flags.writeable and joined.flags.c_contiguous):
+            joined = np.array(joined)  # a copy the tensor may own
+        return torch.from_numpy(joined)
+
+    if all(isinstance(p, dict) for p in parts):
+        keys = list(parts[0])
+        if any(list(p) != keys for p in parts):
+            return None
+        batch = {k: join([p[k] for p in parts]) for k in keys}
+        return None if any(v is None for v in batch.values()) else batch
+    return join(parts)

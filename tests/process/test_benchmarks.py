@@ -35,6 +35,7 @@ def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert systems[name].get("samples_per_s", 0) > 0 or systems[name]["unavailable"]
     assert set(results["resume"]["systems"]["lightning_sharding"]["seconds"]) == {"0.0", "0.5", "0.9"}
     assert results["planning"]["seconds"] > 0
+    assert results["batch_level"]["ratio"] > 0 and len(results["batch_level"]["ratios"]) == results["repeats"]
     mixture = results["mixture_planning"]
     assert mixture["streams"] == 16 and mixture["seconds"] > 0 and mixture["locate_seconds"] > 0
     assert results["mixture_planning_stratified"]["composition"] == "stratified"
