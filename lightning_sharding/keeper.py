@@ -131,6 +131,14 @@ class LedgerKeeper:
             self.restored_from = source
             return
         change = describe_change(restored.manifest, self.manifest.summary())
+        composition, size = restored.manifest.get("composition", "mixed"), restored.manifest.get("batch_size")
+        if not self.allow_data_change and composition != "mixed" and size != self.options.batch_size:
+            raise CheckpointMismatchError(
+                f"{source} holds a mixture of {composition} batches of {size} samples, and batch_size is now "
+                f"{self.options.batch_size}: such an epoch's order depends on the batch size. Resume with "
+                f"batch_size={size} (or pass `allow_data_change=True` to start epoch {restored.epoch} afresh, "
+                f"training its {len(restored.consumed)} consumed samples again)."
+            )
         if not self.allow_data_change:
             raise CheckpointMismatchError(
                 f"{source} was written for other data: {change}. Resume with the same data, "

@@ -179,7 +179,7 @@ class MixtureOrder:
         composition: str = "mixed",
         batch_size: int | None = None,
     ) -> None:
-        self.names = tuple(names)
+        self.names, self.composition = tuple(names), composition
         self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
         self.draws = tuple(int(d) for d in draws)
         self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)

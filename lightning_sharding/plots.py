@@ -88,13 +88,15 @@ def _item_band(ax: Axes, order: EpochOrder) -> None:
 
 def _stream_band(ax: Axes, order: MixtureOrder) -> None:
     """A thin band coloured by stream along a mixture's epoch, sampled at about one value per pixel."""
+    from matplotlib import colormaps
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
     total, count = order.total, len(order.names)
     xs = np.unique(np.linspace(0, total - 1, num=min(total, 4000)).astype(np.int64))
     streams, _ = order.streams(xs)
-    colours = [_colour(s, count) for s in range(count)]
+    palette = colormaps["Set2" if count <= 8 else "tab20b"]  # not the ranks' colours above
+    colours = [palette(s % palette.N) for s in range(count)]
     edges = np.append(xs, total).astype(np.float64)
     ax.pcolormesh(
         edges,
@@ -111,6 +113,10 @@ def _stream_band(ax: Axes, order: MixtureOrder) -> None:
     )
     ax.set_xlim(0, total)
     ax.set_xlabel("epoch position")
+
+
+def _mixture_title(order: MixtureOrder) -> str:
+    return f"\na mixture of {len(order.names)} streams in {order.composition} batches"
 
 
 def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder | MixtureOrder) -> None:
@@ -178,6 +184,7 @@ def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder | MixtureOrde
     ax.set_title(
         f"epoch {plan.epoch}: {plan.total} samples over {plan.world_size} ranks x {plan.num_workers} workers, "
         f"batch size {plan.batch_size}, {plan.num_batches} batches per rank"
+        + (_mixture_title(order) if isinstance(order, MixtureOrder) else "")
         + (" (shades: batches)" if shaded else " (one band per rank)" if per_rank else ""),
         fontsize=10,
     )

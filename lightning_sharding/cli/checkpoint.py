@@ -93,7 +93,9 @@ def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:
 
     positions = ledger.consumed.to_array()
     which, _ = layout_of_summary(streams, manifest).streams(positions)
-    return [
+    composition, size = manifest.get("composition", "mixed"), manifest.get("batch_size")
+    blocked = f" of {size} (resume with batch_size={size})" if composition != "mixed" else ""
+    return [f"mixture      {len(streams)} streams in {composition} batches{blocked}"] + [
         f"stream       {s['name']!r} ({s['share']}, {s['samples']} samples): consumed {int((which == i).sum())} "
         f"of {s['draws']} draws, remaining {int(s['draws']) - int((which == i).sum())}"
         for i, s in enumerate(streams)

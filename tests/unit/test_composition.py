@@ -190,6 +190,7 @@ def test_inspect_counts_a_blocked_mixtures_streams_through_its_layout() -> None:
     first_two = np.bincount(order.streams(np.arange(16))[0], minlength=2).tolist()
     summary = manifest.summary()
     lines = _stream_lines(summary["streams"], ledger, summary)
+    assert lines.pop(0) == "mixture      2 streams in per_stream batches of 8 (resume with batch_size=8)"
     assert f"consumed {first_two[0]} of 48 draws" in lines[0] and f"consumed {first_two[1]} of 16 draws" in lines[1]
     assert sorted(first_two) in ([0, 16], [8, 8]), "whole batches of one stream"
 
@@ -215,3 +216,21 @@ def test_a_resume_after_a_blocked_epoch_that_dropped_a_batch_warns_only_when_sam
         warnings.simplefilter("always")
         keeper.start_epoch(1)
     assert any("the other 8 samples of epoch 0 are not trained" in str(w.message) for w in caught) == warns
+
+
+def test_resuming_a_blocked_mixture_with_another_batch_size_says_which_batch_size_to_use() -> None:
+    from lightning_sharding.keeper import LedgerKeeper
+    from lightning_sharding.ledger import CheckpointMismatchError, Ledger
+    from lightning_sharding.options import LoaderOptions
+    from lightning_sharding.world import World
+
+    saved = mixture("per_stream").manifest(8)
+    ledger = Ledger(seed=0, total=saved.total, manifest=saved.summary())
+    ledger.merge(RangeSet.interval(0, 16))
+    state = ledger.state_dict()
+    now = mixture("per_stream").manifest(16)
+    keeper = LedgerKeeper(Ledger(seed=0, total=now.total, manifest=now.summary()), now, World(), LoaderOptions(16))
+    with pytest.raises(CheckpointMismatchError) as err:
+        keeper.restore(state, source="last.ckpt")
+    assert "last.ckpt holds a mixture of per_stream batches of 8 samples, and batch_size is now 16" in str(err.value)
+    assert "Resume with batch_size=8" in str(err.value) and "training its 16 consumed samples again" in str(err.value)
