@@ -79,12 +79,16 @@ class NpyRows(Dataset[dict[str, Any]]):
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def row(self, i: int) -> np.ndarray:
+        """Row ``i`` of all files, read from its file's memory map (opened once per process)."""
         f = int(np.searchsorted(self.starts, i, side="right") - 1)
         mm = self._maps.get(f)
         if mm is None:
             mm = self._maps[f] = np.load(self.paths[f], mmap_mode="r")
-        return self.work(np.asarray(mm[i - self.starts[f]]))
+        return np.asarray(mm[i - self.starts[f]])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.work(self.row(i))
 
 
 def epoch_rate(loader: Iterable[Any], workers: int) -> float:
@@ -151,11 +155,7 @@ class RawRows(NpyRows):
     row: the per-sample baseline."""
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        f = int(np.searchsorted(self.starts, i, side="right") - 1)
-        mm = self._maps.get(f)
-        if mm is None:
-            mm = self._maps[f] = np.load(self.paths[f], mmap_mode="r")
-        return {"x": np.array(mm[i - self.starts[f]])}
+        return {"x": np.array(self.row(i))}  # a writable copy, as collate wants
 
 
 def batch_level_rates(pattern: str) -> tuple[float, float]:

@@ -139,7 +139,7 @@ class Stratified:
 
     def prefix(self, position: int) -> list[int]:
         """Each stream's draws among the first ``position`` positions."""
-        _check(position, self.total, inclusive=True)
+        _check(position, self.total)
         block, offset = divmod(position, self.batch_size)
         counts = self.before(block)
         if offset:
@@ -179,7 +179,7 @@ class PerStream:
 
     def prefix(self, position: int) -> list[int]:
         """Each stream's draws among the first ``position`` positions."""
-        _check(position, self.total, inclusive=True)
+        _check(position, self.total)
         if position < self.blocks.aligned:
             assert self.order is not None
             block, offset = divmod(position, self.batch_size)
@@ -289,8 +289,8 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     return shares
 
 
-def _check(position: int, total: int, *, inclusive: bool) -> None:
-    if not 0 <= position <= total - (0 if inclusive else 1):
+def _check(position: int, total: int) -> None:
+    if not 0 <= position <= total:
         raise ValueError(f"mixture position {position} is outside [0, {total}]")
 
 
