@@ -139,15 +139,11 @@ def _audit_files(directories: Sequence[str | Path]) -> list[Path]:
 def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
     """Audit the union of one or more run directories (a run and its resumed continuations)."""
     segments = _load(_audit_files(directories))
-    first = segments[0].header
-    for seg in segments[1:]:
-        for key in ("seed", "total", "fingerprint"):
-            if seg.header[key] != first[key]:
-                raise ValueError(
-                    f"audit: segment {seg.segment} has {key}={seg.header[key]!r} but segment {segments[0].segment} "
-                    f"has {first[key]!r}; these runs did not train on the same data and order"
-                )
+    _check_chain(segments)
+    changes = {int(s.header["change"]["epoch"]): s.header for s in segments if s.header.get("change")}
     served: dict[int, Counter[int]] = {}
+    before: dict[int, Counter[int]] = {}  # a changed epoch's positions served under the mixture before
+    headers: dict[int, dict[str, Any]] = {}
     padding: Counter[int] = Counter()
     dropped: Counter[int] = Counter()
     finished: set[int] = set()
@@ -156,8 +152,12 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
         for rank, lines in seg.lines.items():
             for line in _kept(lines, cut):
                 epoch = int(line["epoch"])
+                changed = changes.get(epoch)
+                old = changed is not None and seg.header["fingerprint"] != changed["fingerprint"]
+                if not old:
+                    headers[epoch] = seg.header
                 if line["kind"] == "step":
-                    counts = served.setdefault(epoch, Counter())
+                    counts = (before if old else served).setdefault(epoch, Counter())
                     for start, end in line["pos"]:
                         counts.update(range(start, end))
                     padding[epoch] += int(line["pad"])
@@ -165,24 +165,70 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
                     finished.add(epoch)
                     if rank == 0:
                         dropped[epoch] += int(line["dropped"])
-    total = int(first["total"])
     results = []
-    for epoch in sorted(set(served) | finished):
-        counts = served.get(epoch, Counter())
+    for epoch in sorted(set(served) | set(before) | finished):
+        counts, old_counts = served.get(epoch, Counter()), before.get(epoch, Counter())
+        header = headers.get(epoch, segments[0].header)
+        if epoch in changes:  # the rest at the new shares, after what the old mixture consumed
+            change = changes[epoch]["change"]
+            expected = int(change["before"]) + sum(int(s["draws"]) for s in change["streams"])
+            old_header = next(s.header for s in segments if s.header["fingerprint"] == change["from"])
+            streams = _merge(
+                _per_stream(old_header.get("streams"), old_counts, old_header),
+                _per_stream(change["streams"], counts, changes[epoch]),
+            )
+        else:
+            expected = (
+                sum(int(s["draws"]) for s in header["streams"]) if header.get("streams") else int(header["total"])
+            )
+            streams = _per_stream(header.get("streams"), counts, header)
+        consumed = len(counts) + len(old_counts)
         results.append(
             EpochAudit(
                 epoch=epoch,
-                expected=total,
-                consumed=len(counts),
-                duplicates=sum(c - 1 for c in counts.values()),
-                missing=total - len(counts) - dropped[epoch],
+                expected=expected,
+                consumed=consumed,
+                duplicates=sum(c - 1 for c in counts.values()) + sum(c - 1 for c in old_counts.values()),
+                missing=expected - consumed - dropped[epoch],
                 padding=padding[epoch],
                 dropped=dropped[epoch],
                 complete=epoch in finished,
-                streams=_per_stream(first.get("streams"), counts, first),
+                streams=streams,
             )
         )
     return results
+
+
+def _check_chain(segments: list[_Segment]) -> None:
+    """Every segment trains the seed, data and order of the one before it, or changed its mixture
+    from it (``allow_mixture_change``: its header's ``change`` names the fingerprint it came from)."""
+    for prev, seg in zip(segments, segments[1:], strict=False):
+        change = seg.header.get("change")
+        linked = change is not None and change.get("from") == prev.header["fingerprint"]
+        keys = (
+            ["seed"] + ([] if linked else ["fingerprint"]) + ([] if change or prev.header.get("change") else ["total"])
+        )
+        for key in (k for k in keys if seg.header[k] != prev.header[k]):
+            raise ValueError(
+                f"audit: segment {seg.segment} has {key}={seg.header[key]!r} but segment {prev.segment} "
+                f"has {prev.header[key]!r}; these runs did not train on the same data and order"
+            )
+
+
+def _merge(old: list[StreamAudit], rest: list[StreamAudit]) -> list[StreamAudit]:
+    """A changed epoch's streams: what each consumed before the change, plus its rest at the new shares."""
+    was = {s.name: s for s in old}
+    merged = [
+        StreamAudit(
+            s.name,
+            s.expected + (was[s.name].consumed if s.name in was else 0),
+            s.consumed + (was[s.name].consumed if s.name in was else 0),
+            s.duplicates + (was[s.name].duplicates if s.name in was else 0),
+        )
+        for s in rest
+    ]
+    names = {s.name for s in rest}
+    return merged + [StreamAudit(s.name, s.consumed, s.consumed, s.duplicates) for s in old if s.name not in names]
 
 
 def _per_stream(
@@ -196,6 +242,8 @@ def _per_stream(
 
     positions = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
     times = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+    if not positions.size:
+        return [StreamAudit(s["name"], int(s["draws"]), 0, 0) for s in streams]
     which, _ = layout_of_summary(streams, header).streams(positions)
     return [
         StreamAudit(s["name"], int(s["draws"]), int((which == i).sum()), int((times[which == i] - 1).sum()))

@@ -26,7 +26,6 @@ from typing_extensions import override
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.audit import AuditWriter
-from lightning_sharding.composition import Layout, layout
 from lightning_sharding.keeper import LedgerKeeper
 from lightning_sharding.ledger import CHECKPOINT_KEY
 from lightning_sharding.progress_bar import show_train_total
@@ -55,7 +54,7 @@ class ShardingCallback(pl.Callback):
         self._epoch_start = 0.0
         self._served = 0
         self._skipped = 0
-        self._interleave: Layout | None = None
+        self._interleave: Any = None  # the epoch's order of a mixture: streams(positions)
         self._stream_served = np.zeros(0, dtype=np.int64)
         self._consumed_at_start = 0
         self._batch_start = self._batch_end = 0.0
@@ -110,6 +109,9 @@ class ShardingCallback(pl.Callback):
         if mixture is not None:  # the audit counts each stream's draws
             header["streams"] = [{"name": n, "draws": d} for n, d in zip(mixture.names, mixture.draws, strict=True)]
             header.update(mixture.composition_summary())
+        change = keeper.manifest.change
+        if change is not None and keeper.ledger.change is not None and change.epoch == keeper.ledger.epoch:
+            header["change"] = {**change.summary(), "from": keeper.ledger.change["before"]["manifest"]["fingerprint"]}
         return AuditWriter(directory, segment, world.data_rank, header)
 
     @override
@@ -119,7 +121,8 @@ class ShardingCallback(pl.Callback):
         self._served = 0
         self._skipped = 0
         mixture = keeper.manifest.mixture
-        self._interleave = layout(mixture.draws, mixture.composition, mixture.batch_size) if mixture else None
+        ledger = keeper.ledger  # a mixture's order tells each position's stream (also after a change)
+        self._interleave = keeper.manifest.order(ledger.seed, ledger.epoch) if mixture else None
         self._stream_served = np.zeros(len(mixture.draws) if mixture is not None else 0, dtype=np.int64)
         self._consumed_at_start = len(keeper.ledger.consumed)
         self._accounting.start_epoch()

@@ -58,14 +58,14 @@ class ShardedDataModule(pl.LightningDataModule):
         collate_fn: turns a list of samples into a batch (PyTorch's default collate).
         val_reader, test_reader: evaluation data, sharded without a ledger and never shuffled.
         padding_key: the key of the padding flags added to dict batches; ``None`` adds none.
-        allow_data_change: resume even when the data's fingerprint changed (the epoch restarts
-            with a warning) instead of failing.
+        allow_data_change: resume when the data changed (the epoch restarts, warned) instead of failing.
+        allow_mixture_change: resume a checkpoint of other shares or streams: what it consumed
+            stays consumed, the rest of its epoch is drawn at the new shares.
         audit_dir: when set, every rank writes the positions its completed steps consumed there,
             for ``lightning-sharding audit`` to check exactly-once across runs and resumes.
-        on_error: ``"raise"`` (default) stops at the first sample that cannot be read or
-            transformed, naming its item and index; ``"skip"`` leaves such samples out, counts
-            them as consumed-and-skipped (reported in the summary), and fills their place in the
-            batch with flagged padding. Storage outages are never skipped.
+        on_error: ``"raise"`` stops at the first sample that cannot be read or transformed, naming
+            it; ``"skip"`` leaves it out, counted (in the summary), and pads its place in the batch
+            (flagged). Storage outages are never skipped.
         strategy: ``"shard"`` (each worker reads its own items), ``"broadcast"`` (each rank loads
             an item once into shared memory and its workers crop disjoint windows from it; needs a
             :class:`~lightning_sharding.readers.windows.WindowedReader`), or ``"dispatch"`` (one
@@ -104,6 +104,7 @@ class ShardedDataModule(pl.LightningDataModule):
         test_reader: Reader | None = None,
         padding_key: str | None = "is_padding",
         allow_data_change: bool = False,
+        allow_mixture_change: bool = False,
         audit_dir: str | None = None,
         on_error: OnError = "raise",
         strategy: str | Strategy = "shard",
@@ -150,14 +151,14 @@ class ShardedDataModule(pl.LightningDataModule):
         self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size)
         self._val_reader, self._test_reader, self.source = val_reader, test_reader, source
         self.seed, self._seed_given = seed, seed
-        self.allow_data_change = allow_data_change
+        self.allow_data_change, self.allow_mixture_change = allow_data_change, allow_mixture_change
         self.audit_dir = audit_dir
         if data_parallel is not None and not callable(data_parallel):
             check_data_parallel(data_parallel, None, f"`{name}(data_parallel={data_parallel!r})`")
         self.data_parallel = data_parallel
         self.world = World()
         self.manifest: Manifest | None = None
-        self.ledger_keeper: LedgerKeeper | None = None
+        self.ledger_keeper: LedgerKeeper | None = None  # the ledger and the manifest it plans by
         self._train_data: Reader | Source | None = None
 
     @property
@@ -190,15 +191,11 @@ class ShardedDataModule(pl.LightningDataModule):
         seed = self._shared_seed()
         self.world = agree(self.world, self.manifest, seed, self.options)
         ledger = Ledger(seed=seed, total=self.manifest.total, manifest=self.manifest.summary())
-        self.ledger_keeper = LedgerKeeper(
-            ledger,
-            self.manifest,
-            self.world,
-            self.options,
-            seed_given=self._seed_given,
-            allow_data_change=self.allow_data_change,
-            audit_dir=self.audit_dir,
+        keep: dict[str, Any] = dict(seed_given=self._seed_given, audit_dir=self.audit_dir)
+        changes: dict[str, Any] = dict(
+            allow_data_change=self.allow_data_change, allow_mixture_change=self.allow_mixture_change
         )
+        self.ledger_keeper = LedgerKeeper(ledger, self.manifest, self.world, self.options, **keep, **changes)
         if self.trainer is not None:
             _ensure_callback(self.trainer)
 
@@ -215,7 +212,7 @@ class ShardedDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> TrainLoader:
         """This rank's training loader; it yields the same number of batches on every rank."""
         keeper = self.ledger_keeper
-        if keeper is None or self.manifest is None or self._train_data is None:
+        if keeper is None or self._train_data is None:
             raise RuntimeError(
                 f"{type(self).__name__}.train_dataloader() was called before setup('fit'). "
                 "If your subclass overrides setup(), call super().setup(stage) in it."
@@ -223,7 +220,7 @@ class ShardedDataModule(pl.LightningDataModule):
         if self.trainer is not None:
             keeper.start_epoch(_epoch_lightning_runs_next(self.trainer))
         self.seed = keeper.ledger.seed  # a restored checkpoint's seed
-        keeper.options = self.options  # set again since setup (Lightning's batch-size finder)
+        keeper.options, self.manifest = self.options, keeper.manifest  # batch-size finder; a mixture change
         self.strategy.release(keeper.train_loader)
         keeper.train_loader = self.strategy.build(
             self._train_data, self.manifest, keeper.ledger, self.world, self.options, track=True

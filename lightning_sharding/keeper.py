@@ -7,7 +7,9 @@ and restores one, and tells the train loader when a checkpoint is saved.
 
 from __future__ import annotations
 
+import sys
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,6 +17,7 @@ import torch
 from lightning_sharding._distributed import gather_objects
 from lightning_sharding.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
 from lightning_sharding.manifest import Manifest, describe_change
+from lightning_sharding.mixture_change import MixtureChangeError, change_mixture
 from lightning_sharding.options import LoaderOptions
 from lightning_sharding.rangeset import RangeSet
 from lightning_sharding.strategies.base import TrainLoader
@@ -25,8 +28,10 @@ class LedgerKeeper:
     """The ledger of ``manifest`` on this rank of ``world``, and the train loader that serves it.
 
     ``seed_given`` is the seed the user asked for (``None``: drawn); ``allow_data_change`` lets a
-    checkpoint of other data restart its epoch instead of failing; ``audit_dir`` is where the
-    callback writes the audit trail (``None``: none).
+    checkpoint of other data restart its epoch instead of failing; ``allow_mixture_change`` lets a
+    checkpoint of another mixture of the same streams' data go on with the rest of its epoch at the
+    new shares (:mod:`~lightning_sharding.mixture_change`); ``audit_dir`` is where the callback writes
+    the audit trail (``None``: none).
     """
 
     def __init__(
@@ -38,10 +43,12 @@ class LedgerKeeper:
         *,
         seed_given: int | None = None,
         allow_data_change: bool = False,
+        allow_mixture_change: bool = False,
         audit_dir: str | None = None,
     ) -> None:
         self.ledger, self.manifest, self.world, self.options = ledger, manifest, world, options
         self.seed_given, self.allow_data_change, self.audit_dir = seed_given, allow_data_change, audit_dir
+        self.allow_mixture_change = allow_mixture_change
         self.train_loader: TrainLoader | None = None
         self.restored_from: str | None = None  # the checkpoint restored, until the first loader after it
 
@@ -64,6 +71,10 @@ class LedgerKeeper:
         state = self.ledger.state_dict()
         # A tensor, not a NumPy array: checkpoints must load with torch.load(weights_only=True).
         state["consumed"] = torch.from_numpy(state["consumed"])
+        if self.ledger.change is not None:
+            before = dict(self.ledger.change["before"])
+            before["consumed"] = torch.as_tensor(before["consumed"], dtype=torch.int64)
+            state["change"] = {**self.ledger.change, "before": before}
         state["writer"] = {
             "world_size": self.world.world_size,
             "data_parallel_size": self.world.data_size,
@@ -127,10 +138,27 @@ class LedgerKeeper:
                 stacklevel=2,
             )
         if restored.fingerprint == self.manifest.fingerprint:
+            if restored.change is not None:  # an epoch whose mixture changed: its order goes on
+                self._change(restored.change["before"], source, restored.total)
             self.ledger = restored
             self.restored_from = source
             return
         change = describe_change(restored.manifest, self.manifest.summary())
+        if self.allow_mixture_change and restored.manifest.get("streams"):
+            before = restored.state_dict()
+            changed = self._change(before, source)
+            self.ledger = Ledger(
+                seed=restored.seed,
+                total=changed.total,
+                manifest=self.manifest.summary(),
+                epoch=restored.epoch,
+                change={"before": before, "next_total": self.manifest.total},
+            )
+            self.ledger.consumed = RangeSet.interval(changed.rest, changed.total) if changed.before else RangeSet()
+            self.restored_from = source
+            if self.world.rank == 0:
+                print(f"lightning_sharding: {source}: {change};\n{changed.describe()}", file=sys.stderr)
+            return
         composition, size = restored.manifest.get("composition", "mixed"), restored.manifest.get("batch_size")
         if not self.allow_data_change and composition != "mixed" and size != self.options.batch_size:
             raise CheckpointMismatchError(
@@ -140,9 +168,11 @@ class LedgerKeeper:
                 f"training its {len(restored.consumed)} consumed samples again)."
             )
         if not self.allow_data_change:
+            mixture = "`allow_mixture_change=True` to go on with the rest of the epoch at the new shares, or "
             raise CheckpointMismatchError(
-                f"{source} was written for other data: {change}. Resume with the same data, "
-                f"or pass `allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
+                f"{source} was written for other data: {change}. Resume with the same data, or pass "
+                f"{mixture if restored.manifest.get('streams') and self.manifest.mixture else ''}"
+                f"`allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
             )
         warnings.warn(
             f"the data changed since {source} ({change}); epoch {restored.epoch} restarts "
@@ -152,6 +182,20 @@ class LedgerKeeper:
         self.ledger = Ledger(
             seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
         )
+
+    def _change(self, before: dict[str, Any], source: str, total: int | None = None) -> Any:
+        """Give the manifest the changed epoch of ``before`` (a ledger state of another mixture)."""
+        try:
+            changed = change_mixture(before, self.manifest, shuffle=self.options.shuffle)
+        except MixtureChangeError as err:
+            raise CheckpointMismatchError(f"{source}: {err}") from err
+        if total is not None and changed.total != total:
+            raise CheckpointMismatchError(
+                f"{source}: its epoch {changed.epoch} changed its mixture to {total} samples, but the same change "
+                f"gives {changed.total} now: the data or lightning_sharding differs from the run that wrote it"
+            )
+        self.manifest = replace(self.manifest, change=changed)
+        return changed
 
 
 class ReplicaMismatchError(RuntimeError):

@@ -17,6 +17,7 @@ import numpy.typing as npt
 from lightning_sharding.rangeset import RangeSet
 
 LEDGER_VERSION = 1
+CHANGED_VERSION = 2  # a ledger of an epoch whose mixture changed on resume: earlier releases refuse it
 CHECKPOINT_KEY = "lightning_sharding"  # where a Lightning checkpoint holds the ledger
 GLOBAL_STEP_KEY = "global_step"  # the optimizer step whose weights the checkpointed ledger matches
 
@@ -51,7 +52,18 @@ class Ledger:
     VERSION = LEDGER_VERSION
     KEYS = ("version", "seed", "epoch", "total", "manifest", "consumed")
 
-    def __init__(self, *, seed: int, total: int, manifest: Mapping[str, Any], epoch: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        seed: int,
+        total: int,
+        manifest: Mapping[str, Any],
+        epoch: int = 0,
+        change: Mapping[str, Any] | None = None,
+    ) -> None:
+        # ``change``: the epoch's mixture changed on resume; ``before`` is the ledger state it changed
+        # from, ``next_total`` the samples of the epochs after it (see :mod:`~lightning_sharding.mixture_change`).
+        self.change: dict[str, Any] | None = dict(change) if change is not None else None
         self.seed = int(seed)
         self.total = int(total)
         self.manifest: dict[str, Any] = dict(manifest)
@@ -67,6 +79,8 @@ class Ledger:
     def start_epoch(self, epoch: int) -> None:
         """Move to ``epoch`` with nothing consumed (no-op when already there)."""
         if epoch != self.epoch:
+            if self.change is not None:  # the changed epoch is over: ordinary epochs of the new mixture
+                self.total, self.change = int(self.change["next_total"]), None
             self.epoch = int(epoch)
             self.consumed = RangeSet()
             self.pending = RangeSet()
@@ -92,14 +106,17 @@ class Ledger:
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed state; pending positions are left out on purpose."""
-        return {
-            "version": self.VERSION,
+        state = {
+            "version": self.VERSION if self.change is None else CHANGED_VERSION,
             "seed": self.seed,
             "epoch": self.epoch,
             "total": self.total,
             "manifest": dict(self.manifest),
             "consumed": self.consumed.to_state(),
         }
+        if self.change is not None:
+            state["change"] = self.change
+        return state
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> Ledger:
@@ -110,14 +127,22 @@ class Ledger:
         if missing:
             raise CheckpointMismatchError(f"malformed ledger state: missing key(s) {missing}")
         version = state["version"]
-        if version != cls.VERSION:
+        if version == CHANGED_VERSION and isinstance(state.get("change"), Mapping):
+            pass
+        elif version != cls.VERSION:
             raise CheckpointMismatchError(
                 f"the checkpoint's data ledger has version {version!r}; this lightning_sharding reads version "
                 f"{cls.VERSION}. Resume with the lightning_sharding release that wrote it."
             )
         if not isinstance(state["manifest"], Mapping) or "fingerprint" not in state["manifest"]:
             raise CheckpointMismatchError("malformed ledger state: 'manifest' has no 'fingerprint'")
-        ledger = cls(seed=state["seed"], total=state["total"], manifest=state["manifest"], epoch=state["epoch"])
+        ledger = cls(
+            seed=state["seed"],
+            total=state["total"],
+            manifest=state["manifest"],
+            epoch=state["epoch"],
+            change=state.get("change"),
+        )
         ledger.consumed = RangeSet.from_state(np.asarray(state["consumed"]))
         if ledger.consumed and int(ledger.consumed.ends[-1]) > ledger.total:
             raise CheckpointMismatchError(

@@ -19,6 +19,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from lightning_sharding.composition import Blocks
     from lightning_sharding.mixture import Mixture, MixtureOrder
+    from lightning_sharding.mixture_change import MixtureChange
     from lightning_sharding.order import EpochOrder
 
 
@@ -46,6 +47,7 @@ class Manifest:
 
     items: tuple[Item, ...]
     mixture: Mixture | None = None
+    change: MixtureChange | None = None  # the epoch a checkpoint's mixture changed in, resumed
 
     def __post_init__(self) -> None:
         if not self.items:
@@ -87,10 +89,12 @@ class Manifest:
         """Samples in an epoch: all of them, or what the mixture draws."""
         return sum(self.mixture.draws) if self.mixture is not None else int(self.counts.sum())
 
-    def order(self, seed: int, epoch: int, *, shuffle: bool = True) -> EpochOrder | MixtureOrder:
+    def order(self, seed: int, epoch: int, *, shuffle: bool = True) -> EpochOrder | MixtureOrder | MixtureChange:
         """The epoch order of these items: positions ``[0, total)`` to ``(item, index)``."""
         from lightning_sharding.order import EpochOrder
 
+        if self.change is not None and epoch == self.change.epoch:
+            return self.change
         if self.mixture is not None:
             return self.mixture.order(self.counts, seed, epoch, shuffle=shuffle)
         return EpochOrder(self.counts, seed, epoch, shuffle=shuffle)
@@ -99,6 +103,24 @@ class Manifest:
     def blocks(self) -> Blocks | None:
         """The blocks a stratified or per_stream mixture's batches follow (``None``: batches anywhere)."""
         return self.mixture.blocks if self.mixture is not None else None
+
+    def blocks_at(self, epoch: int) -> Blocks | None:
+        """The blocks of ``epoch``'s batches: :attr:`blocks`, or those of a changed epoch."""
+        return self.change.blocks if self.change is not None and epoch == self.change.epoch else self.blocks
+
+    @cached_property
+    def stream_fingerprints(self) -> list[str]:
+        """A SHA-256 of each mixture stream's items (keys, counts, fingerprints), in stream order."""
+        if self.mixture is None:
+            return []
+        out, start = [], 0
+        for n in self.mixture.stream_items:
+            h = hashlib.sha256()
+            for it in self.items[start : start + n]:
+                h.update(json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode() + b"\n")
+            out.append(h.hexdigest())
+            start += n
+        return out
 
     @cached_property
     def fingerprint(self) -> str:
@@ -122,9 +144,16 @@ class Manifest:
             "total": self.total,
             "first_key": self.items[0].key,
             "last_key": self.items[-1].key,
-            **({"streams": self.mixture.summary(self.counts)} if self.mixture is not None else {}),
+            **({"streams": self._streams()} if self.mixture is not None else {}),
             **(self.mixture.composition_summary() if self.mixture is not None else {}),
         }
+
+    def _streams(self) -> list[dict[str, Any]]:
+        """The mixture's streams with their data's fingerprint (outside :attr:`fingerprint`, which
+        predates it: a mixture change checks that a kept stream's data is the same)."""
+        assert self.mixture is not None
+        streams = self.mixture.summary(self.counts)
+        return [{**s, "data": f} for s, f in zip(streams, self.stream_fingerprints, strict=True)]
 
     def explain_mismatch(self, saved: Mapping[str, Any]) -> str:
         """Say, in one sentence, how this manifest differs from a saved :meth:`summary`."""
@@ -155,6 +184,8 @@ def _stream_changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -
     changes = [f"stream {name!r} was removed" for name in old if name not in new]
     changes += [f"stream {name!r} was added" for name in new if name not in old]
     for name in (n for n in new if n in old):
+        if old[name].get("data", new[name].get("data")) != new[name].get("data"):
+            changes.append(f"stream {name!r} holds other data (its items or their fingerprints changed)")
         for key in ("share", "samples", "draws"):
             if old[name][key] != new[name][key]:
                 changes.append(f"stream {name!r} {key} was {old[name][key]!r}, now {new[name][key]!r}")

@@ -12,11 +12,9 @@ A mixture's epoch has ``samples_per_epoch`` positions. Each stream contributes `
    last chunk is topped up from the cycle's first. So an up-sampled stream repeats whole passes
    before partial ones, and a down-sampled one serves a different subset each epoch and all of
    itself over ``m`` epochs, never a sample twice in one epoch.
-3. **Interleave.** Draw ``k`` of stream ``s`` sits at time ``(k + 1/2) / draws[s]``; the epoch
-   is all draws by time (ties: the lower stream first). Each stream's count in any prefix of the
-   epoch is within 2 of its share (within 1 of its share of the prefix's time; draws that tie in
-   time add the rest; random mixtures measure at most 1.1), and the map from a position is
-   computed exactly, with integers, without walking the epoch.
+3. **Layout.** The draws are placed in the epoch by the batch composition (:mod:`composition`;
+   ``mixed`` is the :mod:`interleave`, every stream within 2 of its share in any prefix), mapped
+   from a position exactly, with integers, without walking the epoch.
 
 Streams are seeded by their names, so adding a stream leaves the others' orders as they were.
 """
@@ -28,6 +26,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -158,6 +157,42 @@ def stream_segments(size: int, draws: int, epoch: int) -> list[Segment]:
     return segments
 
 
+class StreamOrder:
+    """One stream's ``draws`` of one epoch, mapped to ``(item, index)`` of the stream's own items
+    (``counts``, its items' sample counts): its passes and its cycle chunk (:func:`stream_segments`)."""
+
+    def __init__(
+        self, counts: npt.ArrayLike, name: str, draws: int, seed: int, epoch: int, *, shuffle: bool = True
+    ) -> None:
+        self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
+        self.name, self.seed, self.shuffle = name, int(seed), bool(shuffle)
+        self.size = int(self.counts.sum())
+        self.segments = stream_segments(self.size, int(draws), int(epoch)) if draws else []
+        self.starts = np.cumsum([0] + [g.hi - g.lo for g in self.segments]).astype(np.int64)
+        self._orders: OrderedDict[tuple[int, int], EpochOrder] = OrderedDict()
+
+    def _order(self, segment: Segment) -> EpochOrder:
+        key = (segment.kind, segment.key)
+        order = self._orders.get(key)
+        if order is None:
+            seed = stream_seed(self.seed, self.name, segment.kind)
+            order = self._orders[key] = EpochOrder(self.counts, seed, segment.key, shuffle=self.shuffle)
+            if len(self._orders) > 4:
+                self._orders.popitem(last=False)
+        return order
+
+    def locate(self, draws: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """The stream's item (0-based in the stream) and sample index of each draw, shape ``(n,)`` each."""
+        draw = np.asarray(draws, dtype=np.int64)
+        which = np.searchsorted(self.starts, draw, side="right") - 1
+        items, index = np.empty_like(draw), np.empty_like(draw)
+        for g in np.unique(which).tolist():
+            at = which == g
+            segment = self.segments[g]
+            items[at], index[at] = self._order(segment).locate(draw[at] - self.starts[g] + segment.lo)
+        return items, index
+
+
 class MixtureOrder:
     """Maps a mixture's epoch positions to ``(item, index)`` and to streams, for one ``(seed, epoch)``.
 
@@ -187,51 +222,32 @@ class MixtureOrder:
         self.item_offsets = np.concatenate(([0], np.cumsum(stream_items))).astype(np.int64)
         if int(self.item_offsets[-1]) != self.counts.size or len(self.names) != len(self.draws):
             raise ValueError("MixtureOrder: the streams' item counts, names and draws do not line up")
-        self.sizes = [
-            int(self.counts[a:b].sum()) for a, b in zip(self.item_offsets[:-1], self.item_offsets[1:], strict=True)
+        self.stream_orders = [
+            StreamOrder(self.counts[a:b], name, d, self.seed, self.epoch, shuffle=self.shuffle)
+            for name, a, b, d in zip(self.names, self.item_offsets[:-1], self.item_offsets[1:], self.draws, strict=True)
         ]
-        self.segments = [
-            stream_segments(n, d, self.epoch) if d else [] for n, d in zip(self.sizes, self.draws, strict=True)
-        ]
-        self._segment_starts = [np.cumsum([0] + [g.hi - g.lo for g in segs]) for segs in self.segments]
-        self._orders: OrderedDict[tuple[int, int, int], EpochOrder] = OrderedDict()
+        self.sizes = [s.size for s in self.stream_orders]
         self.interleave = layout(self.draws, composition, batch_size)
         self.prefix, self.streams = self.interleave.prefix, self.interleave.streams
         self.blocks: Blocks | None = blocks_of(self.interleave)
 
-    # -- a stream's draw -> (item, index) --------------------------------------------------------
-
-    def _order(self, s: int, segment: Segment) -> EpochOrder:
-        cache_key = (s, segment.kind, segment.key)
-        order = self._orders.get(cache_key)
-        if order is None:
-            a, b = self.item_offsets[s], self.item_offsets[s + 1]
-            seed = stream_seed(self.seed, self.names[s], segment.kind)
-            order = EpochOrder(self.counts[a:b], seed, segment.key, shuffle=self.shuffle)
-            self._orders[cache_key] = order
-            if len(self._orders) > 4 * len(self.names):
-                self._orders.popitem(last=False)
-        return order
-
     def locate(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """Item ids (over all streams) and sample indices of epoch positions, shape ``(n,)`` each."""
-        stream, draw = self.streams(positions)
-        items = np.empty_like(stream)
-        index = np.empty_like(stream)
-        for s in np.unique(stream).tolist():
-            mask = stream == s
-            starts = self._segment_starts[s]
-            which = np.searchsorted(starts, draw[mask], side="right") - 1
-            local_items = np.empty(int(mask.sum()), dtype=np.int64)
-            local_index = np.empty_like(local_items)
-            for g in np.unique(which).tolist():
-                at = which == g
-                segment = self.segments[s][g]
-                offsets = draw[mask][at] - starts[g] + segment.lo
-                local_items[at], local_index[at] = self._order(s, segment).locate(offsets)
-            items[mask] = local_items + self.item_offsets[s]
-            index[mask] = local_index
-        return items, index
+        return locate_streams(self.streams(positions), self.stream_orders, self.item_offsets)
+
+
+def locate_streams(
+    stream_draw: tuple[Int64Array, Int64Array], orders: Sequence[Any], item_offsets: Int64Array
+) -> tuple[Int64Array, Int64Array]:
+    """Item ids (over all streams) and sample indices of ``(stream, draw)`` pairs, each stream's
+    draws located by ``orders[stream].locate``; shape ``(n,)`` each."""
+    stream, draw = stream_draw
+    items, index = np.empty_like(stream), np.empty_like(stream)
+    for s in np.unique(stream).tolist():
+        mask = stream == s
+        local_items, index[mask] = orders[s].locate(draw[mask])
+        items[mask] = local_items + item_offsets[s]
+    return items, index
 
 
 @dataclass(frozen=True)
@@ -252,17 +268,8 @@ class Mixture:
 
     def order(self, counts: npt.ArrayLike, seed: int, epoch: int, *, shuffle: bool = True) -> MixtureOrder:
         """The epoch order of this mixture over items of sample ``counts``."""
-        return MixtureOrder(
-            self.names,
-            counts,
-            self.stream_items,
-            self.draws,
-            seed,
-            epoch,
-            shuffle=shuffle,
-            composition=self.composition,
-            batch_size=self.batch_size,
-        )
+        mix: dict[str, Any] = {"shuffle": shuffle, "composition": self.composition, "batch_size": self.batch_size}
+        return MixtureOrder(self.names, counts, self.stream_items, self.draws, seed, epoch, **mix)
 
     @property
     def blocks(self) -> Blocks | None:

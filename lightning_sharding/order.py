@@ -104,3 +104,19 @@ class EpochOrder:
             item = int(self.item_order[slot])
             index[mask] = self._inner(item)[local[mask]]
         return items, index
+
+    def positions(self, items: npt.ArrayLike, index: npt.ArrayLike) -> Int64Array:
+        """The epoch positions of samples ``(items, index)``, the inverse of :meth:`locate`; shape ``(n,)``."""
+        items, index = np.asarray(items, dtype=np.int64), np.asarray(index, dtype=np.int64)
+        slot_of = np.empty_like(self.item_order)
+        slot_of[self.item_order] = np.arange(self.item_order.size)
+        local = index.copy()
+        if self.shuffle:
+            several = np.flatnonzero(self.counts[items] > 1)  # one sample: its index is its place
+            by_item = several[np.argsort(items[several], kind="stable")]
+            cuts = np.flatnonzero(np.diff(items[by_item])) + 1
+            for group in np.split(by_item, cuts) if by_item.size else []:
+                place = np.argsort(self._inner(int(items[group[0]])))
+                local[group] = place[index[group]]
+        positions: Int64Array = self.starts[slot_of[items]] + local
+        return positions

@@ -111,6 +111,7 @@ class Job:
     streams: tuple[dict[str, Any], ...] | None = None
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"
+    allow_mixture_change: bool = False  # resume a checkpoint of another mixture at the new shares
     model_parallel: bool = False  # Lightning's own ModelParallelStrategy (2-D mesh over gloo), no gradient sync
 
     def first_of_replicas(self) -> list[int]:

@@ -11,6 +11,7 @@ import numpy as np
 
 from lightning_sharding.cli._common import CliError, _check_plot_path, _draw, _first_line, _plural
 from lightning_sharding.ledger import CHECKPOINT_KEY, GLOBAL_STEP_KEY, ledger_step_mismatch
+from lightning_sharding.rangeset import RangeSet
 
 
 def register(sub: Any) -> None:
@@ -91,14 +92,26 @@ def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:
         return []
     from lightning_sharding.composition import layout_of_summary
 
-    positions = ledger.consumed.to_array()
-    which, _ = layout_of_summary(streams, manifest).streams(positions)
     composition, size = manifest.get("composition", "mixed"), manifest.get("batch_size")
     blocked = f" of {size} (resume with batch_size={size})" if composition != "mixed" else ""
-    return [f"mixture      {len(streams)} streams in {composition} batches{blocked}"] + [
-        f"stream       {s['name']!r} ({s['share']}, {s['samples']} samples): consumed {int((which == i).sum())} "
-        f"of {s['draws']} draws, remaining {int(s['draws']) - int((which == i).sum())}"
-        for i, s in enumerate(streams)
+    lines = [f"mixture      {len(streams)} streams in {composition} batches{blocked}"]
+    if ledger.change is not None:  # resumed with allow_mixture_change: the epoch's counts span both mixtures
+        from lightning_sharding.mixture_change import changed_counts
+
+        before = len(RangeSet.from_state(np.asarray(ledger.change["before"]["consumed"])))
+        counts = changed_counts(ledger)
+        lines.append(
+            f"changed      epoch {ledger.epoch} resumed under new shares: {before} samples consumed before, "
+            f"{ledger.total - before} drawn at the new shares"
+        )
+    else:
+        which, _ = layout_of_summary(streams, manifest).streams(ledger.consumed.to_array())
+        counts = {s["name"]: (int((which == i).sum()), int(s["draws"])) for i, s in enumerate(streams)}
+    shares = {s["name"]: f" ({s['share']}, {s['samples']} samples)" for s in streams}
+    return lines + [
+        f"stream       {name!r}{shares.get(name, ' (removed)')}: consumed {done} of {draws} draws, "
+        f"remaining {draws - done}"
+        for name, (done, draws) in counts.items()
     ]
 
 

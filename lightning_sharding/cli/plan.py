@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from lightning_sharding.manifest import Manifest
+    from lightning_sharding.mixture import MixtureOrder
+    from lightning_sharding.order import EpochOrder
     from lightning_sharding.plan import EvenBatches
 
 
@@ -181,7 +183,10 @@ def _plan(args: argparse.Namespace) -> int:
         raise CliError("--plot draws ranks, not replicas: leave out --data-parallel to draw the plan of plain ranks")
     manifest = _manifest(cfg, batch_size)
     # A source (strategy dispatch) is read in its own order: such a strategy never shuffles.
-    order = manifest.order(seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)
+    # A fresh manifest: never a changed epoch's order, which only a resumed checkpoint has.
+    order = cast(
+        "EpochOrder | MixtureOrder", manifest.order(seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)
+    )
     plan = plan_epoch(
         manifest.total,
         RangeSet(),

@@ -162,6 +162,9 @@ class MixtureData(DataOptions):
     streams: list[StreamOptions] = field(default_factory=list)
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"  # mixed | stratified | per_stream
+    # Resume a checkpoint of other shares or streams: its consumed samples stay consumed, the rest of
+    # its epoch is drawn at the new shares (README "Changing the mixture on resume").
+    allow_mixture_change: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
     dim: int = 16  # features of generated streams
 

@@ -16,6 +16,7 @@ def mixture(
     streams: Sequence[Mapping[str, Any]],
     samples_per_epoch: int | None,
     batch_composition: str,
+    allow_mixture_change: bool,
     storage_options: Mapping[str, Any],
     dim: int,
     sharding: Mapping[str, Any],
@@ -58,4 +59,5 @@ def mixture(
         streams=built,
         samples_per_epoch=samples_per_epoch,
         batch_composition=batch_composition,
+        allow_mixture_change=allow_mixture_change,
     )

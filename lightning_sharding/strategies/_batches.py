@@ -12,6 +12,7 @@ from torch.utils.data import Dataset, default_collate
 
 from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.mixture import MixtureOrder
+from lightning_sharding.mixture_change import MixtureChange
 from lightning_sharding.options import LoaderOptions
 from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask
@@ -48,14 +49,14 @@ class PlannedBatches(Dataset[Delivery]):
         self.seed, self.shuffle, self.world = seed, options.shuffle, world
         self.transform, self.collate_fn, self.on_error = options.transform, options.collate_fn, options.on_error
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
-        self._order: EpochOrder | MixtureOrder | None = None
+        self._order: EpochOrder | MixtureOrder | MixtureChange | None = None
         # Columns straight into the batch when nothing per sample runs: no transform, default collate.
         self.columnar = reader.columnar and self.transform is None and self.collate_fn is default_collate
 
     def __len__(self) -> int:
         raise TypeError("PlannedBatches is indexed by BatchTask and has no length")
 
-    def _epoch_order(self, epoch: int) -> EpochOrder | MixtureOrder:
+    def _epoch_order(self, epoch: int) -> EpochOrder | MixtureOrder | MixtureChange:
         if self._order is None or self._order.epoch != epoch:
             self._order = self.manifest.order(self.seed, epoch, shuffle=self.shuffle)
         return self._order

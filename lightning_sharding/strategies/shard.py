@@ -18,7 +18,7 @@ the batch and keeps in order for the ledger.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader, Sampler
@@ -54,7 +54,7 @@ class PlanSampler(Sampler[BatchTask]):
         batch_size: int,
         even_batches: EvenBatches,
         worker_layout: WorkerLayout = "runs",
-        blocks: Blocks | None = None,
+        blocks: Blocks | Callable[[int], Blocks | None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.world, self.num_workers = world, num_workers
@@ -70,7 +70,7 @@ class PlanSampler(Sampler[BatchTask]):
         world: World,
         options: LoaderOptions,
         worker_layout: WorkerLayout = "runs",
-        blocks: Blocks | None = None,
+        blocks: Blocks | Callable[[int], Blocks | None] | None = None,
     ) -> Any:
         """The sampler of ``world.rank`` with ``options``' batching (and a mixture's ``blocks``)."""
         return cls(
@@ -103,7 +103,7 @@ class PlanSampler(Sampler[BatchTask]):
             batch_size=self.batch_size,
             even_batches=self.even_batches,
             worker_layout=self.worker_layout,
-            blocks=self.blocks,
+            blocks=self.blocks(self.ledger.epoch) if callable(self.blocks) else self.blocks,
         )
 
     def __iter__(self) -> Iterator[BatchTask]:
@@ -180,7 +180,7 @@ class ShardedLoader(TrainLoader):
         r = request
         check_blocks(r.manifest, r.options.batch_size)
         dataset = PlannedBatches(r.reader, r.manifest, seed=r.ledger.seed, world=r.world, options=r.options)
-        return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout, r.manifest.blocks)
+        return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout, r.manifest.blocks_at)
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()

@@ -29,10 +29,12 @@ class OffsetReader(SyntheticReader):
 
 
 def make_streams(specs: list[dict[str, Any]]) -> list[Stream]:
-    """``[{"name", "sizes", <share>: value}, ...]`` as streams with ids ``0..`` in stream order."""
+    """``[{"name", "sizes", <share>: value}, ...]`` as streams with ids ``0..`` in stream order (or
+    from a spec's own ``"offset"``, to keep a stream's ids when others are added or removed)."""
     streams, offset = [], 0
     for spec in specs:
-        share = {k: v for k, v in spec.items() if k not in ("name", "sizes")}
+        share = {k: v for k, v in spec.items() if k not in ("name", "sizes", "offset")}
+        offset = spec.get("offset", offset)
         streams.append(Stream(spec["name"], OffsetReader(offset, spec["sizes"]), **share))
         offset += sum(spec["sizes"])
     return streams

@@ -55,6 +55,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
             streams=make_streams(cfg["streams"]),
             samples_per_epoch=cfg["samples_per_epoch"],
             batch_composition=cfg["batch_composition"],
+            allow_mixture_change=cfg["allow_mixture_change"],
         )
     elif cfg["data"]:
         data, transform = dict(reader=file_reader(cfg["data"], cache_dir=out / "cache")), to_regression

@@ -7,13 +7,14 @@ contract and mixture tests carry the other topologies).
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_sharding.audit import audit, format_audit
-from tests.harness import Job, check_resume, weights_of_run
+from tests.harness import Job, check_resume, kept_records, weights_of_run
 from tests.jobs.streams_data import planned_blocks, planned_ids
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
@@ -97,3 +98,57 @@ def test_a_stratified_mixture_resumes_on_other_topologies_with_every_batch_at_th
         ("code", 32, 0),
         ("books", 22, 0),
     ]
+
+
+def test_a_mixture_changed_on_resume_serves_nothing_consumed_again_and_the_rest_at_the_new_shares(
+    tmp_path: Path,
+) -> None:
+    before = (
+        {"name": "web", "sizes": [37, 41, 29], "weight": 3},  # 107 samples
+        {"name": "code", "sizes": [23, 17, 31, 29], "weight": 1},  # 100 samples
+        {"name": "books", "sizes": [11], "repeat": 2.0},
+    )  # 150 an epoch: web 96, code 32, books 22
+    after = ({**before[0], "weight": 1}, {**before[1], "weight": 1}, before[2])  # web 64, code 64, books 22
+    job = Job(streams=before, samples_per_epoch=PER_EPOCH, audit=True, count_weights=True, epochs=2, seed=SEED)
+    changed = Job(**{**job.__dict__, "streams": after, "allow_mixture_change": True, "world_size": 1})
+    then = [changed, Job(**{**changed.__dict__, "world_size": 2, "num_workers": 1})]
+    seen, segments = check_resume(tmp_path, job, then, checkpoint_every=3)
+    assert "the mixture changed in epoch 0" in segments[1].output, segments[1].output[-3000:]
+    # What the first segment's checkpoint consumed, and what the two segments after the change served.
+    consumed = Counter(i for r in kept_records(segments[0], 3, [0, 1]) for i in r["ids"])
+    rest = seen[0] - consumed
+    assert sum(consumed.values()) == 48 and sum(rest.values()) == PER_EPOCH - 48, (consumed, rest)
+    stream_of = np.repeat([0, 1, 2], [107, 100, 11])
+    new_draws = [64, 64, 22]
+    held = np.bincount(stream_of[list(rest.elements())], minlength=3)
+    for s, name in enumerate(("web", "code", "books")):  # the new shares hold for the rest within one sample
+        assert abs(held[s] - (PER_EPOCH - 48) * new_draws[s] / PER_EPOCH) < 1, (name, held)
+    for i, n in rest.items():  # web and code had enough left: none of theirs again, none twice
+        if stream_of[i] < 2:
+            assert i not in consumed and n == 1, f"sample {i} served {n} time(s) after the change, {consumed[i]} before"
+    # The weights hold exactly what was served: epoch 0 the records' counts, epoch 1 the new mixture's plan.
+    weights = weights_of_run(tmp_path, segments)
+    expected = np.zeros(218)
+    expected[list(seen[0])] = list(seen[0].values())
+    assert np.array_equal(weights[0], expected), "the weights of epoch 0 differ from what was served"
+    planned = planned_ids(list(after), PER_EPOCH, SEED, 1)
+    assert seen[1] == planned
+    expected[:] = 0
+    expected[list(planned)] = list(planned.values())
+    assert np.array_equal(weights[1] - weights[0], expected)
+    # The audit follows the change: epoch 0 is the 48 consumed before it and the rest after, per stream.
+    results = audit([tmp_path])
+    table = format_audit(results)
+    assert [r.epoch for r in results] == [0, 1] and all(r.ok and r.complete for r in results), table
+    assert (results[0].expected, results[0].consumed, results[0].duplicates) == (PER_EPOCH, PER_EPOCH, 0), table
+    by_stream = Counter(
+        {
+            n: int(c)
+            for n, c in zip(
+                ("web", "code", "books"), np.bincount(stream_of[list(seen[0].elements())], minlength=3), strict=True
+            )
+        }
+    )
+    assert [(s.name, s.expected, s.consumed) for s in results[0].streams] == [
+        (n, by_stream[n], by_stream[n]) for n in ("web", "code", "books")
+    ], table

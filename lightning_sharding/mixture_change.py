@@ -1,0 +1,237 @@
+"""A mixture changed on resume: the rest of the epoch at the new shares, nothing consumed served again.
+
+A checkpoint written mid-epoch under one mixture resumes under another (new weights, a stream added
+or removed) with ``ShardedDataModule(allow_mixture_change=True)``. That epoch is *changed*:
+
+- the ``c`` positions the checkpoint consumed stay consumed; the old epoch's other positions are
+  never served (each stream's report says how many samples it had left);
+- the rest of the epoch, ``R = max(0, samples_per_epoch - c)`` samples, is split over the new
+  streams at the new shares (largest remainders over the new draws, so within one sample) and laid
+  out by the new composition;
+- each stream's rest comes first from its samples *not consumed this epoch*, in a fresh shuffled
+  order, and only when its new share asks for more than it has left from whole fresh passes.
+
+The changed epoch has ``R + c`` positions: ``[0, R)`` the rest, ``[R, R + c)`` standing for the ``c``
+positions consumed before the change (consumed in the ledger, never served). Like every order, it
+is a pure function: of the checkpoint's ledger (kept in the new ledger as ``change``) and the data,
+never of the topology, so resuming it again on any topology serves the same rest. The next epoch is
+an ordinary epoch of the new mixture. A kept stream must hold the same data (its items' fingerprint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.composition import Blocks, Layout, apportion, blocks_of, layout, layout_of_summary
+from lightning_sharding.mixture import StreamOrder, locate_streams, stream_seed
+from lightning_sharding.order import EpochOrder, derive_seed
+from lightning_sharding.rangeset import RangeSet
+
+Int64Array = npt.NDArray[np.int64]
+_REST_SEEDS = 0x4E57
+_CHUNK = 1 << 20  # consumed positions located at a time
+
+
+class MixtureChangeError(ValueError):
+    """A checkpoint's mixture cannot continue under the new one (named stream, what to do)."""
+
+
+class RestStream:
+    """One stream's draws in the rest of a changed epoch: first its samples not consumed this epoch,
+    in a fresh order (``excluded``: the consumed ones' places in that order, sorted and unique), then
+    whole fresh passes."""
+
+    def __init__(
+        self, counts: Int64Array, name: str, seed: int, epoch: int, excluded: Int64Array, *, shuffle: bool
+    ) -> None:
+        self.counts, self.size, self.epoch, self.shuffle = counts, int(counts.sum()), int(epoch), shuffle
+        self.seed = stream_seed(seed, name, _REST_SEEDS)
+        self.fresh = EpochOrder(counts, self.seed, self.epoch, shuffle=shuffle)
+        self.skip = excluded - np.arange(excluded.size, dtype=np.int64)  # k-th kept = k + #(skip <= k)
+        self.left = self.size - int(excluded.size)
+
+    def locate(self, draws: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """The stream's item and sample index of each draw of the rest, shape ``(n,)`` each."""
+        draw = np.asarray(draws, dtype=np.int64)
+        items, index = np.empty_like(draw), np.empty_like(draw)
+        first = draw < self.left
+        k = draw[first]
+        items[first], index[first] = self.fresh.locate(k + np.searchsorted(self.skip, k, side="right"))
+        passes, offsets = np.divmod(draw[~first] - self.left, self.size)
+        later_items, later_index = np.empty_like(passes), np.empty_like(passes)
+        for p in np.unique(passes).tolist():
+            at = passes == p
+            order = EpochOrder(self.counts, self.seed, derive_seed(self.epoch, p + 1), shuffle=self.shuffle)
+            later_items[at], later_index[at] = order.locate(offsets[at])
+        items[~first], index[~first] = later_items, later_index
+        return items, index
+
+
+@dataclass(frozen=True)
+class StreamReport:
+    """What a change did to one stream: samples ``consumed`` this epoch before it, samples it had
+    ``left`` (not consumed; ``None`` for a removed stream), and the draws ``planned`` for the rest."""
+
+    name: str
+    consumed: int
+    left: int | None
+    planned: int
+
+
+class MixtureChange:
+    """The order of a changed epoch (see the module): ``locate``, ``streams`` and ``blocks`` like a
+    :class:`~lightning_sharding.mixture.MixtureOrder`, over ``total = rest + before`` positions."""
+
+    def __init__(
+        self,
+        epoch: int,
+        names: Sequence[str],
+        rest_draws: Sequence[int],
+        streams: Sequence[RestStream],
+        item_offsets: Int64Array,
+        before: int,
+        composition: str,
+        batch_size: int | None,
+        report: Sequence[StreamReport],
+    ) -> None:
+        self.epoch, self.names, self.draws = int(epoch), tuple(names), tuple(int(d) for d in rest_draws)
+        self.rest, self.before = sum(self.draws), int(before)
+        self.total, self.report = self.rest + self.before, tuple(report)
+        self.rest_streams, self.item_offsets = list(streams), item_offsets
+        self.layout: Layout | None = layout(self.draws, composition, batch_size) if self.rest else None
+        blocks = blocks_of(self.layout) if self.layout is not None else None
+        if composition != "mixed" and batch_size is not None and blocks is None:  # nothing left to plan
+            blocks = Blocks(int(batch_size), 0, ())
+        # The positions consumed before the change are one last block: never planned, all consumed.
+        self.blocks = (
+            blocks
+            if blocks is None or not self.before
+            else Blocks(blocks.size, blocks.aligned, (*blocks.tail, self.total))
+        )
+
+    def streams(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Stream and draw of each rest position (``[0, rest)``), shape ``(n,)`` each."""
+        if self.layout is None:
+            raise ValueError(f"epoch {self.epoch} changed its mixture with nothing left to serve")
+        return self.layout.streams(positions)
+
+    def prefix(self, position: int) -> list[int]:
+        """Each stream's draws among the first ``position`` rest positions."""
+        return self.layout.prefix(position) if self.layout is not None else [0] * len(self.names)
+
+    def locate(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Item ids (over all streams) and sample indices of rest positions, shape ``(n,)`` each."""
+        return locate_streams(self.streams(positions), self.rest_streams, self.item_offsets)
+
+    def describe(self) -> str:
+        """The change and what it did, per stream, for the log of rank 0."""
+        rows = [
+            f"  {r.name!r}: {r.consumed} consumed this epoch, "
+            + (f"{r.left} left, {r.planned} planned for the rest" if r.left is not None else "removed")
+            for r in self.report
+        ]
+        return (
+            f"the mixture changed in epoch {self.epoch}: its {self.before} consumed samples stay consumed and "
+            f"the rest of the epoch, {self.rest} samples, is drawn at the new shares:\n" + "\n".join(rows)
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """What the audit header keeps: the change's epoch, rest and streams' rest draws."""
+        return {
+            "epoch": self.epoch,
+            "before": self.before,
+            "streams": [{"name": n, "draws": d} for n, d in zip(self.names, self.draws, strict=True)],
+        }
+
+
+def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -> MixtureChange:
+    """The changed epoch from ``before`` (the state of a checkpoint's ledger, written under another
+    mixture) onto the mixture of ``manifest`` (a :class:`~lightning_sharding.manifest.Manifest`);
+    raises :class:`MixtureChangeError` naming the stream."""
+    saved = before["manifest"]
+    mixture, old = manifest.mixture, saved.get("streams")
+    if mixture is None or not old:
+        raise MixtureChangeError(
+            "allow_mixture_change continues a mixture under new streams or shares, but "
+            f"{'the data is' if mixture is None else 'the checkpoint holds'} no mixture; use allow_data_change=True"
+        )
+    if "change" in before:
+        raise MixtureChangeError(
+            f"the checkpoint's epoch {before['epoch']} already changed its mixture once: resume it with the mixture "
+            "it was changed to, or pass allow_data_change=True to start the epoch afresh"
+        )
+    now = {s["name"]: s for s in manifest.summary()["streams"]}
+    for s in old:
+        if s["name"] in now and s.get("data") != now[s["name"]]["data"]:
+            raise MixtureChangeError(
+                f"stream {s['name']!r} holds other data than in the checkpoint (its items or their fingerprints "
+                "changed); a mixture change keeps each kept stream's data. Rename the stream if it is new data."
+            )
+    seed, epoch = int(before["seed"]), int(before["epoch"])
+    offsets = np.concatenate(([0], np.cumsum(mixture.stream_items))).astype(np.int64)
+    counts = [manifest.counts[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    index = {name: j for j, name in enumerate(mixture.names)}
+    kept = {i: index[s["name"]] for i, s in enumerate(old) if s["name"] in index}
+    old_orders = {
+        i: StreamOrder(counts[j], old[i]["name"], int(old[i]["draws"]), seed, epoch, shuffle=shuffle)
+        for i, j in kept.items()
+    }
+    fresh = {
+        j: EpochOrder(counts[j], stream_seed(seed, mixture.names[j], _REST_SEEDS), epoch, shuffle=shuffle)
+        for j in kept.values()
+    }
+    consumed, per_stream = RangeSet.from_state(np.asarray(before["consumed"])), np.zeros(len(old), dtype=np.int64)
+    places: dict[int, list[Int64Array]] = {j: [] for j in kept.values()}
+    where = layout_of_summary(old, saved)
+    for lo in range(0, len(consumed), _CHUNK):
+        positions = consumed.select(lo, lo + _CHUNK).to_array()
+        stream, draw = where.streams(positions)
+        per_stream += np.bincount(stream, minlength=len(old))
+        for i, j in kept.items():
+            items, sample = old_orders[i].locate(draw[stream == i])
+            places[j].append(fresh[j].positions(items, sample))
+    excluded = {j: np.unique(np.concatenate(p)) if p else np.zeros(0, np.int64) for j, p in places.items()}
+    rest = max(0, manifest.total - len(consumed))
+    draws = rest_draws(rest, mixture.draws)
+    streams = [
+        RestStream(counts[j], name, seed, epoch, excluded.get(j, np.zeros(0, np.int64)), shuffle=shuffle)
+        for j, name in enumerate(mixture.names)
+    ]
+    was = {s["name"]: int(n) for s, n in zip(old, per_stream.tolist(), strict=True)}
+    report = [StreamReport(n, was.get(n, 0), streams[j].left, draws[j]) for j, n in enumerate(mixture.names)]
+    report += [StreamReport(s["name"], was[s["name"]], None, 0) for s in old if s["name"] not in index]
+    return MixtureChange(
+        epoch, mixture.names, draws, streams, offsets, len(consumed), mixture.composition, mixture.batch_size, report
+    )
+
+
+def rest_draws(rest: int, draws: Sequence[int]) -> list[int]:
+    """The ``rest`` of a changed epoch split over streams of ``draws`` an epoch (largest remainders)."""
+    return apportion(rest, [int(d) for d in draws]) if rest else [0] * len(draws)
+
+
+def changed_counts(ledger: Any) -> dict[str, tuple[int, int]]:
+    """Per stream of a changed epoch's ``ledger`` (removed streams too): samples consumed this epoch
+    and samples the epoch draws, before the change and after it (for ``inspect``)."""
+    before, now = ledger.change["before"], ledger.manifest
+    consumed = RangeSet.from_state(np.asarray(before["consumed"])).to_array()
+    old = before["manifest"]["streams"]
+    which, _ = layout_of_summary(old, before["manifest"]).streams(consumed)
+    was = {s["name"]: int((which == i).sum()) for i, s in enumerate(old)}
+    rest = ledger.total - consumed.size
+    draws = rest_draws(rest, [s["draws"] for s in now["streams"]])
+    served = ledger.consumed.to_array()
+    served = served[served < rest]
+    which = np.zeros(0, np.int64)
+    if served.size:
+        which, _ = layout(draws, now.get("composition", "mixed"), now.get("batch_size")).streams(served)
+    counts = {}
+    for i, s in enumerate(now["streams"]):
+        before_change = was.pop(s["name"], 0)
+        counts[s["name"]] = (before_change + int((which == i).sum()), before_change + draws[i])
+    return counts | {name: (n, n) for name, n in was.items()}  # removed streams: what they served
