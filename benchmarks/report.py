@@ -58,6 +58,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"{mp['locate_seconds'] * 1000:.0f} ms) | lightning_sharding | {mp['seconds'] * 1000:.1f} ms | - | "
             f"< 1 s | {_status(mp)} |"
         )
+    mc = results.get("mixture_change")
+    if mc is not None:
+        lines.append(
+            f"| resuming a changed mixture (`allow_mixture_change`), once: 16 streams x {mc['items']:,} items x "
+            f"{mc['samples_per_item']} samples, {mc['consumed']:,} consumed | lightning_sharding | "
+            f"{mc['seconds']:.2f} s | - | - | |"
+        )
     for name, row in results["checkpoint"].items():
         lines.append(
             f"| checkpoint: ledger entry, gather + save at 2 ranks | {name} | {row['bytes']:,} bytes "

@@ -98,6 +98,39 @@ def mixture_planning_seconds(repeats: int, composition: str = "mixed") -> dict[s
     }
 
 
+def mixture_change_seconds(items: int, samples_per_item: int) -> dict[str, Any]:
+    """Seconds a resume with ``allow_mixture_change`` spends once to change a mixture's epoch: 16
+    streams of ``items`` items of ``samples_per_item`` samples, a quarter of the epoch consumed in 16
+    runs (as 16 ranks leave it), weights 1..16 reversed. It locates every consumed sample (each
+    item's sample order is drawn once: items of few samples cost the most), and then the rest."""
+    from lightning_sharding.manifest import Item, Manifest
+    from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
+    from lightning_sharding.mixture_change import change_mixture
+
+    names = [f"s{i}" for i in range(STREAMS)]
+    all_items = tuple(Item(f"{n}/{i}", samples_per_item) for n in names for i in range(items))
+
+    def manifest(weights: list[float]) -> Manifest:
+        specs = [StreamSpec(n, weight=w) for n, w in zip(names, weights, strict=True)]
+        draws = plan_draws(specs, [items * samples_per_item] * STREAMS)
+        shares = tuple(s.describe() for s in specs)
+        return Manifest(all_items, Mixture(tuple(names), shares, (items,) * STREAMS, tuple(draws)))
+
+    before, after = (
+        manifest([float(i + 1) for i in range(STREAMS)]),
+        manifest([float(STREAMS - i) for i in range(STREAMS)]),
+    )
+    run = before.total // 16
+    ledger = Ledger(seed=0, total=before.total, manifest=before.summary())
+    ledger.merge(RangeSet.from_ranges((r * run, r * run + run // 4) for r in range(16)))
+    after.summary()  # the fingerprints: computed at setup, before any resume
+    start = time.perf_counter()
+    change = change_mixture(ledger.state_dict(), after, shuffle=True)
+    seconds = time.perf_counter() - start
+    assert change.before == len(ledger.consumed) and change.rest == after.total - change.before
+    return {"seconds": seconds, "consumed": change.before, "items": items, "samples_per_item": samples_per_item}
+
+
 def _consume_half(ledger: Ledger, world_size: int, workers: int, batch: int) -> None:
     """Every rank's every worker completes the first half of its batches, as a run stopped mid-epoch does."""
     plan = plan_epoch(ledger.total, ledger.done, epoch=0, world_size=world_size, num_workers=workers, batch_size=batch)

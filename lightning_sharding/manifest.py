@@ -109,32 +109,33 @@ class Manifest:
         return self.change.blocks if self.change is not None and epoch == self.change.epoch else self.blocks
 
     @cached_property
-    def stream_fingerprints(self) -> list[str]:
-        """A SHA-256 of each mixture stream's items (keys, counts, fingerprints), in stream order."""
-        if self.mixture is None:
-            return []
-        out, start = [], 0
-        for n in self.mixture.stream_items:
-            h = hashlib.sha256()
-            for it in self.items[start : start + n]:
-                h.update(json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode() + b"\n")
-            out.append(h.hexdigest())
-            start += n
-        return out
-
-    @cached_property
     def fingerprint(self) -> str:
         """A SHA-256 over every item's key, count and fingerprint, in order."""
-        h = hashlib.sha256()
-        for it in self.items:
+        return self._digests[0]
+
+    @property
+    def stream_fingerprints(self) -> list[str]:
+        """A SHA-256 of each mixture stream's items (keys, counts, fingerprints), in stream order."""
+        return self._digests[1]
+
+    @cached_property
+    def _digests(self) -> tuple[str, list[str]]:
+        """The fingerprint and each stream's, in one pass over the items."""
+        whole, streams = hashlib.sha256(), []
+        firsts = set(np.cumsum((0, *self.mixture.stream_items[:-1])).tolist()) if self.mixture is not None else set()
+        for i, it in enumerate(self.items):
+            if i in firsts:
+                streams.append(hashlib.sha256())
             # JSON-encoded, so a tab or newline inside a key or an ETag cannot forge another item list.
-            h.update(json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode())
-            h.update(b"\n")
+            line = json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode() + b"\n"
+            whole.update(line)
+            if streams:
+                streams[-1].update(line)
         if self.mixture is not None:
-            h.update(json.dumps(self.mixture.summary(self.counts)).encode())
+            whole.update(json.dumps(self.mixture.summary(self.counts)).encode())
             if self.mixture.composition_summary():
-                h.update(json.dumps(self.mixture.composition_summary()).encode())
-        return h.hexdigest()
+                whole.update(json.dumps(self.mixture.composition_summary()).encode())
+        return whole.hexdigest(), [h.hexdigest() for h in streams]
 
     def summary(self) -> dict[str, Any]:
         """What a checkpoint keeps of the manifest to explain a later mismatch."""

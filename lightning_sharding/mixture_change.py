@@ -185,15 +185,12 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
         j: EpochOrder(counts[j], stream_seed(seed, mixture.names[j], _REST_SEEDS), epoch, shuffle=shuffle)
         for j in kept.values()
     }
-    consumed, per_stream = RangeSet.from_state(np.asarray(before["consumed"])), np.zeros(len(old), dtype=np.int64)
+    consumed = RangeSet.from_state(np.asarray(before["consumed"]))
+    taken = stream_draws(layout_of_summary(old, saved), consumed)
     places: dict[int, list[Int64Array]] = {j: [] for j in kept.values()}
-    where = layout_of_summary(old, saved)
-    for lo in range(0, len(consumed), _CHUNK):
-        positions = consumed.select(lo, lo + _CHUNK).to_array()
-        stream, draw = where.streams(positions)
-        per_stream += np.bincount(stream, minlength=len(old))
-        for i, j in kept.items():
-            items, sample = old_orders[i].locate(draw[stream == i])
+    for i, j in kept.items():
+        for lo in range(0, len(taken[i]), _CHUNK):
+            items, sample = old_orders[i].locate(taken[i].select(lo, lo + _CHUNK).to_array())
             places[j].append(fresh[j].positions(items, sample))
     excluded = {j: np.unique(np.concatenate(p)) if p else np.zeros(0, np.int64) for j, p in places.items()}
     rest = max(0, manifest.total - len(consumed))
@@ -202,12 +199,24 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
         RestStream(counts[j], name, seed, epoch, excluded.get(j, np.zeros(0, np.int64)), shuffle=shuffle)
         for j, name in enumerate(mixture.names)
     ]
-    was = {s["name"]: int(n) for s, n in zip(old, per_stream.tolist(), strict=True)}
+    was = {s["name"]: len(t) for s, t in zip(old, taken, strict=True)}
     report = [StreamReport(n, was.get(n, 0), streams[j].left, draws[j]) for j, n in enumerate(mixture.names)]
     report += [StreamReport(s["name"], was[s["name"]], None, 0) for s in old if s["name"] not in index]
     return MixtureChange(
         epoch, mixture.names, draws, streams, offsets, len(consumed), mixture.composition, mixture.batch_size, report
     )
+
+
+def stream_draws(where: Layout, positions: RangeSet) -> list[RangeSet]:
+    """Each stream's draws at ``positions`` of an epoch laid out by ``where``. A stream's draws come
+    in order through the epoch, so a run of positions ``[a, b)`` holds its draws ``[prefix(a),
+    prefix(b))``: a few integer steps per run, never per position."""
+    bounds = sorted({p for run in positions.ranges() for p in run})
+    prefix = {p: where.prefix(p) for p in bounds}
+    return [
+        RangeSet.from_ranges((prefix[a][s], prefix[b][s]) for a, b in positions.ranges() if prefix[b][s] > prefix[a][s])
+        for s in range(len(where.draws))
+    ]
 
 
 def rest_draws(rest: int, draws: Sequence[int]) -> list[int]:
@@ -219,19 +228,18 @@ def changed_counts(ledger: Any) -> dict[str, tuple[int, int]]:
     """Per stream of a changed epoch's ``ledger`` (removed streams too): samples consumed this epoch
     and samples the epoch draws, before the change and after it (for ``inspect``)."""
     before, now = ledger.change["before"], ledger.manifest
-    consumed = RangeSet.from_state(np.asarray(before["consumed"])).to_array()
+    consumed = RangeSet.from_state(np.asarray(before["consumed"]))
     old = before["manifest"]["streams"]
-    which, _ = layout_of_summary(old, before["manifest"]).streams(consumed)
-    was = {s["name"]: int((which == i).sum()) for i, s in enumerate(old)}
-    rest = ledger.total - consumed.size
+    taken = stream_draws(layout_of_summary(old, before["manifest"]), consumed)
+    was = {s["name"]: len(t) for s, t in zip(old, taken, strict=True)}
+    rest = ledger.total - len(consumed)
     draws = rest_draws(rest, [s["draws"] for s in now["streams"]])
-    served = ledger.consumed.to_array()
-    served = served[served < rest]
-    which = np.zeros(0, np.int64)
-    if served.size:
-        which, _ = layout(draws, now.get("composition", "mixed"), now.get("batch_size")).streams(served)
+    served = [0] * len(draws)
+    if rest:
+        where = layout(draws, now.get("composition", "mixed"), now.get("batch_size"))
+        served = [len(t) for t in stream_draws(where, ledger.consumed.intersection(RangeSet.interval(0, rest)))]
     counts = {}
     for i, s in enumerate(now["streams"]):
         before_change = was.pop(s["name"], 0)
-        counts[s["name"]] = (before_change + int((which == i).sum()), before_change + draws[i])
+        counts[s["name"]] = (before_change + served[i], before_change + draws[i])
     return counts | {name: (n, n) for name, n in was.items()}  # removed streams: what they served

@@ -98,12 +98,19 @@ class EpochOrder:
         local = pos - self.starts[slots]
         if not self.shuffle:
             return items, local
-        index = np.empty_like(local)
-        for slot in np.unique(slots):
-            mask = slots == slot
-            item = int(self.item_order[slot])
-            index[mask] = self._inner(item)[local[mask]]
+        index = local.copy()
+        for group in self._by_item(items):
+            index[group] = self._inner(int(items[group[0]]))[local[group]]
         return items, index
+
+    def _by_item(self, items: Int64Array) -> list[Int64Array]:
+        """Where each item of several samples occurs in ``items``, one array per item (an item of
+        one sample needs no permutation: its index is its place)."""
+        several = np.flatnonzero(self.counts[items] > 1)
+        if several.size == 0:
+            return []
+        by_item = several[np.argsort(items[several], kind="stable")]
+        return np.split(by_item, np.flatnonzero(np.diff(items[by_item])) + 1)
 
     def positions(self, items: npt.ArrayLike, index: npt.ArrayLike) -> Int64Array:
         """The epoch positions of samples ``(items, index)``, the inverse of :meth:`locate`; shape ``(n,)``."""
@@ -111,12 +118,7 @@ class EpochOrder:
         slot_of = np.empty_like(self.item_order)
         slot_of[self.item_order] = np.arange(self.item_order.size)
         local = index.copy()
-        if self.shuffle:
-            several = np.flatnonzero(self.counts[items] > 1)  # one sample: its index is its place
-            by_item = several[np.argsort(items[several], kind="stable")]
-            cuts = np.flatnonzero(np.diff(items[by_item])) + 1
-            for group in np.split(by_item, cuts) if by_item.size else []:
-                place = np.argsort(self._inner(int(items[group[0]])))
-                local[group] = place[index[group]]
+        for group in self._by_item(items) if self.shuffle else []:
+            local[group] = np.argsort(self._inner(int(items[group[0]])))[index[group]]
         positions: Int64Array = self.starts[slot_of[items]] + local
         return positions

@@ -40,6 +40,7 @@ def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert mixture["streams"] == 16 and mixture["seconds"] > 0 and mixture["locate_seconds"] > 0
     assert results["mixture_planning_stratified"]["composition"] == "stratified"
     assert results["mixture_planning_per_stream"]["seconds"] > 0
+    assert results["mixture_change"]["consumed"] == 16 * (16 * 10**3 * 100 // 16 // 4)
     assert all(row["bytes"] > 0 and row["gather_save_seconds"] > 0 for row in results["checkpoint"].values())
     memory = results["memory"]["data_per_item"]
     assert memory["broadcast, no prefetch"] > 0 and memory["baseline: a copy per worker"] > 0
