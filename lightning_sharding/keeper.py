@@ -144,20 +144,7 @@ class LedgerKeeper:
             self.restored_from = source
             return
         change = describe_change(restored.manifest, self.manifest.summary())
-        if self.allow_mixture_change and restored.manifest.get("streams"):
-            before = restored.state_dict()
-            changed = self._change(before, source)
-            self.ledger = Ledger(
-                seed=restored.seed,
-                total=changed.total,
-                manifest=self.manifest.summary(),
-                epoch=restored.epoch,
-                change={"before": before, "next_total": self.manifest.total},
-            )
-            self.ledger.consumed = RangeSet.interval(changed.rest, changed.total) if changed.before else RangeSet()
-            self.restored_from = source
-            if self.world.rank == 0:
-                print(f"lightning_sharding: {source}: {change};\n{changed.describe()}", file=sys.stderr)
+        if self.allow_mixture_change and restored.manifest.get("streams") and self._go_on(restored, source, change):
             return
         composition, size = restored.manifest.get("composition", "mixed"), restored.manifest.get("batch_size")
         if not self.allow_data_change and composition != "mixed" and size != self.options.batch_size:
@@ -182,6 +169,30 @@ class LedgerKeeper:
         self.ledger = Ledger(
             seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
         )
+
+    def _go_on(self, restored: Ledger, source: str, change: str) -> bool:
+        """Go on with ``restored``'s epoch under this manifest's changed mixture (``allow_mixture_change``);
+        ``False`` when that cannot be done and ``allow_data_change`` restarts the epoch instead."""
+        before = restored.state_dict()
+        try:
+            changed = self._change(before, source)
+        except CheckpointMismatchError as err:
+            if not self.allow_data_change:
+                raise
+            warnings.warn(f"{err}; allow_data_change=True restarts the epoch instead", stacklevel=3)
+            return False
+        self.ledger = Ledger(
+            seed=restored.seed,
+            total=changed.total,
+            manifest=self.manifest.summary(),
+            epoch=restored.epoch,
+            change={"before": before, "next_total": self.manifest.total},
+        )
+        self.ledger.consumed = RangeSet.interval(changed.rest, changed.total) if changed.before else RangeSet()
+        self.restored_from = source
+        if self.world.rank == 0:
+            print(f"lightning_sharding: {source}: {change};\n{changed.describe()}", file=sys.stderr)
+        return True
 
     def _change(self, before: dict[str, Any], source: str, total: int | None = None) -> Any:
         """Give the manifest the changed epoch of ``before`` (a ledger state of another mixture)."""

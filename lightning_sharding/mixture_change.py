@@ -167,7 +167,12 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
         )
     now = {s["name"]: s for s in manifest.summary()["streams"]}
     for s in old:
-        if s["name"] in now and s.get("data") != now[s["name"]]["data"]:
+        if s["name"] in now and "data" not in s:
+            raise MixtureChangeError(
+                f"the checkpoint was written by an earlier lightning_sharding that kept no fingerprint of stream "
+                f"{s['name']!r}'s data, so a change cannot prove it unchanged; use allow_data_change=True"
+            )
+        if s["name"] in now and s["data"] != now[s["name"]]["data"]:
             raise MixtureChangeError(
                 f"stream {s['name']!r} holds other data than in the checkpoint (its items or their fingerprints "
                 "changed); a mixture change keeps each kept stream's data. Rename the stream if it is new data."

@@ -168,3 +168,10 @@ def test_ckpt_path_last_takes_the_newest_checkpoint(tmp_path: Path) -> None:
         (where / name).write_bytes(b"")
         os.utime(where / name, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
     assert resolve_ckpt_path(make(tmp_path, "ckpt_path=last")) == str(where / "epoch=0-step=4.ckpt")
+
+
+def test_allow_mixture_change_reaches_the_datamodule(tmp_path: Path) -> None:
+    cfg = make(tmp_path, "data=mixture", "data.num_workers=0")
+    assert build_datamodule(cfg).allow_mixture_change is False
+    cfg = make(tmp_path, "data=mixture", "data.num_workers=0", "data.allow_mixture_change=true")
+    assert build_datamodule(cfg).allow_mixture_change is True

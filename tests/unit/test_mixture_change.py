@@ -197,3 +197,17 @@ def test_inspect_counts_a_changed_epoch_per_stream_across_both_mixtures() -> Non
     assert sum(consumed) == 40 and sum(draws) == 100, text
     was = Counter(key.split("/")[0] for key, _ in samples(before, 0, np.arange(30)))
     assert consumed[2] == draws[2] == was["books"], text
+
+
+def test_a_change_that_cannot_go_on_restarts_the_epoch_under_allow_data_change_and_old_checkpoints_say_why() -> None:
+    before = mixture({"web": {"weight": 1}, "code": {"weight": 1}}, 100)
+    state = checkpoint(before, RangeSet.interval(0, 30))
+    other = [Stream("web", SyntheticReader(sizes=SIZES["web"])), Stream("code", SyntheticReader(sizes=[23, 18]))]
+    after = MixtureReader(other, 100).manifest()
+    with pytest.warns(UserWarning, match="allow_data_change=True restarts the epoch instead"):
+        keeper = resume(state, after, allow_mixture_change=True, allow_data_change=True)
+    assert (len(keeper.ledger.consumed), keeper.ledger.total, keeper.manifest.change) == (0, 100, None)
+    for stream in state["manifest"]["streams"]:  # as an earlier release wrote it
+        del stream["data"]
+    with pytest.raises(CheckpointMismatchError, match="earlier lightning_sharding that kept no fingerprint of stream"):
+        resume(state, mixture({"web": {"weight": 2}, "code": {"weight": 1}}, 100), allow_mixture_change=True)
