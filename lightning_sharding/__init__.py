@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_sharding._version import __version__
 
 _EXPORTS = {
+    "BatchContext": "world",
     "BatchTask": "plan",
     "CheckpointMismatchError": "ledger",
     "DispatchLoader": "strategies.dispatch",
@@ -56,6 +57,7 @@ _EXPORTS = {
 
 __all__ = [
     "__version__",
+    "BatchContext",
     "BatchTask",
     "CheckpointMismatchError",
     "DispatchLoader",
@@ -122,7 +124,7 @@ if TYPE_CHECKING:
     from lightning_sharding.strategies.shard import ShardedLoader
     from lightning_sharding.streams import Stream
     from lightning_sharding.summary import EpochReport
-    from lightning_sharding.world import SampleContext, ShardContext, World
+    from lightning_sharding.world import BatchContext, SampleContext, ShardContext, World
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ from lightning_sharding.callbacks import ShardingCallback
 from lightning_sharding.keeper import LedgerKeeper
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Manifest
-from lightning_sharding.options import LoaderOptions, OnError, OptionAttribute, Transform
+from lightning_sharding.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
 from lightning_sharding.plan import EvenBatches
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.sources import Source
@@ -54,7 +54,8 @@ class ShardedDataModule(pl.LightningDataModule):
             number of batches, so DDP never hangs at an epoch's end.
         persistent_workers, prefetch_factor, pin_memory, multiprocessing_context, timeout: passed
             to the DataLoader.
-        transform: ``transform(sample, SampleContext) -> sample``, run per sample in the worker.
+        transform, batch_transform: ``transform(sample, SampleContext) -> sample`` per sample and
+            ``batch_transform(batch, BatchContext) -> batch`` per batch (vectorised), run in the worker.
         collate_fn: turns a list of samples into a batch (PyTorch's default collate).
         val_reader, test_reader: evaluation data, sharded without a ledger and never shuffled.
         padding_key: the key of the padding flags added to dict batches; ``None`` adds none.
@@ -99,6 +100,7 @@ class ShardedDataModule(pl.LightningDataModule):
         multiprocessing_context: str | None = None,
         timeout: float = 0,
         transform: Transform | None = None,
+        batch_transform: BatchTransform | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         val_reader: Reader | None = None,
         test_reader: Reader | None = None,
@@ -135,6 +137,7 @@ class ShardedDataModule(pl.LightningDataModule):
             shuffle=shuffle,
             even_batches=even_batches,
             transform=transform,
+            batch_transform=batch_transform,
             collate_fn=collate_fn or default_collate,
             padding_key=padding_key,
             on_error=on_error,

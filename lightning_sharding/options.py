@@ -14,9 +14,10 @@ from typing import Any, Literal
 from torch.utils.data import default_collate
 
 from lightning_sharding.plan import EvenBatches
-from lightning_sharding.world import SampleContext
+from lightning_sharding.world import BatchContext, SampleContext
 
 Transform = Callable[[Any, SampleContext], Any]
+BatchTransform = Callable[[Any, BatchContext], Any]
 OnError = Literal["raise", "skip"]
 ON_ERROR_POLICIES: tuple[str, ...] = ("raise", "skip")
 
@@ -37,6 +38,8 @@ class LoaderOptions:
             strategy allows is its ``even_batch_policies``.
         transform: ``transform(sample, SampleContext) -> sample``, run per sample in the worker.
         collate_fn: turns a list of samples into a batch (PyTorch's default collate).
+        batch_transform: ``batch_transform(batch, BatchContext) -> batch``, run in the worker on the
+            collated batch (or the columns of a batch-level reader), one row per sample in and out.
         padding_key: the key of the padding flags added to dict batches; ``None`` adds none.
         on_error: ``"raise"`` or ``"skip"`` (strategies whose ``skips_errors`` is true).
         prefetch_items: with ``broadcast``, how many items each rank loads ahead.
@@ -50,6 +53,7 @@ class LoaderOptions:
     even_batches: EvenBatches | Literal["sync"] = "pad"
     transform: Transform | None = None
     collate_fn: Callable[[list[Any]], Any] = field(default=default_collate)
+    batch_transform: BatchTransform | None = None
     padding_key: str | None = "is_padding"
     on_error: OnError = "raise"
     prefetch_items: int = 1
@@ -73,6 +77,9 @@ class LoaderOptions:
             raise ValueError(
                 f"`{owner}(prefetch_factor={self.prefetch_factor})` needs num_workers > 0 and a value >= 1"
             )
+        for name in ("transform", "batch_transform"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"`{owner}({name}={getattr(self, name)!r})` must be a function (or None)")
         if self.on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"`{owner}(on_error={self.on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
         if not _count(self.prefetch_items, 0):

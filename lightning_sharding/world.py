@@ -11,11 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from lightning_sharding.order import derive_seed
 
 # Distinct second words keep worker seeds and sample seeds apart for every (rank, worker, position).
 _WORKER_SEEDS = 0x3017
 _SAMPLE_SEEDS = 0x5A3C
+_BATCH_SEEDS = 0xBA7C
 
 
 DataParallel = tuple[int, int]
@@ -165,3 +169,26 @@ class SampleContext:
     def sample_seed(self) -> int:
         """A seed for this sample's randomness."""
         return derive_seed(self.shard.seed, _SAMPLE_SEEDS, self.shard.epoch, self.position)
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What a ``batch_transform`` gets: the shard context and the batch's epoch ``positions``, shape
+    ``(n,)``, one per row (the last ``num_padding`` rows are padding, flagged later)."""
+
+    shard: ShardContext
+    positions: npt.NDArray[np.int64]
+    num_padding: int
+
+    @property
+    def sample_seeds(self) -> npt.NDArray[np.uint64]:
+        """A seed per row, shape ``(n,)``, from ``(seed, epoch, position)`` only (as
+        :attr:`SampleContext.sample_seed` is): a row's randomness is the same on any rank, worker or
+        topology. Seed a vectorised augmentation with them, e.g. ``np.random.default_rng(seeds)``."""
+        base = np.uint64(derive_seed(self.shard.seed, _BATCH_SEEDS, self.shard.epoch))
+        with np.errstate(over="ignore"):  # splitmix64: wrapping arithmetic is the point
+            z = base + self.positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        seeds: npt.NDArray[np.uint64] = (z ^ (z >> np.uint64(31))) >> np.uint64(1)
+        return seeds

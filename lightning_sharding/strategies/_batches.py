@@ -21,7 +21,7 @@ from lightning_sharding.storage import is_transient
 from lightning_sharding.strategies._delivery import Delivery
 from lightning_sharding.strategies._samples import Failed, SampleError, difference, structure
 from lightning_sharding.strategies._worker import WorkerContexts
-from lightning_sharding.world import SampleContext, ShardContext, World
+from lightning_sharding.world import BatchContext, SampleContext, ShardContext, World
 
 
 class PlannedBatches(Dataset[Delivery]):
@@ -48,6 +48,7 @@ class PlannedBatches(Dataset[Delivery]):
         self.items = self.manifest.items
         self.seed, self.shuffle, self.world = seed, options.shuffle, world
         self.transform, self.collate_fn, self.on_error = options.transform, options.collate_fn, options.on_error
+        self.batch_transform = options.batch_transform
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
         self._order: EpochOrder | MixtureOrder | MixtureChange | None = None
         # Columns straight into the batch when nothing per sample runs: no transform, default collate.
@@ -71,7 +72,7 @@ class PlannedBatches(Dataset[Delivery]):
         if self.columnar:
             batch = self._read_columns(runs, item_ids, indices, ctx)
             if batch is not None:
-                return Delivery(batch, task.epoch, task.positions, task.num_padding)
+                return self._deliver(batch, task, task.positions, task.num_padding, ctx)
         samples: list[Any] = []
         for lo, hi in runs:
             samples.extend(self._read_run(self.items[int(item_ids[lo])], indices[lo:hi], task.positions[lo:hi], ctx))
@@ -86,9 +87,9 @@ class PlannedBatches(Dataset[Delivery]):
         while True:  # each pass marks at least one more misfit as failed, or raises
             try:
                 if Failed not in map(type, samples):
-                    return Delivery(self.collate_fn(samples), task.epoch, task.positions, task.num_padding)
+                    return self._deliver(self.collate_fn(samples), task, task.positions, task.num_padding, ctx)
                 bad = np.array([isinstance(s, Failed) for s in samples], dtype=bool)
-                return self._without_failed(task, samples, bad)
+                return self._without_failed(task, samples, bad, ctx)
             except SampleError:
                 raise
             except Exception as err:  # noqa: BLE001 - a collate failure: name the sample that does not fit
@@ -192,7 +193,39 @@ class PlannedBatches(Dataset[Delivery]):
                 raise failure from err
             return Failed(str(failure))
 
-    def _without_failed(self, task: BatchTask, samples: list[Any], bad: npt.NDArray[np.bool_]) -> Delivery:
+    def _deliver(
+        self, batch: Any, task: BatchTask, positions: Any, num_padding: int, ctx: ShardContext, skipped: Any = None
+    ) -> Delivery:
+        """The batch, through ``batch_transform`` when there is one, with its provenance."""
+        if self.batch_transform is not None:
+            batch = self._run_batch_transform(batch, task, positions, num_padding, ctx)
+        if skipped is None:
+            return Delivery(batch, task.epoch, positions, num_padding)
+        return Delivery(batch, task.epoch, positions, num_padding, skipped)
+
+    def _run_batch_transform(
+        self, batch: Any, task: BatchTask, positions: Any, num_padding: int, ctx: ShardContext
+    ) -> Any:
+        """``batch_transform`` on the batch; a failure or a changed number of rows names the batch (a
+        batch-level failure has no one sample to skip, so it is never skipped)."""
+        assert self.batch_transform is not None
+        where = f"batch {task.index} (epoch {task.epoch}, rank {ctx.rank}, worker {ctx.worker_id})"
+        try:
+            out = self.batch_transform(batch, BatchContext(ctx, positions, num_padding))
+        except Exception as err:
+            raise SampleError(f"batch_transform failed on {where}: {type(err).__name__}: {err}") from err
+        leaves = out.values() if isinstance(out, dict) else [out]
+        rows = {len(v) for v in leaves if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim}
+        if rows and rows != {len(positions)}:
+            raise SampleError(
+                f"batch_transform returned {sorted(rows)} rows for {where} of {len(positions)} samples: it must keep "
+                "one row per sample, in order (the loader flags padding and counts samples by row)"
+            )
+        return out
+
+    def _without_failed(
+        self, task: BatchTask, samples: list[Any], bad: npt.NDArray[np.bool_], ctx: ShardContext
+    ) -> Delivery:
         """Leave failed samples out; good ones of the batch stand in for them, flagged as padding."""
         n_real = len(task.positions) - task.num_padding
         real_bad = bad.copy()
@@ -209,7 +242,7 @@ class PlannedBatches(Dataset[Delivery]):
         positions = task.positions[order]
         num_padding = len(order) - len(keep_real)
         skipped = task.positions[np.flatnonzero(real_bad)]
-        return Delivery(self.collate_fn([samples[i] for i in order]), task.epoch, positions, num_padding, skipped)
+        return self._deliver(self.collate_fn([samples[i] for i in order]), task, positions, num_padding, ctx, skipped)
 
 
 def join_columns(parts: list[Any], n: int) -> Any:

@@ -112,7 +112,7 @@ class Strategy(ABC):
     shuffles: ClassVar[bool] = True
     mixes: ClassVar[bool] = False
     compositions: ClassVar[tuple[str, ...]] = ("mixed",)
-    fixed_options: ClassVar[tuple[str, ...]] = ()
+    fixed_options: ClassVar[tuple[str, ...]] = ("batch_transform",)  # a strategy that runs it says so
     no_skip_reason: ClassVar[str] = ""
     fixed_reason: ClassVar[str] = ""
 

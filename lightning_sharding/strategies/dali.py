@@ -199,7 +199,14 @@ class DaliStrategy(Strategy):
 
     name = "dali"
     mixes = True
-    fixed_options = ("collate_fn", "persistent_workers", "prefetch_factor", "pin_memory", "multiprocessing_context")
+    fixed_options = (
+        "collate_fn",
+        "batch_transform",
+        "persistent_workers",
+        "prefetch_factor",
+        "pin_memory",
+        "multiprocessing_context",
+    )
     fixed_reason = (
         "DALI assembles batches and runs its own workers; set its pipeline with "
         "DaliDataModule(prefetch_queue_depth=..., py_start_method=...) "

@@ -215,6 +215,7 @@ class ShardStrategy(Strategy):
     """Each DataLoader worker reads its own run of the rank's batches; bad samples may be skipped."""
 
     name = "shard"
+    fixed_options = ()  # every option applies, batch_transform too
     mixes = True
     compositions = COMPOSITIONS
     skips_errors = True

@@ -206,3 +206,36 @@ def test_a_batch_key_that_collides_with_the_padding_key_is_an_error() -> None:
     loader = make_loader(IsPaddingReader([4]), rank=0, world_size=1, num_workers=0, batch_size=2)
     with pytest.raises(KeyError, match="already has a key 'is_padding'"):
         list(loader)
+
+
+def scaled_in_worker(batch: dict[str, torch.Tensor], ctx: Any) -> dict[str, torch.Tensor]:
+    """A vectorised batch transform (module level: spawned workers import it)."""
+    import os
+
+    return dict(batch, x=batch["x"] * 2, pid=torch.full((len(ctx.positions),), os.getpid()))
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_a_batch_transform_runs_in_real_workers_on_every_batch_once() -> None:
+    import os
+
+    from lightning_sharding.readers.synthetic import regression_arrays
+
+    reader = SyntheticReader(4, 25, dim=3)
+    manifest = Manifest.from_items(reader.items())
+    served: Counter[int] = Counter()
+    for rank in range(2):
+        ledger = Ledger(seed=7, total=manifest.total, manifest=manifest.summary())
+        options = LoaderOptions(
+            batch_size=8, num_workers=2, multiprocessing_context="spawn", batch_transform=scaled_in_worker
+        )
+        loader = ShardedLoader.build(reader, manifest, ledger, world=World(rank=rank, world_size=2), options=options)
+        for batch in loader:
+            real = ~batch["is_padding"]
+            ids = batch["id"][real]
+            served.update(ids.tolist())
+            x, _ = regression_arrays(ids.numpy(), 3)
+            assert torch.equal(batch["x"][real], torch.from_numpy(x) * 2)
+            assert os.getpid() not in batch["pid"].tolist(), "the batch transform ran in the training process"
+    assert served == Counter(range(100))
