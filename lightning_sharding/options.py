@@ -19,6 +19,7 @@ from lightning_sharding.world import BatchContext, SampleContext
 Transform = Callable[[Any, SampleContext], Any]
 BatchTransform = Callable[[Any, BatchContext], Any]
 OnError = Literal["raise", "skip"]
+TRANSPORTS: tuple[str, ...] = ("pool", "torch")
 ON_ERROR_POLICIES: tuple[str, ...] = ("raise", "skip")
 
 
@@ -45,6 +46,8 @@ class LoaderOptions:
         prefetch_items: with ``broadcast``, how many items each rank loads ahead.
         persistent_workers, prefetch_factor, pin_memory, multiprocessing_context, timeout: passed
             to the DataLoader.
+        transport: how workers hand batches over: ``"pool"`` (reusable shared-memory slots, see
+            ``strategies/_slots.py``; small batches still go PyTorch's way) or ``"torch"``.
     """
 
     batch_size: int = 32
@@ -62,6 +65,7 @@ class LoaderOptions:
     pin_memory: bool = False
     multiprocessing_context: str | None = None
     timeout: float = 0
+    transport: Literal["pool", "torch"] = "pool"
 
     def check(self, owner: str = "LoaderOptions") -> LoaderOptions:
         """Raise a ValueError naming ``owner`` and the first value at fault; ``self`` when all fit."""
@@ -80,6 +84,8 @@ class LoaderOptions:
         for name in ("transform", "batch_transform"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ValueError(f"`{owner}({name}={getattr(self, name)!r})` must be a function (or None)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"`{owner}(transport={self.transport!r})` must be one of {list(TRANSPORTS)}")
         if self.on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"`{owner}(on_error={self.on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
         if not _count(self.prefetch_items, 0):

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.mixture import MixtureOrder
@@ -20,6 +20,7 @@ from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import is_transient
 from lightning_sharding.strategies._delivery import Delivery
 from lightning_sharding.strategies._samples import Failed, SampleError, difference, structure
+from lightning_sharding.strategies._slots import SlotStates, WorkerSlots
 from lightning_sharding.strategies._worker import WorkerContexts
 from lightning_sharding.world import BatchContext, SampleContext, ShardContext, World
 
@@ -49,6 +50,9 @@ class PlannedBatches(Dataset[Delivery]):
         self.seed, self.shuffle, self.world = seed, options.shuffle, world
         self.transform, self.collate_fn, self.on_error = options.transform, options.collate_fn, options.on_error
         self.batch_transform = options.batch_transform
+        # Set by the loader for the pooled transport (strategies/_slots.py); the worker's own slots.
+        self.slot_states: SlotStates | None = None
+        self._slots: WorkerSlots | None = None
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
         self._order: EpochOrder | MixtureOrder | MixtureChange | None = None
         # Columns straight into the batch when nothing per sample runs: no transform, default collate.
@@ -62,7 +66,21 @@ class PlannedBatches(Dataset[Delivery]):
             self._order = self.manifest.order(self.seed, epoch, shuffle=self.shuffle)
         return self._order
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_slots": None}  # a worker maps its own slots
+
     def __getitem__(self, task: BatchTask) -> Delivery:
+        delivery = self._batch(task)
+        if self.slot_states is None:
+            return delivery
+        info = get_worker_info()
+        if info is None:  # loading in the training process: nothing to move
+            return delivery
+        if self._slots is None:
+            self._slots = WorkerSlots(self.slot_states, info.id)
+        return delivery._replace(batch=self._slots.pack(delivery.batch))
+
+    def _batch(self, task: BatchTask) -> Delivery:
         ctx = self.context(task.epoch)
         item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
         # Read runs of consecutive positions that fall in the same item with one call.

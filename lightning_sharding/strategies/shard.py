@@ -33,6 +33,7 @@ from lightning_sharding.processes import reraise_if_dead, stop_workers, watch, w
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
+from lightning_sharding.strategies._slots import SlotPool
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.world import World
@@ -144,6 +145,10 @@ class ShardedLoader(TrainLoader):
                 transform=dataset.transform,
                 collate_fn=dataset.collate_fn,
             )
+        self._pool: SlotPool | None = None
+        if workers > 0 and options.transport == "pool":
+            self._pool = SlotPool(workers, options.prefetch_factor, options.multiprocessing_context, options.pin_memory)
+            dataset.slot_states = self._pool.states
         self._loader = DataLoader(
             dataset,
             batch_size=None,
@@ -185,6 +190,8 @@ class ShardedLoader(TrainLoader):
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()
         for delivery in self._guarded(iter(self._loader)):
+            if self._pool is not None:
+                delivery = delivery._replace(batch=self._pool.unpack(delivery.batch))
             yield self.delivered.accept(delivery, self.sampler.epoch)
 
     def _guarded(self, iterator: Iterator[Delivery]) -> Iterator[Delivery]:
@@ -202,6 +209,8 @@ class ShardedLoader(TrainLoader):
     def close(self) -> None:
         """Stop the worker processes now (teardown, a dead worker) rather than when garbage collected."""
         stop_workers(self._iterator)
+        if self._pool is not None:
+            self._pool.close()
         self._iterator = None
         self._loader._iterator = None  # persistent workers: the next pass must start new ones, not reuse these
 
