@@ -112,6 +112,7 @@ class Job:
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"
     allow_mixture_change: bool = False  # resume a checkpoint of another mixture at the new shares
+    transport: str = "torch"  # how workers hand batches over: "torch" or "pool" (strategies/_slots.py)
     model_parallel: bool = False  # Lightning's own ModelParallelStrategy (2-D mesh over gloo), no gradient sync
 
     def first_of_replicas(self) -> list[int]:

@@ -85,6 +85,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
             val_reader=SyntheticReader(sizes=[16, 16]) if cfg["val_check_interval"] else None,
             **common,
         )
+        dm.transport = cfg["transport"]  # a loader option: set as an attribute, checked again
     return dm
 
 

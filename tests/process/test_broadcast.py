@@ -36,7 +36,8 @@ MONTHS = (37, 41, 29, 53, 40)
 
 
 def shm_files() -> set[str]:
-    return {p.name for p in SHM_DIR.glob("lsh-*")}
+    """Broadcast segments in /dev/shm (not the batch slots another test's pooled loader may hold)."""
+    return {p.name for p in SHM_DIR.glob("lsh-*") if not re.search(r"-w\d+\.\d+-s\d+-g\d+$", p.name)}
 
 
 def build(

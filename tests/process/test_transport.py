@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,13 @@ def loader(samples: int, batch_size: int = 64, **options: Any) -> tuple[ShardedL
     reader = SyntheticReader(4, samples // 4, dim=DIM)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
-    opts = LoaderOptions(batch_size=batch_size, num_workers=2, multiprocessing_context="spawn", **options)
+    opts = LoaderOptions(
+        batch_size=batch_size, num_workers=2, multiprocessing_context="spawn", transport="pool", **options
+    )
     built = ShardedLoader.build(reader, manifest, ledger, world=World(), options=opts)
     carried: list[Any] = []
     pool = built._pool
-    assert pool is not None, "the pool is the default transport with workers"
+    assert pool is not None, "transport='pool' with workers makes a pool"
     unpack = pool.unpack
 
     def noting(batch: Any) -> Any:  # the real unpack; only notes which way each batch came
@@ -136,8 +139,8 @@ def test_exactly_once_in_the_weights_with_every_batch_through_the_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LIGHTNING_SHARDING_POOL_MIN_BYTES", "0")  # the default; set, in case it changes
-    job = Job(count_weights=True, epochs=2)
-    then = [Job(count_weights=True, epochs=2, world_size=1), Job(count_weights=True, epochs=2, num_workers=1)]
+    job = Job(count_weights=True, epochs=2, transport="pool")
+    then = [replace(job, world_size=1), replace(job, num_workers=1)]
     seen, segments_run = check_resume(tmp_path, job, then, checkpoint_every=3)
     total = sum(job.sizes)
     for epoch in (0, 1):
