@@ -103,23 +103,20 @@ def epoch_rate(loader: Iterable[Any], workers: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def ours(pattern: str, workers: int, work: Work) -> Iterable[Any]:
+def _npy_loader(pattern: str, workers: int, **options: Any) -> Iterable[Any]:
+    """Our loader over the ``.npy`` rows, batch ``BATCH``, one rank, spawned workers, with ``options``."""
     reader = NpyReader(pattern)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
-    return ShardedLoader.build(
-        reader,
-        manifest.items,
-        ledger,
-        world=World(),
-        options=LoaderOptions(
-            batch_size=BATCH,
-            num_workers=workers,
-            transform=work,
-            multiprocessing_context="spawn" if workers else None,
-            padding_key=None,
-        ),
+    spawn = "spawn" if workers else None
+    opts = LoaderOptions(
+        batch_size=BATCH, num_workers=workers, multiprocessing_context=spawn, padding_key=None, **options
     )
+    return ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=opts)
+
+
+def ours(pattern: str, workers: int, work: Work) -> Iterable[Any]:
+    return _npy_loader(pattern, workers, transform=work)
 
 
 def rows_to_regression(batch: dict[str, torch.Tensor], ctx: Any = None) -> dict[str, torch.Tensor]:
@@ -132,17 +129,7 @@ def rows_to_regression(batch: dict[str, torch.Tensor], ctx: Any = None) -> dict[
 def ours_vectorised(pattern: str, workers: int, work: Work) -> Iterable[Any]:
     """Ours with batch-level reads and the same work done once per batch (``batch_transform``)."""
     assert work.burn_rounds == 0, "the vectorised form has no CPU burn"
-    reader = NpyReader(pattern)
-    manifest = Manifest.from_items(reader.items())
-    ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
-    options = LoaderOptions(
-        batch_size=BATCH,
-        num_workers=workers,
-        batch_transform=rows_to_regression,
-        multiprocessing_context="spawn" if workers else None,
-        padding_key=None,
-    )
-    return ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=options)
+    return _npy_loader(pattern, workers, batch_transform=rows_to_regression)
 
 
 def _sampled(cls: type[DataLoader[Any]], pattern: str, workers: int, work: Work) -> Iterable[Any]:
