@@ -201,12 +201,26 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
 
 def _check_chain(segments: list[_Segment]) -> None:
     """Every segment trains the seed, data and order of the one before it, or changed its mixture
-    from it (``allow_mixture_change``: its header's ``change`` names the fingerprint it came from)."""
-    for prev, seg in zip(segments, segments[1:], strict=False):
+    from an earlier segment's (``allow_mixture_change``: its header's ``mixture_from``, or its
+    ``change``'s ``from``, names that fingerprint; a change retried from the same checkpoint links to
+    the same segment)."""
+    for i, seg in enumerate(segments):
         change = seg.header.get("change")
-        linked = change is not None and change.get("from") == prev.header["fingerprint"]
+        origin = seg.header.get("mixture_from") or (change or {}).get("from")
+        if origin is not None and all(s.header["fingerprint"] != origin for s in segments[:i]):
+            raise ValueError(
+                f"audit: segment {seg.segment} resumed a checkpoint of another mixture (fingerprint "
+                f"{str(origin)[:16]}), but no audit file of that mixture is here: audit the run directories "
+                "of the segments before the change too (lightning-sharding audit DIR_BEFORE DIR_AFTER)"
+            )
+        if i == 0:
+            continue
+        prev = segments[i - 1]
+        linked = origin is not None and seg.header["fingerprint"] != prev.header["fingerprint"]
         keys = (
-            ["seed"] + ([] if linked else ["fingerprint"]) + ([] if change or prev.header.get("change") else ["total"])
+            ["seed"]
+            + ([] if linked else ["fingerprint"])
+            + ([] if origin or change or prev.header.get("change") else ["total"])
         )
         for key in (k for k in keys if seg.header[k] != prev.header[k]):
             raise ValueError(

@@ -109,6 +109,8 @@ class ShardingCallback(pl.Callback):
         if mixture is not None:  # the audit counts each stream's draws
             header["streams"] = [{"name": n, "draws": d} for n, d in zip(mixture.names, mixture.draws, strict=True)]
             header.update(mixture.composition_summary())
+        if keeper.mixture_from is not None:  # resumed a checkpoint of another mixture: the audit links the two
+            header["mixture_from"] = keeper.mixture_from
         change = keeper.manifest.change
         if change is not None and keeper.ledger.change is not None and change.epoch == keeper.ledger.epoch:
             header["change"] = {**change.summary(), "from": keeper.ledger.change["before"]["manifest"]["fingerprint"]}

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_sharding._distributed import gather_objects
@@ -51,6 +52,10 @@ class LedgerKeeper:
         self.allow_mixture_change = allow_mixture_change
         self.train_loader: TrainLoader | None = None
         self.restored_from: str | None = None  # the checkpoint restored, until the first loader after it
+        # The manifest fingerprint of a checkpoint of another mixture this run went on from (the audit
+        # links its segments through it), and what rank 0 says of the change once the epoch is known.
+        self.mixture_from: str | None = None
+        self._change_note: str | None = None
 
     def gather(self) -> None:
         """Union every replica's consumed positions into every rank's ledger (a collective call).
@@ -90,22 +95,43 @@ class LedgerKeeper:
         epoch the checkpoint left part-trained that Lightning skips is warned about, never silent."""
         ledger, source = self.ledger, self.restored_from
         self.restored_from = None
-        consumed = len(ledger.consumed)
-        left = ledger.total - consumed
+        # A mixture changed in an epoch Lightning does not go on with (a checkpoint written at its end):
+        # what counts is what the checkpoint consumed of its own epoch, and no rest is drawn.
+        changed_now = self._change_note is not None and ledger.change is not None
+        skipped = ledger.change["before"] if changed_now and epoch > ledger.epoch else None  # type: ignore[index]
+        total = int(skipped["total"]) if skipped is not None else ledger.total
+        consumed = len(RangeSet.from_state(np.asarray(skipped["consumed"]))) if skipped else len(ledger.consumed)
+        left = total - consumed
         # "drop" (and "sync") may leave up to one sample per data-parallel rank untrained by design (a
         # batch per rank when a stratified or per_stream mixture's batches are blocks).
         blocks = self.manifest.blocks
         per_rank = blocks.size if blocks is not None else 1
+        if skipped is not None:  # the blocks of the mixture that epoch was planned under
+            was = skipped["manifest"]
+            per_rank = int(was.get("batch_size") or 1) if was.get("composition", "mixed") != "mixed" else 1
         tolerated = self.world.data_size * per_rank if self.options.even_batches != "pad" else 1
         if source is not None and epoch > ledger.epoch and consumed and left >= tolerated:
             warnings.warn(
-                f"{source} stopped epoch {ledger.epoch} after {consumed} of its {ledger.total} samples, and "
+                f"{source} stopped epoch {ledger.epoch} after {consumed} of its {total} samples, and "
                 f"Lightning goes on with epoch {epoch}: the other {left} samples of epoch {ledger.epoch} are "
                 "not trained. Lightning counts an epoch as done in a checkpoint written after fit() returned "
                 "(max_steps reached, say) or cut short by limit_train_batches; to finish the epoch, resume "
                 "from one written during training (ModelCheckpoint(every_n_train_steps=...)).",
                 stacklevel=2,
             )
+        if self._change_note is not None and self.world.rank == 0:
+            change = self.manifest.change
+            print(
+                f"lightning_sharding: {self._change_note};\n"
+                + (
+                    change.describe()
+                    if change is not None and epoch == change.epoch
+                    else f"Lightning goes on with epoch {epoch}, so nothing of epoch {ledger.epoch} is drawn "
+                    f"under the new mixture: epoch {epoch} is its first"
+                ),
+                file=sys.stderr,
+            )
+        self._change_note = None
         ledger.start_epoch(epoch)
 
     def committed(self) -> None:
@@ -151,8 +177,9 @@ class LedgerKeeper:
             raise CheckpointMismatchError(
                 f"{source} holds a mixture of {composition} batches of {size} samples, and batch_size is now "
                 f"{self.options.batch_size}: such an epoch's order depends on the batch size. Resume with "
-                f"batch_size={size} (or pass `allow_data_change=True` to start epoch {restored.epoch} afresh, "
-                f"training its {len(restored.consumed)} consumed samples again)."
+                f"batch_size={size}, pass `allow_mixture_change=True` to go on with the rest of epoch "
+                f"{restored.epoch} in batches of {self.options.batch_size}, or pass `allow_data_change=True` to "
+                f"start it afresh (training its {len(restored.consumed)} consumed samples again)."
             )
         if not self.allow_data_change:
             mixture = "`allow_mixture_change=True` to go on with the rest of the epoch at the new shares, or "
@@ -189,9 +216,8 @@ class LedgerKeeper:
             change={"before": before, "next_total": self.manifest.total},
         )
         self.ledger.consumed = RangeSet.interval(changed.rest, changed.total) if changed.before else RangeSet()
-        self.restored_from = source
-        if self.world.rank == 0:
-            print(f"lightning_sharding: {source}: {change};\n{changed.describe()}", file=sys.stderr)
+        self.restored_from, self.mixture_from = source, restored.fingerprint
+        self._change_note = f"{source}: {change}"
         return True
 
     def _change(self, before: dict[str, Any], source: str, total: int | None = None) -> Any:
