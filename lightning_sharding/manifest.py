@@ -115,7 +115,8 @@ class Manifest:
 
     @property
     def stream_fingerprints(self) -> list[str]:
-        """A SHA-256 of each mixture stream's items (keys, counts, fingerprints), in stream order."""
+        """A SHA-256 of each mixture stream's items (keys without the stream's name, counts,
+        fingerprints), in stream order: the same data under another stream name has the same one."""
         return self._digests[1]
 
     @cached_property
@@ -123,14 +124,16 @@ class Manifest:
         """The fingerprint and each stream's, in one pass over the items."""
         whole, streams = hashlib.sha256(), []
         firsts = set(np.cumsum((0, *self.mixture.stream_items[:-1])).tolist()) if self.mixture is not None else set()
+        names = iter(self.mixture.names) if self.mixture is not None else iter(())
+        prefix = 0
         for i, it in enumerate(self.items):
             if i in firsts:
                 streams.append(hashlib.sha256())
+                prefix = len(next(names)) + 1
             # JSON-encoded, so a tab or newline inside a key or an ETag cannot forge another item list.
-            line = json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode() + b"\n"
-            whole.update(line)
-            if streams:
-                streams[-1].update(line)
+            whole.update(json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode() + b"\n")
+            if streams:  # without the "<stream>/" of its key: a renamed stream is known by its data
+                streams[-1].update(json.dumps([it.key[prefix:], int(it.num_samples), it.fingerprint]).encode() + b"\n")
         if self.mixture is not None:
             whole.update(json.dumps(self.mixture.summary(self.counts)).encode())
             if self.mixture.composition_summary():

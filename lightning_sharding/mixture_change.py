@@ -9,7 +9,9 @@ or removed) with ``ShardedDataModule(allow_mixture_change=True)``. That epoch is
   streams at the new shares (largest remainders over the new draws, so within one sample) and laid
   out by the new composition;
 - each stream's rest comes first from its samples *not consumed this epoch*, in a fresh shuffled
-  order, and only when its new share asks for more than it has left from whole fresh passes.
+  order, and only when its new share asks for more than it has left from those consumed once (a
+  stream that repeats), and so on, then from whole fresh passes: a sample's servings in the epoch
+  stay within one of the others'.
 
 The changed epoch has ``R + c`` positions: ``[0, R)`` the rest, ``[R, R + c)`` standing for the ``c``
 positions consumed before the change (consumed in the ledger, never served). Like every order, it
@@ -42,33 +44,53 @@ class MixtureChangeError(ValueError):
 
 
 class RestStream:
-    """One stream's draws in the rest of a changed epoch: first its samples not consumed this epoch,
-    in a fresh order (``excluded``: the consumed ones' places in that order, sorted and unique), then
-    whole fresh passes."""
+    """One stream's draws in the rest of a changed epoch, fewest servings first: its samples not
+    consumed this epoch, in a fresh order, then (a stream that repeats) those consumed once, and so
+    on, then whole fresh passes. ``consumed``: the places in that fresh order of the samples consumed
+    this epoch, sorted and unique, and ``times``: how often each was. So a stream's servings over the
+    whole epoch stay within one of each other, as a repeat asks."""
 
     def __init__(
-        self, counts: Int64Array, name: str, seed: int, epoch: int, excluded: Int64Array, *, shuffle: bool
+        self,
+        counts: Int64Array,
+        name: str,
+        seed: int,
+        epoch: int,
+        consumed: Int64Array,
+        times: Int64Array,
+        *,
+        shuffle: bool,
     ) -> None:
         self.counts, self.size, self.epoch, self.shuffle = counts, int(counts.sum()), int(epoch), shuffle
         self.seed = stream_seed(seed, name, _REST_SEEDS)
         self.fresh = EpochOrder(counts, self.seed, self.epoch, shuffle=shuffle)
-        self.skip = excluded - np.arange(excluded.size, dtype=np.int64)  # k-th kept = k + #(skip <= k)
-        self.left = self.size - int(excluded.size)
+        # Level p serves, in the fresh order, the samples consumed at most p times; its k-th draw is
+        # place k + #(skip <= k) where ``skip`` holds the places of the others, shifted by their rank.
+        self.skips = []
+        for p in range(max(1, int(times.max()) if times.size else 0)):
+            over = consumed[times > p]
+            self.skips.append(over - np.arange(over.size, dtype=np.int64))
+        self.ends = np.cumsum([self.size - s.size for s in self.skips], dtype=np.int64)
+        self.levelled = int(self.ends[-1]) if self.ends.size else 0  # draws before the whole passes
+        self.left = self.size - int(consumed.size)
 
     def locate(self, draws: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """The stream's item and sample index of each draw of the rest, shape ``(n,)`` each."""
         draw = np.asarray(draws, dtype=np.int64)
         items, index = np.empty_like(draw), np.empty_like(draw)
-        first = draw < self.left
-        k = draw[first]
-        items[first], index[first] = self.fresh.locate(k + np.searchsorted(self.skip, k, side="right"))
-        passes, offsets = np.divmod(draw[~first] - self.left, self.size)
+        level = np.searchsorted(self.ends, draw, side="right")
+        for p in np.unique(level[draw < self.levelled]).tolist():
+            at = level == p
+            k = draw[at] - (int(self.ends[p - 1]) if p else 0)
+            items[at], index[at] = self.fresh.locate(k + np.searchsorted(self.skips[p], k, side="right"))
+        later = draw >= self.levelled
+        passes, offsets = np.divmod(draw[later] - self.levelled, self.size)
         later_items, later_index = np.empty_like(passes), np.empty_like(passes)
         for p in np.unique(passes).tolist():
             at = passes == p
             order = EpochOrder(self.counts, self.seed, derive_seed(self.epoch, p + 1), shuffle=self.shuffle)
             later_items[at], later_index[at] = order.locate(offsets[at])
-        items[~first], index[~first] = later_items, later_index
+        items[later], index[later] = later_items, later_index
         return items, index
 
 
@@ -160,12 +182,18 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
             "allow_mixture_change continues a mixture under new streams or shares, but "
             f"{'the data is' if mixture is None else 'the checkpoint holds'} no mixture; use allow_data_change=True"
         )
+    summary = manifest.summary()
     if "change" in before:
+        from lightning_sharding.manifest import describe_change
+
         raise MixtureChangeError(
-            f"the checkpoint's epoch {before['epoch']} already changed its mixture once: resume it with the mixture "
-            "it was changed to, or pass allow_data_change=True to start the epoch afresh"
+            f"the checkpoint's epoch {before['epoch']} already changed its mixture once, and the mixture differs "
+            f"again from the one it was changed to: {describe_change(saved, summary)}. Resume with the mixture it "
+            f"was changed to until epoch {before['epoch']} ends, or pass allow_data_change=True to start the epoch "
+            "afresh"
         )
-    now = {s["name"]: s for s in manifest.summary()["streams"]}
+    now = {s["name"]: s for s in summary["streams"]}
+    _refuse_renamed(old, now)
     for s in old:
         if s["name"] in now and "data" not in s:
             raise MixtureChangeError(
@@ -197,11 +225,12 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
         for lo in range(0, len(taken[i]), _CHUNK):
             items, sample = old_orders[i].locate(taken[i].select(lo, lo + _CHUNK).to_array())
             places[j].append(fresh[j].positions(items, sample))
-    excluded = {j: np.unique(np.concatenate(p)) if p else np.zeros(0, np.int64) for j, p in places.items()}
+    none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    excluded = {j: np.unique(np.concatenate(p), return_counts=True) if p else none for j, p in places.items()}
     rest = max(0, manifest.total - len(consumed))
     draws = rest_draws(rest, mixture.draws)
     streams = [
-        RestStream(counts[j], name, seed, epoch, excluded.get(j, np.zeros(0, np.int64)), shuffle=shuffle)
+        RestStream(counts[j], name, seed, epoch, *excluded.get(j, none), shuffle=shuffle)
         for j, name in enumerate(mixture.names)
     ]
     was = {s["name"]: len(t) for s, t in zip(old, taken, strict=True)}
@@ -210,6 +239,22 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
     return MixtureChange(
         epoch, mixture.names, draws, streams, offsets, len(consumed), mixture.composition, mixture.batch_size, report
     )
+
+
+def _refuse_renamed(old: Sequence[Mapping[str, Any]], now: Mapping[str, Mapping[str, Any]]) -> None:
+    """A stream gone from the checkpoint's mixture whose data a new stream holds is a renamed stream:
+    going on would serve again what it consumed, so the change is refused by both names."""
+    names = {s["name"] for s in old}
+    for s in (s for s in old if s["name"] not in now and "data" in s):
+        same = [name for name, n in now.items() if name not in names and n.get("data") == s["data"]]
+        if same:
+            hidden = " (the one stream of a `reader=` with `samples_per_epoch`)" if s["name"] == "data" else ""
+            raise MixtureChangeError(
+                f"stream {same[0]!r} holds the same data as the checkpoint's stream {s['name']!r}{hidden}, which is "
+                f"gone: as a new stream it would serve again what {s['name']!r} consumed this epoch. Name it "
+                f"Stream({s['name']!r}, ...) to go on with what it has left, or pass allow_data_change=True to start "
+                "the epoch afresh"
+            )
 
 
 def stream_draws(where: Layout, positions: RangeSet) -> list[RangeSet]:

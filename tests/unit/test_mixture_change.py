@@ -211,3 +211,96 @@ def test_a_change_that_cannot_go_on_restarts_the_epoch_under_allow_data_change_a
         del stream["data"]
     with pytest.raises(CheckpointMismatchError, match="earlier lightning_sharding that kept no fingerprint of stream"):
         resume(state, mixture({"web": {"weight": 2}, "code": {"weight": 1}}, 100), allow_mixture_change=True)
+
+
+def test_a_renamed_stream_is_refused_by_both_names_and_the_hidden_data_stream_is_explained() -> None:
+    before = mixture({"web": {"weight": 1}, "code": {"weight": 1}}, 100)
+    state = checkpoint(before, RangeSet.interval(0, 30))
+    renamed = [
+        Stream("web", SyntheticReader(sizes=SIZES["web"])),
+        Stream("source", SyntheticReader(sizes=SIZES["code"])),
+    ]
+    with pytest.raises(CheckpointMismatchError) as err:
+        resume(state, MixtureReader(renamed, 100).manifest(), allow_mixture_change=True)
+    assert "stream 'source' holds the same data as the checkpoint's stream 'code'" in str(err.value)
+    assert "Stream('code', ...)" in str(err.value)
+    # A reader with samples_per_epoch is one stream named "data"; the same data under streams= is that stream.
+    one = MixtureReader([Stream("data", SyntheticReader(sizes=SIZES["web"]))], 80).manifest()
+    as_streams = [
+        Stream("web", SyntheticReader(sizes=SIZES["web"])),
+        Stream("code", SyntheticReader(sizes=SIZES["code"])),
+    ]
+    with pytest.raises(CheckpointMismatchError, match="the one stream of a `reader=` with `samples_per_epoch`"):
+        resume(checkpoint(one, RangeSet.interval(0, 20)), MixtureReader(as_streams, 100).manifest(),
+               allow_mixture_change=True)  # fmt: skip
+    # Kept under its name, the same change goes on.
+    kept = [Stream("data", SyntheticReader(sizes=SIZES["web"])), Stream("code", SyntheticReader(sizes=SIZES["code"]))]
+    keeper = resume(checkpoint(one, RangeSet.interval(0, 20)), MixtureReader(kept, 100).manifest(),
+                    allow_mixture_change=True)  # fmt: skip
+    assert keeper.manifest.change is not None and keeper.manifest.change.rest == 80
+
+
+def test_a_second_change_names_what_differs_and_a_changed_batch_size_names_the_opt_in() -> None:
+    before = mixture({"web": {"weight": 1}, "code": {"weight": 1}}, 100)
+    changed = resume(
+        checkpoint(before, RangeSet.interval(0, 30)),
+        mixture({"web": {"weight": 2}, "code": {"weight": 1}}, 100),
+        allow_mixture_change=True,
+    )
+    with pytest.raises(CheckpointMismatchError, match="stream 'web' share was 'weight=2', now 'weight=3'"):
+        resume(changed.state(global_step=5), mixture({"web": {"weight": 3}, "code": {"weight": 1}}, 100),
+               allow_mixture_change=True)  # fmt: skip
+    strat = mixture({"web": {"weight": 1}, "code": {"weight": 1}}, 96, composition="stratified", batch_size=8)
+    state = checkpoint(strat, RangeSet.interval(0, 32))
+    with pytest.raises(CheckpointMismatchError, match="pass `allow_mixture_change=True` to go on with the rest"):
+        resume(state, mixture({"web": {"weight": 1}, "code": {"weight": 1}}, 96, composition="stratified",
+                              batch_size=12), batch_size=12)  # fmt: skip
+    # With the opt-in, the rest comes in blocks of the new batch size and serves nothing consumed.
+    after = mixture({"web": {"weight": 1}, "code": {"weight": 1}}, 96, composition="stratified", batch_size=12)
+    keeper = resume(state, after, batch_size=12, allow_mixture_change=True)
+    blocks = keeper.manifest.blocks_at(0)
+    assert blocks is not None and blocks.size == 12 and keeper.manifest.change is not None
+    rest = set(samples(keeper.manifest, 0, np.arange(keeper.manifest.change.rest)))
+    assert not rest & set(samples(strat, 0, np.arange(32)))
+
+
+@pytest.mark.parametrize("consumed_to", [13, 30, 47])
+def test_a_repeated_stream_serves_each_sample_within_one_of_the_others_over_a_changed_epoch(consumed_to: int) -> None:
+    # books: 11 samples, repeat 3.0 = 33 draws an epoch; the change keeps it at 3.0 and moves the others.
+    before = mixture({"books": {"repeat": 3.0}, "code": {"weight": 1}}, 73)
+    after = mixture({"books": {"repeat": 3.0}, "web": {"weight": 1}}, 73)
+    consumed = RangeSet.interval(0, consumed_to)
+    keeper = resume(checkpoint(before, consumed), after, allow_mixture_change=True)
+    change = keeper.manifest.change
+    assert change is not None
+    served = Counter(s for s in samples(before, 0, consumed.to_array()) if s[0].startswith("books/"))
+    served.update(s for s in samples(keeper.manifest, 0, np.arange(change.rest)) if s[0].startswith("books/"))
+    times = [served[("books/synthetic-00000", j)] for j in range(11)]
+    assert max(times) - min(times) <= 1, f"books servings over the epoch: {times}"
+    assert sum(times) == sum(served.values())
+
+
+def test_a_change_at_an_epoch_boundary_warns_of_nothing_and_goes_on_with_the_new_mixture(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    before = mixture({"web": {"weight": 3}, "code": {"weight": 1}}, 100)
+    after = mixture({"web": {"weight": 1}, "code": {"weight": 1}}, 120)
+    keeper = resume(checkpoint(before, RangeSet.interval(0, 100)), after, allow_mixture_change=True)
+    assert keeper.mixture_from == before.fingerprint
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keeper.start_epoch(1)  # Lightning goes on with the next epoch after an epoch-end checkpoint
+    assert (keeper.ledger.epoch, keeper.ledger.total, keeper.ledger.change, len(keeper.ledger.consumed)) == (
+        1,
+        120,
+        None,
+        0,
+    )
+    err = capsys.readouterr().err
+    assert "Lightning goes on with epoch 1, so nothing of epoch 0 is drawn under the new mixture" in err, err
+    # Cut short mid-epoch instead (max_steps): the samples the old epoch left are warned about.
+    keeper = resume(checkpoint(before, RangeSet.interval(0, 40)), after, allow_mixture_change=True)
+    with pytest.warns(UserWarning, match="stopped epoch 0 after 40 of its 100 samples"):
+        keeper.start_epoch(1)
