@@ -19,7 +19,6 @@ including the first line at that step), exactly as the resumed run's ledger does
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -294,20 +293,3 @@ def format_audit(results: list[EpochAudit]) -> str:
             for s in r.streams
         ]
     return "\n".join([head, *rows])
-
-
-def register(subparsers: Any) -> None:
-    """Add the ``audit`` subcommand to the ``lightning-sharding`` command line."""
-    parser = subparsers.add_parser(
-        "audit",
-        help="check exactly-once over the audit trails of a run and its resumed continuations",
-        description="Exit status 1 when any epoch served a sample twice or a finished epoch missed one.",
-    )
-    parser.add_argument("directories", nargs="+", help="run directories (or their audit/ folders)")
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    results = audit(args.directories)
-    print(format_audit(results))
-    return 0 if all(r.ok for r in results) else 1

@@ -202,6 +202,12 @@ class LedgerKeeper:
         ``False`` when that cannot be done and ``allow_data_change`` restarts the epoch instead."""
         before = restored.state_dict()
         try:
+            if restored.change is not None:
+                raise CheckpointMismatchError(
+                    f"{source}: its epoch {restored.epoch} already changed its mixture once, and the mixture differs "
+                    f"again from the one it was changed to: {change}. Resume with that mixture until epoch "
+                    f"{restored.epoch} ends, or pass allow_data_change=True to start the epoch afresh"
+                )
             changed = self._change(before, source)
         except CheckpointMismatchError as err:
             if not self.allow_data_change:

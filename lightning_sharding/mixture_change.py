@@ -183,15 +183,6 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
             f"{'the data is' if mixture is None else 'the checkpoint holds'} no mixture; use allow_data_change=True"
         )
     summary = manifest.summary()
-    if "change" in before:
-        from lightning_sharding.manifest import describe_change
-
-        raise MixtureChangeError(
-            f"the checkpoint's epoch {before['epoch']} already changed its mixture once, and the mixture differs "
-            f"again from the one it was changed to: {describe_change(saved, summary)}. Resume with the mixture it "
-            f"was changed to until epoch {before['epoch']} ends, or pass allow_data_change=True to start the epoch "
-            "afresh"
-        )
     now = {s["name"]: s for s in summary["streams"]}
     _refuse_renamed(old, now)
     for s in old:

@@ -15,7 +15,8 @@ from lightning_sharding.cli._common import PROG, CliError, _Parser
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``lightning-sharding`` argument parser with its ``plan``, ``inspect`` and ``audit`` subcommands."""
-    from lightning_sharding import _version, audit
+    from lightning_sharding import _version
+    from lightning_sharding.cli.audit import register as register_audit
     from lightning_sharding.cli.checkpoint import register as register_inspect
     from lightning_sharding.cli.plan import register as register_plan
 
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_plan(sub)
     register_inspect(sub)
-    audit.register(sub)
+    register_audit(sub)
     return parser
 
 
