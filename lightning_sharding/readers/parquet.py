@@ -1,7 +1,8 @@
 """Parquet: every row group is an item, every row a sample, with column selection.
 
 Indexing reads only each file's footer. A worker reads just the row group it needs (and only the
-selected columns), keeps the last one, and gathers rows from it.
+selected columns), keeps the last one, and gathers rows from it: as columns, with no per-sample
+object, when every selected column is numeric (or equal-length numeric lists).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.manifest import Item
+from lightning_sharding.readers.base import Columns
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
 from lightning_sharding.storage import FileInfo, filesystem, with_retries
@@ -118,3 +120,12 @@ class ParquetReader(FileReader):
             for name, values in group.items()
         }
         return [{name: column[k] for name, column in taken.items()} for k in range(len(indices))]
+
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+        """Rows ``indices`` as ``{column: array of shape (n, ...)}``: one take per column of the row
+        group. A column of anything else (text, nulls, ragged lists) is read sample by sample."""
+        group = self._group(item)
+        other = [name for name, values in group.items() if not isinstance(values, np.ndarray)]
+        if other:
+            raise TypeError(f"{item.key}: column(s) {other} are not numeric arrays")
+        return {name: values[indices] for name, values in group.items()}

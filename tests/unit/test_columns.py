@@ -71,6 +71,26 @@ def test_synthetic_npy_and_mixture_columns_are_the_collated_samples(npy: str) ->
         assert_same(*both_ways(reader, positions, padding=1))
 
 
+@pytest.mark.needs("pyarrow")
+def test_parquet_columns_are_the_collated_samples_and_text_columns_read_samples(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lightning_sharding.readers import ParquetReader
+
+    write_regression(str(tmp_path / "numeric"), "parquet", [7, 5, 9], dim=4, row_group_size=4)
+    reader = ParquetReader(str(tmp_path / "numeric" / "*.parquet"))
+    assert_same(*both_ways(reader, [0, 1, 2, 7, 11, 12, 19, 0], padding=1))
+    # A text column cannot be a tensor: the batch is read sample by sample, as the collate makes it.
+    (tmp_path / "text").mkdir()
+    table = pa.table({"id": np.arange(6), "caption": [f"c{i}" for i in range(6)]})
+    pq.write_table(table, tmp_path / "text" / "a.parquet", row_group_size=3)
+    text = ParquetReader(str(tmp_path / "text" / "*.parquet"))
+    task = BatchTask(0, 0, 0, np.asarray([0, 4, 5], dtype=np.int64), 0)
+    batch = batches(text)[task].batch
+    assert sorted(batch["caption"]) == sorted(f"c{i}" for i in batch["id"].tolist())
+
+
 def test_anything_per_sample_keeps_the_per_sample_path() -> None:
     class Shifted(SyntheticReader):  # changes read_batch below the class that reads columns
         def read_batch(self, item: Any, indices: Any, ctx: Any) -> list[Any]:
