@@ -8,7 +8,7 @@ keeps the ledger in step with training and in the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -54,6 +54,8 @@ class ShardedDataModule(pl.LightningDataModule):
             number of batches, so DDP never hangs at an epoch's end.
         persistent_workers, prefetch_factor, pin_memory, multiprocessing_context, timeout: passed
             to the DataLoader.
+        transport: how workers hand batches to training: ``"pool"`` (reusable shared-memory slots,
+            one copy per batch) or ``"torch"`` (PyTorch's own path); see the README's "Performance".
         transform, batch_transform: ``transform(sample, SampleContext) -> sample`` per sample and
             ``batch_transform(batch, BatchContext) -> batch`` per batch (vectorised), run in the worker.
         collate_fn: turns a list of samples into a batch (PyTorch's default collate).
@@ -67,11 +69,10 @@ class ShardedDataModule(pl.LightningDataModule):
         on_error: ``"raise"`` stops at the first sample that cannot be read or transformed, naming
             it; ``"skip"`` leaves it out, counted (in the summary), and pads its place in the batch
             (flagged). Storage outages are never skipped.
-        strategy: ``"shard"`` (each worker reads its own items), ``"broadcast"`` (each rank loads
-            an item once into shared memory and its workers crop disjoint windows from it; needs a
-            :class:`~lightning_sharding.readers.windows.WindowedReader`), or ``"dispatch"`` (one
-            process per rank reads the non-replicable ``source`` and deals batches round-robin to
-            the workers, which run ``transform``; see :mod:`lightning_sharding.strategies.dispatch`).
+        strategy: ``"shard"`` (each worker reads its own items), ``"broadcast"`` (a rank loads an
+            item once into shared memory, its workers crop windows from it; needs a ``WindowedReader``)
+            or ``"dispatch"`` (one process per rank reads the non-replicable ``source`` and deals
+            batches to the workers; see :mod:`lightning_sharding.strategies.dispatch`).
         prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
         source: the :class:`~lightning_sharding.sources.Source` of ``strategy="dispatch"``; a
             source of unknown length needs ``even_batches="sync"``.
@@ -79,10 +80,9 @@ class ShardedDataModule(pl.LightningDataModule):
             of ``reader`` (see :class:`~lightning_sharding.streams.Stream`), the samples of an epoch, and
             ``"mixed"``, ``"stratified"`` or ``"per_stream"`` batches (see the README's "Mixtures").
         data_parallel: ``(rank, size)`` of this rank's model replica among all replicas, or a
-            function of the trainer returning it, for meshes Lightning cannot see. By default it
-            is the strategy's ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``), which is
-            every rank under DDP/FSDP and the data-parallel dimension under
-            ``ModelParallelStrategy``. Ranks of one replica read the identical batches.
+            function of the trainer returning it, for meshes Lightning cannot see. By default the
+            strategy's ``distributed_sampler_kwargs``: every rank under DDP/FSDP, the data-parallel
+            dimension under ``ModelParallelStrategy``. Ranks of one replica read the same batches.
     """
 
     def __init__(
@@ -99,6 +99,7 @@ class ShardedDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
         multiprocessing_context: str | None = None,
         timeout: float = 0,
+        transport: Literal["pool", "torch"] = "pool",
         transform: Transform | None = None,
         batch_transform: BatchTransform | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -147,6 +148,7 @@ class ShardedDataModule(pl.LightningDataModule):
             pin_memory=pin_memory,
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
+            transport=transport,
         ).check(name)
         if not self.strategy.shuffles:  # e.g. a source, read in its own order
             self.options = self.options.replace(shuffle=False)
@@ -195,10 +197,8 @@ class ShardedDataModule(pl.LightningDataModule):
         self.world = agree(self.world, self.manifest, seed, self.options)
         ledger = Ledger(seed=seed, total=self.manifest.total, manifest=self.manifest.summary())
         keep: dict[str, Any] = dict(seed_given=self._seed_given, audit_dir=self.audit_dir)
-        changes: dict[str, Any] = dict(
-            allow_data_change=self.allow_data_change, allow_mixture_change=self.allow_mixture_change
-        )
-        self.ledger_keeper = LedgerKeeper(ledger, self.manifest, self.world, self.options, **keep, **changes)
+        keep.update(allow_data_change=self.allow_data_change, allow_mixture_change=self.allow_mixture_change)
+        self.ledger_keeper = LedgerKeeper(ledger, self.manifest, self.world, self.options, **keep)
         if self.trainer is not None:
             _ensure_callback(self.trainer)
 

@@ -46,8 +46,10 @@ class LoaderOptions:
         prefetch_items: with ``broadcast``, how many items each rank loads ahead.
         persistent_workers, prefetch_factor, pin_memory, multiprocessing_context, timeout: passed
             to the DataLoader.
-        transport: how workers hand batches over: ``"pool"`` (reusable shared-memory slots, see
-            ``strategies/_slots.py``; small batches still go PyTorch's way) or ``"torch"``.
+        transport: how DataLoader workers hand batches over: ``"pool"`` (the default: a few reusable
+            shared-memory slots per worker, see ``strategies/_slots.py``) or ``"torch"`` (PyTorch's
+            own path, a new shared-memory file per tensor per batch). Strategies other than ``shard``
+            use PyTorch's path.
     """
 
     batch_size: int = 32
@@ -65,7 +67,7 @@ class LoaderOptions:
     pin_memory: bool = False
     multiprocessing_context: str | None = None
     timeout: float = 0
-    transport: Literal["pool", "torch"] = "torch"  # "pool": opt in (measured faster; new this release)
+    transport: Literal["pool", "torch"] = "pool"
 
     def check(self, owner: str = "LoaderOptions") -> LoaderOptions:
         """Raise a ValueError naming ``owner`` and the first value at fault; ``self`` when all fit."""

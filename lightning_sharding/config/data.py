@@ -31,6 +31,7 @@ class DataOptions:
     persistent_workers: bool = True
     multiprocessing_context: str | None = None  # e.g. spawn
     on_error: str = "raise"  # raise | skip (sharding=shard only)
+    transport: str = "pool"  # pool | torch: how workers hand batches over (sharding=shard)
     cache_dir: str | None = None  # file indexes and generated data; none: ~/.cache/lightning_sharding
 
     def known_total(self) -> int | None:

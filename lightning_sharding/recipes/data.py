@@ -15,7 +15,16 @@ from lightning_sharding.readers.base import Reader
 from lightning_sharding.sources import Source
 
 # The loader options of config.DataOptions that go to ShardedDataModule unchanged.
-_PASSED = ("batch_size", "num_workers", "seed", "shuffle", "even_batches", "multiprocessing_context", "on_error")
+_PASSED = (
+    "batch_size",
+    "num_workers",
+    "seed",
+    "shuffle",
+    "even_batches",
+    "multiprocessing_context",
+    "on_error",
+    "transport",
+)
 
 
 def cache_root(cache_dir: str | None) -> Path:
