@@ -21,45 +21,12 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
 
-from benchmarks import peers, resume_cost, scale, throughput  # noqa: E402
+from benchmarks import loaders, resume_cost, scale, throughput  # noqa: E402
 from benchmarks.report import markdown, plot  # noqa: E402
 
-OURS = "lightning_sharding"
-TARGETS = {"DataLoader + DistributedSampler": 1.0, "torchdata StatefulDataLoader": 1.0}
-TARGETS.update(dict.fromkeys(peers.PEERS, 1.2))
-
-
-def run_throughput(root: Path, samples: int, repeats: int, workers: int, log: Any) -> dict[str, Any]:
-    pattern = throughput.write_npy(root, samples)
-    builders = dict(throughput.SYSTEMS)
-    unavailable: dict[str, str] = {}
-    for name in peers.PEERS:
-        module, reason = peers.load(name)
-        if module is None:
-            unavailable[name] = reason or "unknown"
-            continue
-        out = root / name.replace(" ", "_")
-        module.prepare(pattern, out)
-        builders[name] = peers.builder(module, out)
-    work = throughput.Work()
-    runs: dict[str, list[float]] = {name: [] for name in builders}
-    names = list(builders)
-    for r in range(repeats):
-        # Rotate who goes first: the first run of a process pays for cold caches and imports.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            runs[name].append(throughput.measure(builders[name], pattern, workers, work))
-            log(f"  throughput round {r + 1}/{repeats}: {name} {runs[name][-1]:,.0f} samples/s")
-    systems: dict[str, Any] = {}
-    for name in list(builders) + list(unavailable):
-        if name in unavailable:
-            systems[name] = {"unavailable": unavailable[name], "target": TARGETS[name]}
-            continue
-        row: dict[str, Any] = {"samples_per_s": statistics.median(runs[name]), "runs": runs[name]}
-        if name != OURS:
-            ratio = statistics.median(a / b for a, b in zip(runs[OURS], runs[name], strict=True))
-            row.update(ratio=ratio, target=TARGETS[name], met=ratio >= TARGETS[name])
-        systems[name] = row
-    return {"samples": samples, "workers": workers, "batch": throughput.BATCH, "systems": systems}
+OURS = throughput.OURS
+GRID = [(0, 64), (0, 256), (1, 64), (1, 256), (2, 64), (2, 256)]  # (workers, batch); the last is the headline
+TRANSPORT_BATCHES = (16, 64, 256, 1024, 4096)
 
 
 def run_batch_level(root: Path, samples: int, repeats: int) -> dict[str, Any]:
@@ -77,47 +44,6 @@ def run_batch_level(root: Path, samples: int, repeats: int) -> dict[str, Any]:
         "ratios": [a / b for a, b in runs],
         "target": 5.0,
         "met": ratio >= 5.0,
-    }
-
-
-def run_vectorised(root: Path, samples: int, repeats: int, workers: int) -> dict[str, Any]:
-    """Batch-level reads plus the per-sample work done as one ``batch_transform`` (the same batches),
-    against the plain DataLoader doing that work per sample, side by side, rounds alternating."""
-    pattern = throughput.write_npy(root / "vectorised", samples)
-    work = throughput.Work()
-    runs: dict[str, list[float]] = {"ours": [], "plain": []}
-    for r in range(repeats):
-        pair = [("ours", throughput.ours_vectorised), ("plain", throughput.plain)]
-        for name, build in pair if r % 2 == 0 else pair[::-1]:
-            runs[name].append(throughput.measure(build, pattern, workers, work))
-    ratio = statistics.median(a / b for a, b in zip(runs["ours"], runs["plain"], strict=True))
-    return {
-        "samples": samples,
-        "workers": workers,
-        "samples_per_s": {
-            "lightning_sharding (columns + batch_transform)": statistics.median(runs["ours"]),
-            "DataLoader + DistributedSampler (per-sample work)": statistics.median(runs["plain"]),
-        },
-        "ratio": ratio,
-        "ratios": [a / b for a, b in zip(runs["ours"], runs["plain"], strict=True)],
-        "target": 1.3,
-        "met": ratio >= 1.3,
-    }
-
-
-def run_worker_scaling(root: Path, samples: int, repeats: int, burn_rounds: int) -> dict[str, Any]:
-    pattern = throughput.write_npy(root / "scaling", samples)
-    work = throughput.Work(burn_rounds)
-    runs: dict[int, list[float]] = {1: [], 2: []}
-    for _ in range(repeats):
-        for workers in runs:
-            runs[workers].append(throughput.measure(throughput.ours, pattern, workers, work))
-    ratio = statistics.median(b / a for a, b in zip(runs[1], runs[2], strict=True))
-    return {
-        "samples": samples,
-        "burn_rounds": burn_rounds,
-        "samples_per_s": {str(w): statistics.median(r) for w, r in runs.items()},
-        "ratio_2_to_1": ratio,
     }
 
 
@@ -161,14 +87,17 @@ def main() -> None:
     results: dict[str, Any] = {"command": "python -m benchmarks" + (" --quick" if args.quick else "")}
     results.update(machine=machine(), repeats=repeats, quick=args.quick)
     with tempfile.TemporaryDirectory(prefix="lightning-sharding-bench-") as tmp:
-        log("throughput")
-        results["throughput"] = run_throughput(Path(tmp), samples, repeats, 2, log)
-        log("worker scaling")
-        results["worker_scaling"] = run_worker_scaling(Path(tmp), samples // 4, repeats, 8)
+        root = Path(tmp)
+        grid = loaders.run_grid(root, samples, repeats, [loaders.HEADLINE] if args.quick else GRID, log)
+        results["throughput"], results["throughput_grid"] = grid[-1], grid[:-1]
+        log("batch transport: slot pool against PyTorch's own path")
+        batches = (64, 1024) if args.quick else TRANSPORT_BATCHES
+        results["transport"] = loaders.run_transport(root, samples // 2, repeats, batches, log)
         log("batch-level reads")
-        results["batch_level"] = run_batch_level(Path(tmp), samples, repeats)
-        log("vectorised transform")
-        results["vectorised"] = run_vectorised(Path(tmp), samples, repeats, 2)
+        results["batch_level"] = run_batch_level(root, samples, repeats)
+        log("worker scaling (waits for an idle machine)")
+        wait = 0 if args.quick else 180
+        results["worker_scaling"] = loaders.run_worker_scaling(root, samples, repeats, 8, wait, log)
     log("resume cost")
     results["resume"] = run_resume(5 if args.quick else 15)  # cheap: more runs tame the noise
     log("planning scale")

@@ -36,10 +36,10 @@ class WorkedRows(StreamingDataset):  # type: ignore[misc]
         return self.work(super().__getitem__(index)["row"])
 
 
-def loader(out: Path, workers: int, work: Work) -> Iterable[Any]:
+def loader(out: Path, workers: int, work: Work, batch: int = BATCH) -> Iterable[Any]:
     return StreamingDataLoader(
         WorkedRows(str(out), work),
-        batch_size=BATCH,
+        batch_size=batch,
         num_workers=workers,
         multiprocessing_context="spawn" if workers else None,
     )

@@ -48,16 +48,16 @@ def prepare(pattern: str, out: Path) -> None:
 
 
 class WorkedRows(StreamingDataset):  # type: ignore[misc]
-    def __init__(self, local: str, work: Work) -> None:
-        super().__init__(local=local, shuffle=True, shuffle_seed=0, batch_size=BATCH)
+    def __init__(self, local: str, work: Work, batch: int) -> None:
+        super().__init__(local=local, shuffle=True, shuffle_seed=0, batch_size=batch)
         self.work = work
 
     def __getitem__(self, index: int) -> Any:
         return self.work(super().__getitem__(index)["row"])
 
 
-def loader(out: Path, workers: int, work: Work) -> Iterable[Any]:
+def loader(out: Path, workers: int, work: Work, batch: int = BATCH) -> Iterable[Any]:
     context = "spawn" if workers else None
     return DataLoader(
-        WorkedRows(str(out), work), batch_size=BATCH, num_workers=workers, multiprocessing_context=context
+        WorkedRows(str(out), work, batch), batch_size=batch, num_workers=workers, multiprocessing_context=context
     )

@@ -23,9 +23,9 @@ def load(name: str) -> tuple[ModuleType | None, str | None]:
 
 
 def builder(module: ModuleType, out: Path) -> Any:
-    """A throughput builder ``(pattern, workers, work) -> loader`` over the peer's prepared chunks."""
+    """A throughput builder ``(pattern, workers, work, batch) -> loader`` over the peer's prepared chunks."""
 
-    def build(pattern: str, workers: int, work: Work) -> Iterable[Any]:
-        return module.loader(out, workers, work)  # type: ignore[no-any-return]
+    def build(pattern: str, workers: int, work: Work, batch: int) -> Iterable[Any]:
+        return module.loader(out, workers, work, batch)  # type: ignore[no-any-return]
 
     return build

@@ -13,6 +13,61 @@ def _status(row: dict[str, Any]) -> str:
     return "met" if row["met"] else "**missed**"
 
 
+def _ratio(row: dict[str, Any]) -> str:
+    if "ratio" not in row:
+        return "1x"
+    rounds = row.get("rounds") or [row["ratio"]]
+    return f"{row['ratio']:.2f}x (rounds {min(rounds):.2f}-{max(rounds):.2f})"
+
+
+def _throughput_rows(cell: dict[str, Any]) -> list[str]:
+    """One row per system of a (workers, batch) cell; the batch path's ratio is to the plain DataLoader,
+    every other ratio is ours (per-sample path) to that system."""
+    before, after = cell["load_average"]
+    setting = (
+        f"throughput ({cell['samples']:,} samples, batch {cell['batch']}, 1 rank x {cell['workers']} workers, "
+        f"load average {before:.1f} -> {after:.1f})"
+    )
+    rows = []
+    for name, row in cell["systems"].items():
+        target = f">= {row['target']}x" if "target" in row else "-"
+        if "unavailable" in row:
+            rows.append(f"| {setting} | {name} | not run: {row['unavailable']} | - | {target} | not measured |")
+            continue
+        figure = f"{row['samples_per_s']:,.0f} samples/s"
+        rows.append(f"| {setting} | {name} | {figure} | {_ratio(row)} | {target} | {_status(row)} |")
+    return rows
+
+
+def _transport_rows(tr: dict[str, Any] | None) -> list[str]:
+    if tr is None:
+        return []
+    rows = []
+    for batch, row in tr["batches"].items():
+        pool, torch = row["samples_per_s"]["pool"], row["samples_per_s"]["torch"]
+        rows.append(
+            f"| batch transport: slot pool vs PyTorch's own path (batch path, {tr['workers']} workers, batch "
+            f"{batch} = {row['batch_bytes'] / 1024:,.1f} KiB, load average {tr['load_average']:.1f}) | "
+            f"lightning_sharding | {pool:,.0f} vs {torch:,.0f} samples/s | {_ratio(row)} | - | |"
+        )
+    return rows
+
+
+def _scaling_row(ws: dict[str, Any]) -> str:
+    setting = f"worker scaling (CPU-bound transform, {ws['samples']:,} samples, load average {ws['load_average']:.1f}"
+    if "not_measured" in ws:
+        return (
+            f"| {setting}) | lightning_sharding 1 -> 2 workers | not measured: {ws['not_measured']} | - | "
+            f">= {ws['target']}x on an idle machine | not measured |"
+        )
+    sps = ws["samples_per_s"]
+    return (
+        f"| {setting} -> {ws['load_average_after']:.1f}) | lightning_sharding 1 -> 2 workers | "
+        f"{sps['1']:,.0f} -> {sps['2']:,.0f} samples/s (the same burn in 2 bare processes: "
+        f"{ws['bare_processes_2_to_1']:.2f}x) | {ws['ratio_2_to_1']:.2f}x | >= {ws['target']}x | {_status(ws)} |"
+    )
+
+
 def markdown(results: dict[str, Any]) -> str:
     """One table: measure, system or setting, figure, ratio, target, status."""
     tp, rs, pl, ws = results["throughput"], results["resume"], results["planning"], results["worker_scaling"]
@@ -22,19 +77,8 @@ def markdown(results: dict[str, Any]) -> str:
         "| measure | system / setting | figure | ratio | target | status |",
         "|---|---|---:|---:|---|---|",
     ]
-    setting = f"{tp['samples']:,} samples, batch {tp['batch']}, 1 rank x {tp['workers']} workers"
-    for name, row in tp["systems"].items():
-        if "unavailable" in row:
-            why, target = row["unavailable"], row["target"]
-            lines.append(f"| throughput ({setting}) | {name} | not run: {why} | - | >= {target}x | not measured |")
-            continue
-        ratio = "1x"
-        if "ratio" in row:
-            rounds = [a / b for a, b in zip(tp["systems"]["lightning_sharding"]["runs"], row["runs"], strict=True)]
-            ratio = f"{row['ratio']:.2f}x (rounds {min(rounds):.2f}-{max(rounds):.2f})"
-        target = f">= {row['target']}x" if "target" in row else "-"
-        figure = f"{row['samples_per_s']:,.0f} samples/s"
-        lines.append(f"| throughput ({setting}) | {name} | {figure} | {ratio} | {target} | {_status(row)} |")
+    for cell in [tp, *results.get("throughput_grid", [])]:
+        lines += _throughput_rows(cell)
     for name, row in rs["systems"].items():
         t = row["seconds"]
         figure = " / ".join(f"{t[k] * 1000:.1f}" for k in ("0.0", "0.5", "0.9")) + " ms at 0/50/90%"
@@ -78,20 +122,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"lightning_sharding columns vs DataLoader per-sample `__getitem__` | {ours_rate:,.0f} vs "
             f"{plain_rate:,.0f} samples/s | {bl['ratio']:.1f}x | >= 5x | {_status(bl)} |"
         )
-    vt = results.get("vectorised")
-    if vt is not None:
-        ours_rate, plain_rate = vt["samples_per_s"].values()
-        lines.append(
-            f"| batch-level reads + the same work as one `batch_transform`, {vt['workers']} workers "
-            f"({vt['samples']:,} samples, batch 256) | lightning_sharding vs DataLoader + DistributedSampler "
-            f"(per-sample work) | {ours_rate:,.0f} vs {plain_rate:,.0f} samples/s | {vt['ratio']:.2f}x | >= 1.3x | "
-            f"{_status(vt)} |"
-        )
-    sps = ws["samples_per_s"]
-    lines.append(
-        f"| worker scaling (CPU-bound transform, {ws['samples']:,} samples) | lightning_sharding 1 -> 2 workers | "
-        f"{sps['1']:,.0f} -> {sps['2']:,.0f} samples/s | {ws['ratio_2_to_1']:.2f}x | - | |"
-    )
+    lines += _transport_rows(results.get("transport"))
+    lines.append(_scaling_row(ws))
     mem = results["memory"]
     per_item = mem["data_per_item"]
     baseline = per_item["baseline: a copy per worker"]

@@ -3,8 +3,9 @@
 The data: ``.npy`` files of rows ``[id, x (64 float32), y]`` written by
 :func:`lightning_sharding.datasets.write_regression`; the streaming peers get the same rows in
 their own formats, written by their own writers (see ``peers.py``). The per-sample work is
-:func:`lightning_sharding.datasets.to_regression` for every system. Batch 256, shuffle on, one
-rank, spawned workers. The clock starts at the first batch, so worker start-up is left out.
+:func:`lightning_sharding.datasets.to_regression` for every system; our batch path does the same
+work once per batch (``batch_transform``) on rows read a batch at a time. Shuffle on, one rank,
+spawned workers. The clock starts at the first batch, so worker start-up is left out.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lightning_sharding.readers import NpyReader
 from lightning_sharding.world import SampleContext
 
 DIM, BATCH, FILES = 64, 256, 16
+BATCH_ROW_BYTES = 8 + 4 * DIM + 4  # one sample of a batch: id (int64), x and y (float32)
 
 
 def write_npy(root: Path, samples: int) -> str:
@@ -48,6 +50,31 @@ def burn(x: np.ndarray, rounds: int) -> np.ndarray:
     for _ in range(rounds):
         m = np.tanh(m @ m)
     return x + np.float32(m.mean())
+
+
+def _burn_for(samples: int) -> float:
+    """Seconds to burn ``samples`` rows in this process (a worker of :func:`bare_scaling`)."""
+    x = np.linspace(0, 1, DIM + 2, dtype=np.float32)
+    start = time.perf_counter()
+    for _ in range(samples):
+        burn(x, 8)
+    return time.perf_counter() - start
+
+
+def bare_scaling(samples: int) -> float:
+    """The machine's own ceiling for the worker-scaling row: the same burn, with no loader, in two bare
+    spawned processes against one (twice the work in the same time would be 2x)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pool.map(_burn_for, [10, 10])  # both started
+        start = time.perf_counter()
+        pool.map(_burn_for, [samples])
+        one = time.perf_counter() - start
+        start = time.perf_counter()
+        pool.map(_burn_for, [samples, samples])
+        two = time.perf_counter() - start
+    return 2 * one / two
 
 
 class Work:
@@ -103,20 +130,20 @@ def epoch_rate(loader: Iterable[Any], workers: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _npy_loader(pattern: str, workers: int, **options: Any) -> Iterable[Any]:
-    """Our loader over the ``.npy`` rows, batch ``BATCH``, one rank, spawned workers, with ``options``."""
+def _npy_loader(pattern: str, workers: int, batch: int, **options: Any) -> Iterable[Any]:
+    """Our loader over the ``.npy`` rows, one rank, spawned workers, with ``options``."""
     reader = NpyReader(pattern)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
     spawn = "spawn" if workers else None
     opts = LoaderOptions(
-        batch_size=BATCH, num_workers=workers, multiprocessing_context=spawn, padding_key=None, **options
+        batch_size=batch, num_workers=workers, multiprocessing_context=spawn, padding_key=None, **options
     )
     return ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=opts)
 
 
-def ours(pattern: str, workers: int, work: Work) -> Iterable[Any]:
-    return _npy_loader(pattern, workers, transform=work)
+def ours(pattern: str, workers: int, work: Work, batch: int = BATCH) -> Iterable[Any]:
+    return _npy_loader(pattern, workers, batch, transform=work)
 
 
 def rows_to_regression(batch: dict[str, torch.Tensor], ctx: Any = None) -> dict[str, torch.Tensor]:
@@ -126,38 +153,42 @@ def rows_to_regression(batch: dict[str, torch.Tensor], ctx: Any = None) -> dict[
     return {"id": rows[:, 0].long(), "x": rows[:, 1:-1].contiguous(), "y": rows[:, -1].contiguous()}
 
 
-def ours_vectorised(pattern: str, workers: int, work: Work) -> Iterable[Any]:
+def ours_vectorised(
+    pattern: str, workers: int, work: Work, batch: int = BATCH, transport: str = "pool"
+) -> Iterable[Any]:
     """Ours with batch-level reads and the same work done once per batch (``batch_transform``)."""
     assert work.burn_rounds == 0, "the vectorised form has no CPU burn"
-    return _npy_loader(pattern, workers, batch_transform=rows_to_regression)
+    return _npy_loader(pattern, workers, batch, batch_transform=rows_to_regression, transport=transport)
 
 
-def _sampled(cls: type[DataLoader[Any]], pattern: str, workers: int, work: Work) -> Iterable[Any]:
+def _sampled(cls: type[DataLoader[Any]], pattern: str, workers: int, work: Work, batch: int) -> Iterable[Any]:
     dataset = NpyRows(pattern, work)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     context = "spawn" if workers else None
-    return cls(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers, multiprocessing_context=context)
+    return cls(dataset, batch_size=batch, sampler=sampler, num_workers=workers, multiprocessing_context=context)
 
 
-def plain(pattern: str, workers: int, work: Work) -> Iterable[Any]:
-    return _sampled(DataLoader, pattern, workers, work)
+def plain(pattern: str, workers: int, work: Work, batch: int = BATCH) -> Iterable[Any]:
+    return _sampled(DataLoader, pattern, workers, work, batch)
 
 
-def stateful(pattern: str, workers: int, work: Work) -> Iterable[Any]:
-    return _sampled(StatefulDataLoader, pattern, workers, work)
+def stateful(pattern: str, workers: int, work: Work, batch: int = BATCH) -> Iterable[Any]:
+    return _sampled(StatefulDataLoader, pattern, workers, work, batch)
 
 
-Builder = Callable[[str, int, Work], Iterable[Any]]
+Builder = Callable[[str, int, Work, int], Iterable[Any]]
+OURS, OURS_BATCH, PLAIN = "lightning_sharding", "lightning_sharding, batch path", "DataLoader + DistributedSampler"
 SYSTEMS: dict[str, Builder] = {
-    "lightning_sharding": ours,
-    "DataLoader + DistributedSampler": plain,
+    OURS: ours,
+    OURS_BATCH: ours_vectorised,
+    PLAIN: plain,
     "torchdata StatefulDataLoader": stateful,
 }
 
 
-def measure(build: Builder, pattern: str, workers: int, work: Work) -> float:
+def measure(build: Builder, pattern: str, workers: int, work: Work, batch: int = BATCH) -> float:
     torch.manual_seed(0)
-    return epoch_rate(build(pattern, workers, work), workers)
+    return epoch_rate(build(pattern, workers, work, batch), workers)
 
 
 class RawRows(NpyRows):

@@ -28,11 +28,18 @@ def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads((tmp_path / "latest.json").read_text())
     systems = results["throughput"]["systems"]
-    for name in ("lightning_sharding", "DataLoader + DistributedSampler", "torchdata StatefulDataLoader"):
+    names = ("lightning_sharding", "lightning_sharding, batch path", "DataLoader + DistributedSampler")
+    for name in (*names, "torchdata StatefulDataLoader"):
         assert systems[name]["samples_per_s"] > 0
         assert len(systems[name]["runs"]) == results["repeats"]
     for name in ("LitData", "MosaicML Streaming"):  # a figure, or the reason there is none
         assert systems[name].get("samples_per_s", 0) > 0 or systems[name]["unavailable"]
+    assert systems["lightning_sharding, batch path"]["target"] == 1.3  # the headline cell: 2 workers, batch 256
+    assert (results["throughput"]["workers"], results["throughput"]["batch"]) == (2, 256)
+    transport = results["transport"]["batches"]
+    assert set(transport) == {"64", "1024"} and all(row["ratio"] > 0 for row in transport.values())
+    scaling = results["worker_scaling"]  # a figure, or why the machine was too busy for one
+    assert scaling.get("ratio_2_to_1", 0) > 0 or "load average" in scaling["not_measured"]
     assert set(results["resume"]["systems"]["lightning_sharding"]["seconds"]) == {"0.0", "0.5", "0.9"}
     assert results["planning"]["seconds"] > 0
     assert results["batch_level"]["ratio"] > 0 and len(results["batch_level"]["ratios"]) == results["repeats"]
@@ -47,3 +54,4 @@ def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = done.stdout
     assert "| measure | system / setting |" in table and "planning a mixture" in table and "memory" in table
+    assert "batch transport: slot pool vs PyTorch's own path" in table and "worker scaling" in table
