@@ -13,6 +13,7 @@ import http.client
 import random
 import socket
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -32,7 +33,8 @@ class FaultProxy:
     requests whose method is in ``methods`` may fail, so a test can keep listings reliable and
     fault only the data reads. ``counts`` says what happened: ``forwarded``, ``503``, ``dropped``,
     ``refused`` (requests that arrived while down), and ``retried`` (a request identical to one
-    that was failed, seen again: someone retried it).
+    that was failed, seen again: someone retried it); ``requests`` counts the forwarded ones by
+    method and path. ``delay`` adds latency to every request, ``trickle`` slows every body down.
     """
 
     def __init__(
@@ -43,11 +45,16 @@ class FaultProxy:
         drop_share: float = 0.3,
         seed: int = 0,
         methods: tuple[str, ...] = ("GET", "HEAD"),
+        delay: float = 0.0,
+        trickle: float = 0.0,
     ) -> None:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.fault_rate, self.drop_share, self.methods = fault_rate, drop_share, methods
         self.counts: Counter[str] = Counter()
+        self.requests: Counter[tuple[str, str]] = Counter()  # (method, path without the query) forwarded
+        self.delay = delay  # seconds added before forwarding each request
+        self.trickle = trickle  # seconds between 1 KiB pieces of a body: a slow download
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._failed: set[tuple[str, str, str]] = set()
@@ -98,6 +105,8 @@ class FaultProxy:
                 verdict = "drop" if self._rng.random() < self.drop_share else "503"
                 self._failed.add(key)
             self.counts["forwarded" if verdict == "forward" else ("dropped" if verdict == "drop" else "503")] += 1
+            if verdict == "forward":
+                self.requests[(method, path.split("?", 1)[0])] += 1
             return verdict
 
     def track(self, conn: socket.socket, alive: bool) -> None:
@@ -166,6 +175,8 @@ class _Forwarder(BaseHTTPRequestHandler):
         if verdict == "503":
             self._answer(503, [("Content-Type", "application/xml")], _UNAVAILABLE)
             return
+        if self.owner.delay:
+            time.sleep(self.owner.delay)
         upstream = http.client.HTTPConnection(*self.owner.upstream, timeout=30)
         try:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -186,7 +197,13 @@ class _Forwarder(BaseHTTPRequestHandler):
         if self.command != "HEAD" or not any(k.lower() == "content-length" for k, _ in headers):
             self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        if self.command == "HEAD":
+            return
+        step = 1024 if self.owner.trickle else max(1, len(data))
+        for start in range(0, len(data), step):
+            self.wfile.write(data[start : start + step])
+            if self.owner.trickle:
+                self.wfile.flush()
+                time.sleep(self.owner.trickle)
 
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle

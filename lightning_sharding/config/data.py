@@ -66,6 +66,7 @@ class FilesData(DataOptions):
     urls: list[str] | None = None  # paths, globs or URLs (s3://...); none: generate a data set
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options (credentials...)
     endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, moto...); none: AWS
+    cache_limit: Any = None  # keep remote files locally: bytes (int) or a fraction of free disk (float <= 1)
     num_items: int = 16
     samples_per_item: int = 1024
     dim: int = 16

@@ -8,6 +8,7 @@ fingerprint and is scanned again. Workers find the same cache file from the item
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,6 +27,7 @@ import numpy.typing as npt
 
 from lightning_sharding.manifest import Item
 from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.cache import ShardCache, resolve_limit
 from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, default_cache_dir, write_atomically
 from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
 from lightning_sharding.world import ShardContext
@@ -43,6 +45,10 @@ class FileReader(Reader):
         urls: a path or URL, a glob, or a list of them.
         storage_options: passed to fsspec, e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for S3.
         cache_dir: where file indexes are cached; ``None`` uses :func:`default_cache_dir`.
+        cache_limit: keep whole remote files in ``cache_dir/shards``, at most this many bytes (an
+            int) or this fraction of the free disk (a float in (0, 1]), evicting the least recently
+            used; each file is then fetched once, not read by range every epoch. ``None``: no copies.
+            Local files are never copied. See :mod:`lightning_sharding.readers.cache`.
         scan_threads: files indexed in parallel when the manifest is built.
         retry: retries of transient storage errors.
     """
@@ -57,6 +63,7 @@ class FileReader(Reader):
         cache_dir: str | os.PathLike[str] | None = None,
         scan_threads: int = 16,
         retry: RetryPolicy | None = None,
+        cache_limit: int | float | None = None,
     ) -> None:
         if isinstance(urls, str):
             urls = [urls]
@@ -67,6 +74,10 @@ class FileReader(Reader):
             raise ValueError(f"`{type(self).__name__}(scan_threads={scan_threads})` must be at least 1")
         self.scan_threads = scan_threads
         self.retry = retry or RetryPolicy()
+        if cache_limit is not None:
+            resolve_limit(cache_limit, Path("."))  # a bad value fails here, not in a worker
+        self.cache_limit = cache_limit
+        self._shards: ShardCache | None = None
         self._indexes: OrderedDict[str, FileIndex] = OrderedDict()
         self._lock = threading.Lock()
         self.last_scan: dict[str, int] = {"files": 0, "scanned": 0, "cached": 0}
@@ -74,6 +85,7 @@ class FileReader(Reader):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_indexes"], state["_lock"] = OrderedDict(), None  # workers load what they need
+        state["_shards"] = None  # each process opens the shared shard cache itself
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -204,13 +216,36 @@ class FileReader(Reader):
                     self._indexes.popitem(last=False)
         return idx
 
-    def read_ranges(self, url: str, starts: npt.ArrayLike, ends: npt.ArrayLike) -> list[bytes]:
-        """Bytes ``[starts[i], ends[i])`` of ``url``, with this reader's storage options and retries."""
+    def read_ranges(self, item: Item, starts: npt.ArrayLike, ends: npt.ArrayLike) -> list[bytes]:
+        """Bytes ``[starts[i], ends[i])`` of the file of ``item``, from its local copy when the reader
+        keeps one (``cache_limit``), else from storage with this reader's options and retries."""
         from lightning_sharding.storage import read_ranges
 
-        return read_ranges(
-            url, np.asarray(starts).tolist(), np.asarray(ends).tolist(), self.storage_options, self.retry
-        )
+        s, e = np.asarray(starts).tolist(), np.asarray(ends).tolist()
+        with self.local_copy(item) as local:
+            if local is not None:
+                return read_ranges(local, s, e)
+            return read_ranges(self.split_key(item)[0], s, e, self.storage_options, self.retry)
+
+    @contextlib.contextmanager
+    def local_copy(self, item: Item) -> Iterator[str | None]:
+        """The path of a whole local copy of the file of ``item``, kept from eviction while the block
+        runs; ``None`` without ``cache_limit``, for a local file, or for a file larger than the budget."""
+        url, _ = self.split_key(item)
+        fs, path = filesystem(url, self.storage_options)
+        if self.cache_limit is None or "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            yield None
+            return
+        if self._shards is None:
+            self._shards = ShardCache((self.cache_dir or default_cache_dir()) / "shards", self.cache_limit)
+        fingerprint = self.file_fingerprint(item)
+        size = int(fingerprint.split(";", 1)[0].removeprefix("size="))
+
+        def fetch(part: str) -> None:
+            with_retries(lambda: fs.get_file(path, part), f"downloading {url}", self.retry)
+
+        with self._shards.open(url, fingerprint, size, fetch) as local:
+            yield local
 
 
 class _Progress:

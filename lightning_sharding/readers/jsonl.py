@@ -76,7 +76,7 @@ class JsonlReader(FileReader):
         """Read each line's bytes (concurrently on object stores) and decode it."""
         url, _ = self.split_key(item)
         idx = self.index_of(item)
-        blobs = self.read_ranges(url, idx["start"][indices], idx["end"][indices])
+        blobs = self.read_ranges(item, idx["start"][indices], idx["end"][indices])
         out = []
         for i, blob in zip(indices, blobs, strict=True):
             try:

@@ -130,7 +130,7 @@ class NpyReader(FileReader):
         row_shape = tuple(int(s) for s in idx["row_shape"])
         row_bytes = math.prod(row_shape) * dtype.itemsize
         starts = int(idx["offset"][0]) + indices * row_bytes
-        blobs = self.read_ranges(url, starts, starts + row_bytes)
+        blobs = self.read_ranges(item, starts, starts + row_bytes)
         return np.frombuffer(bytearray(b"".join(blobs)), dtype=dtype).reshape(len(indices), *row_shape)
 
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:

@@ -100,7 +100,7 @@ class ParquetReader(FileReader):
             metadata = _pyarrow().read_metadata(io.BytesIO(footer.tobytes()))
 
             def read() -> Any:
-                with fs.open(path, "rb") as f:
+                with self.local_copy(item) as local, open(local, "rb") if local else fs.open(path, "rb") as f:
                     return _pyarrow().ParquetFile(f, metadata=metadata).read_row_group(number, columns=self.columns)
 
             table = with_retries(read, f"reading {item.key}", self.retry)

@@ -148,7 +148,7 @@ class TarReader(FileReader):
         """Fetch each sample's byte run (concurrently on object stores) and parse its members."""
         url, _ = self.split_key(item)
         idx = self.index_of(item)
-        blobs = self.read_ranges(url, idx["start"][indices], idx["end"][indices])
+        blobs = self.read_ranges(item, idx["start"][indices], idx["end"][indices])
         return [self._sample(url, idx, int(i), blob) for i, blob in zip(indices, blobs, strict=True)]
 
     def _sample(self, url: str, idx: Mapping[str, npt.NDArray[Any]], index: int, blob: bytes) -> dict[str, Any]:

@@ -279,8 +279,10 @@ class SkewedReader(SyntheticReader):
 
 
 def file_reader(spec: dict[str, Any], cache_dir: Path) -> Any:
-    """The file reader a Job's ``data`` names: ``{"format", "urls", "storage_options", "default_cache"}``."""
+    """The file reader a Job's ``data`` names: ``{"format", "urls", "storage_options", "default_cache",
+    "cache_dir", "cache_limit"}``."""
     from lightning_sharding.readers import FILE_READERS
 
-    cache = None if spec.get("default_cache") else cache_dir  # None: $LIGHTNING_SHARDING_CACHE or ~/.cache
-    return FILE_READERS[spec["format"]](spec["urls"], storage_options=spec.get("storage_options"), cache_dir=cache)
+    cache = None if spec.get("default_cache") else spec.get("cache_dir", cache_dir)  # None: the default cache
+    options = dict(storage_options=spec.get("storage_options"), cache_limit=spec.get("cache_limit"))
+    return FILE_READERS[spec["format"]](spec["urls"], cache_dir=cache, **options)

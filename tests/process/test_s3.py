@@ -48,13 +48,19 @@ def test_a_missing_object_and_a_forbidden_one_are_named(tmp_path: Path, s3_serve
 
 @pytest.mark.processes
 @pytest.mark.timeout(600)
-def test_ddp_over_s3_shards_resumes_exactly_once_on_another_topology(tmp_path: Path, s3_server: S3Server) -> None:
+@pytest.mark.parametrize("cached", [False, True], ids=["ranged-reads", "local-shard-cache"])
+def test_ddp_over_s3_shards_resumes_exactly_once_on_another_topology(
+    tmp_path: Path, s3_server: S3Server, cached: bool
+) -> None:
     """2 ranks x 2 workers read tar shards from the bucket, are SIGKILLed mid-epoch, and the job
-    resumes on 1 rank x 1 worker; over both epochs every sample is trained on exactly once."""
-    bucket = s3_server.bucket("shards")
+    resumes on 1 rank x 1 worker; over both epochs every sample is trained on exactly once. With the
+    local shard cache, all ranks, workers and both runs share one cache directory."""
+    bucket = s3_server.bucket(f"shards-{int(cached)}")
     sizes = [23, 31, 17, 29, 20]
     write_regression(f"{bucket}/wds", "tar", sizes, storage_options=s3_server.storage_options)
     data = {"format": "tar", "urls": f"{bucket}/wds/part-*.tar", "storage_options": s3_server.storage_options}
+    if cached:
+        data.update(cache_dir=str(tmp_path / "shared-cache"), cache_limit=10**9)
     first = Job(data=data, world_size=2, num_workers=2, batch_size=6, epochs=2)
     seen, segments = check_resume(
         tmp_path, first, [Job(data=data, world_size=1, num_workers=1, batch_size=6, epochs=2)], checkpoint_every=4
@@ -63,3 +69,7 @@ def test_ddp_over_s3_shards_resumes_exactly_once_on_another_topology(tmp_path: P
     report = segments[-1].report
     assert report is not None and [e["consumed"] for e in report["epochs"]] == [sum(sizes)] * 2
     assert np.all(np.array([e["skipped"] for e in report["epochs"]]) == 0)
+    if cached:  # one complete copy per shard, nothing partial
+        held = sorted((tmp_path / "shared-cache" / "shards").iterdir())
+        assert len([p for p in held if not p.name.startswith(".")]) == len(sizes)
+        assert not [p for p in held if ".part-" in p.name]

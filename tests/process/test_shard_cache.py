@@ -1,0 +1,185 @@
+"""The local shard cache (``cache_limit``) against a real S3-protocol server on loopback, behind the
+counting proxy: a cached shard is fetched once across epochs and runs, a budget smaller than the
+data holds while the epoch stays exactly-once, and a download killed with SIGKILL leaves nothing a
+later run could serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lightning_sharding.datasets import write_regression
+from lightning_sharding.readers import TarReader
+from lightning_sharding.readers.cache import ShardCache
+from tests.fault_proxy import FaultProxy
+from tests.s3 import S3Server
+from tests.unit.test_readers import ids_served, serve_epoch
+
+SIZES = [23, 17, 29, 19, 31]
+TOTAL = sum(SIZES)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    p = FaultProxy(s3_server.endpoint)
+    yield p
+    p.close()
+
+
+def shards(s3_server: S3Server, bucket: str) -> list[str]:
+    """Write the shards into ``bucket`` directly (not through the proxy); returns their object paths."""
+    urls = write_regression(f"{s3_server.bucket(bucket)}/wds", "tar", SIZES, storage_options=s3_server.storage_options)
+    return [u.removeprefix("s3:/") for u in urls]
+
+
+def object_gets(proxy: FaultProxy, objects: list[str]) -> dict[str, int]:
+    return {o: proxy.requests[("GET", o)] for o in objects}
+
+
+def copies(cache_dir: Path) -> dict[str, int]:
+    """The complete copies of the cache of ``cache_dir`` (partial downloads and locks are hidden)."""
+    shard_dir = cache_dir / "shards"
+    return copies_in(shard_dir) if shard_dir.exists() else {}
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_cached_shard_is_fetched_once_across_epochs_and_runs(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    objects = shards(s3_server, "cache-once")
+    urls = "s3://cache-once/wds/part-*.tar"
+
+    def reader(**kw: object) -> TarReader:
+        return TarReader(urls, storage_options=proxy.storage_options(), cache_dir=tmp_path / "cache", **kw)  # type: ignore[arg-type]
+
+    uncached = reader()
+    uncached.items()
+    proxy.requests.clear()
+    for _ in range(2):
+        assert sorted(ids_served(serve_epoch(uncached, world_size=2))) == list(range(TOTAL))
+    assert all(n >= 2 for n in object_gets(proxy, objects).values()), "without the cache every epoch reads"
+
+    proxy.requests.clear()
+    cached = reader(cache_limit=10**9)
+    cached.items()
+    for epoch in range(2):
+        served = serve_epoch(cached, world_size=2, num_workers=2, multiprocessing_context="spawn")
+        assert sorted(ids_served(served)) == list(range(TOTAL)), f"epoch {epoch}"
+        if epoch == 0:
+            first = object_gets(proxy, objects)
+            assert set(first.values()) == {1}, f"each shard fetched once by the 2 ranks x 2 workers: {first}"
+    assert object_gets(proxy, objects) == first, "the second epoch read the local copies"
+    second_run = reader(cache_limit=10**9)
+    assert sorted(ids_served(serve_epoch(second_run, world_size=1))) == list(range(TOTAL))
+    assert object_gets(proxy, objects) == first, "a second run read the local copies"
+    assert sorted(copies(tmp_path / "cache").values()) == sorted(
+        s3_server.client().head_object(Bucket="cache-once", Key=o.split("/", 2)[2])["ContentLength"] for o in objects
+    )
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_budget_smaller_than_the_data_holds_and_the_epoch_stays_exactly_once(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    objects = shards(s3_server, "cache-budget")
+    sizes = [
+        s3_server.client().head_object(Bucket="cache-budget", Key=o.split("/", 2)[2])["ContentLength"] for o in objects
+    ]
+    limit = int(max(sizes) * 2.5)
+    assert limit < sum(sizes)
+    options = proxy.storage_options()
+    reader = TarReader(
+        "s3://cache-budget/wds/part-*.tar", storage_options=options, cache_dir=tmp_path / "c", cache_limit=limit
+    )
+    for epoch in range(2):
+        served = serve_epoch(reader, world_size=2, num_workers=2, multiprocessing_context="spawn")
+        assert sorted(ids_served(served)) == list(range(TOTAL)), f"epoch {epoch}"
+        held = copies(tmp_path / "c")
+        assert 0 < sum(held.values()) <= limit, held
+    # Evicted shards were fetched again: the budget costs requests, never samples.
+    assert sum(object_gets(proxy, objects).values()) > len(objects)
+
+
+KILLED_READER = """
+import sys
+from lightning_sharding.readers import TarReader
+from lightning_sharding.world import ShardContext
+import numpy as np
+options = eval(sys.argv[2])
+reader = TarReader(sys.argv[1], storage_options=options, cache_dir=sys.argv[3], cache_limit=10**9)
+item = reader.items()[0]
+print("reading", flush=True)
+reader.read_batch(item, np.arange(3), None)
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_download_killed_by_sigkill_leaves_no_file_a_later_run_serves(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    shards(s3_server, "cache-kill")
+    urls = "s3://cache-kill/wds/part-*.tar"
+    cache = tmp_path / "cache"
+    proxy.trickle = 0.02  # 1 KiB every 20 ms: a download of the first shard takes seconds
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-c", KILLED_READER, urls, repr(proxy.storage_options()), str(cache)]
+    child = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        partial: list[Path] = []
+        while not partial:
+            assert child.poll() is None and time.monotonic() < deadline, "the download never started"
+            time.sleep(0.05)
+            partial = (
+                [p for p in (cache / "shards").glob(".*.part-*") if p.stat().st_size > 0]
+                if (cache / "shards").exists()
+                else []
+            )
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert partial[0].exists() and not copies(cache), "SIGKILL left a partial download, and no complete copy"
+    proxy.trickle = 0.0
+    reader = TarReader(urls, storage_options=proxy.storage_options(), cache_dir=cache, cache_limit=10**9)
+    served = serve_epoch(reader, world_size=2)
+    assert sorted(ids_served(served)) == list(range(TOTAL))
+    assert not partial[0].exists(), "the dead writer's partial download was swept"
+    assert len(copies(cache)) == len(SIZES)
+
+
+def test_a_copy_in_use_is_never_evicted_and_a_bad_limit_is_named(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 100)
+
+    def writer(n: int):  # type: ignore[no-untyped-def]
+        return lambda part: Path(part).write_bytes(b"x" * n)
+
+    with cache.open("s3://b/a.tar", "size=60;tag=1", 60, writer(60)) as held:
+        assert held is not None
+        with cache.open("s3://b/b.tar", "size=60;tag=1", 60, writer(60)) as other:
+            assert other is not None and Path(held).exists(), "the copy being read stayed"
+        assert Path(held).read_bytes() == b"x" * 60
+    assert sum(copies_in(tmp_path).values()) <= 100
+    with cache.open("s3://b/big.tar", "size=500;tag=1", 500, writer(500)) as big:
+        assert big is None  # larger than the whole budget: read from storage
+    assert (cache.fetches, cache.hits) == (2, 0)
+    for bad in (0, -5, 1.5, "10GB", True):
+        with pytest.raises(ValueError, match=f"cache_limit={bad!r}"):
+            ShardCache(tmp_path, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cache_limit=0"):
+        TarReader("s3://b/*.tar", cache_limit=0)
+
+
+def copies_in(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in directory.iterdir() if not p.name.startswith(".")}
