@@ -56,3 +56,12 @@ def gather_counts(count: int, group: Any) -> list[int]:
     values = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
     dist.all_gather(values, torch.tensor([count], dtype=torch.int64), group=group)
     return [int(v.item()) for v in values]
+
+
+def broadcast_object(obj: Any, world_size: int) -> Any:
+    """Rank 0's ``obj`` on every rank (a collective call; ``obj`` is ignored on the other ranks)."""
+    if world_size <= 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

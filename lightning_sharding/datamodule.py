@@ -24,6 +24,8 @@ from lightning_sharding.manifest import Manifest
 from lightning_sharding.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
 from lightning_sharding.plan import EvenBatches
 from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.shared_index import collective
+from lightning_sharding.restart import epoch_lightning_runs_next
 from lightning_sharding.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies.base import strategies_where
@@ -192,7 +194,8 @@ class ShardedDataModule(pl.LightningDataModule):
         data = self.source if self.source is not None else self.make_reader()
         self.strategy.check(self.options, data, owner=type(self).__name__)
         self._train_data = data
-        self.manifest = self.strategy.manifest(data, self.options.batch_size)
+        with collective(self.world):  # the leaders list and index, the other ranks receive the items
+            self.manifest = self.strategy.manifest(data, self.options.batch_size)
         seed = self._shared_seed()
         self.world = agree(self.world, self.manifest, seed, self.options)
         ledger = Ledger(seed=seed, total=self.manifest.total, manifest=self.manifest.summary())
@@ -221,7 +224,7 @@ class ShardedDataModule(pl.LightningDataModule):
                 "If your subclass overrides setup(), call super().setup(stage) in it."
             )
         if self.trainer is not None:
-            keeper.start_epoch(_epoch_lightning_runs_next(self.trainer))
+            keeper.start_epoch(epoch_lightning_runs_next(self.trainer))
         self.seed = keeper.ledger.seed  # a restored checkpoint's seed
         keeper.options, self.manifest = self.options, keeper.manifest  # batch-size finder; a mixture change
         self.strategy.release(keeper.train_loader)
@@ -256,7 +259,8 @@ class ShardedDataModule(pl.LightningDataModule):
         assert reader is not None
         if self.trainer is not None:
             self.world = World.from_trainer(self.trainer, self.data_parallel)
-        manifest = Manifest.from_items(reader.items())
+        with collective(self.world):
+            manifest = Manifest.from_items(reader.items())
         seed = self.ledger.seed if self.ledger is not None else self.seed or 0
         ledger = Ledger(seed=seed, total=manifest.total, manifest=manifest.summary())
         # Evaluation always pads (flagged): dropping would silently skip samples of every evaluation.
@@ -266,28 +270,6 @@ class ShardedDataModule(pl.LightningDataModule):
 # Every loader option is an attribute too: ``dm.batch_size`` reads ``dm.options``; setting it checks again.
 for _name in LoaderOptions.names():
     setattr(ShardedDataModule, _name, OptionAttribute(_name))
-
-
-def _epoch_lightning_runs_next(trainer: pl.Trainer) -> int:
-    """The epoch the iterator created now will serve.
-
-    Lightning creates (and prefetches from) the train iterator in ``setup_data``, before its loops'
-    ``reset()`` decides how a restart goes and before it calls ``set_epoch``. A checkpoint written
-    in ``on_train_batch_end`` of an epoch's last batch restarts into the next epoch without another
-    iterator, so the ledger must already be on that epoch; one written later on the same batch (at
-    validation end, say) finishes the saved epoch first, with this iterator. The restart stage is
-    computed here from the restored counters exactly as ``FitLoop.reset()`` will compute it.
-    """
-    fit_loop = trainer.fit_loop
-    epoch = int(getattr(fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
-    if not fit_loop.restarting:
-        return epoch
-    fit_loop.update_restart_stage()  # reads the counters only; FitLoop.reset() computes it again
-    epoch_loop = fit_loop.epoch_loop
-    on_last_batch_end = epoch_loop.restarted_on_train_batch_end and epoch_loop.batch_progress.is_last_batch
-    if on_last_batch_end and fit_loop.restarted_mid_epoch:
-        epoch += 1  # FitLoop.reset() counts the saved epoch as processed
-    return epoch
 
 
 def _ensure_callback(trainer: pl.Trainer) -> None:

@@ -29,6 +29,7 @@ from lightning_sharding.manifest import Item
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
 from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, default_cache_dir, write_atomically
+from lightning_sharding.readers.shared_index import check_index_once_per, shared_items
 from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
 from lightning_sharding.world import ShardContext
 
@@ -50,6 +51,9 @@ class FileReader(Reader):
             used; each file is then fetched once, not read by range every epoch. ``None``: no copies.
             Local files are never copied. See :mod:`lightning_sharding.readers.cache`.
         scan_threads: files indexed in parallel when the manifest is built.
+        index_once_per: who lists and indexes in a distributed job: ``"job"`` (global rank 0; the
+            others receive the items), ``"node"`` (each node's local rank 0, for nodes that share no
+            disk) or ``"rank"`` (every rank). See :mod:`lightning_sharding.readers.shared_index`.
         retry: retries of transient storage errors.
     """
 
@@ -64,6 +68,7 @@ class FileReader(Reader):
         scan_threads: int = 16,
         retry: RetryPolicy | None = None,
         cache_limit: int | float | None = None,
+        index_once_per: str = "job",
     ) -> None:
         if isinstance(urls, str):
             urls = [urls]
@@ -77,6 +82,7 @@ class FileReader(Reader):
         if cache_limit is not None:
             resolve_limit(cache_limit, Path("."))  # a bad value fails here, not in a worker
         self.cache_limit = cache_limit
+        self.index_once_per = check_index_once_per(index_once_per, type(self).__name__)
         self._shards: ShardCache | None = None
         self._indexes: OrderedDict[str, FileIndex] = OrderedDict()
         self._lock = threading.Lock()
@@ -113,9 +119,13 @@ class FileReader(Reader):
     def items(self) -> Sequence[Item]:
         """List the files, load or build every file's index in parallel, and return the items.
 
-        The item list of a listing seen before (same files, same fingerprints) comes from one
+        In a distributed job's setup, only the leaders of ``index_once_per`` do this. The item
+        list of a listing seen before (same files, same fingerprints) comes from one
         small cache file, so a restart costs one listing and one read.
         """
+        return shared_items(self._list_and_index, self.index_once_per, f"{self.format} files {self.urls}")
+
+    def _list_and_index(self) -> Sequence[Item]:
         files = list_files(self.urls, self.storage_options, self.retry)
         listing = self._cache_path("listing", json.dumps([(f.url, f.fingerprint) for f in files]), ".json")
         try:

@@ -105,6 +105,7 @@ def files(
     dim: int,
     sharding: Mapping[str, Any],
     cache_limit: int | float | None = None,
+    index_once_per: str = "job",
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
@@ -115,7 +116,7 @@ def files(
     if endpoint_url:
         storage["client_kwargs"] = {**storage.get("client_kwargs", {}), "endpoint_url": endpoint_url}
     spec = (format, urls, num_items, samples_per_item, dim)
-    cache = dict(cache_dir=options["cache_dir"], cache_limit=cache_limit)
+    cache = dict(cache_dir=options["cache_dir"], cache_limit=cache_limit, index_once_per=index_once_per)
     reader = file_reader(*spec, storage_options=storage, key="data", **cache)
     return datamodule(options, sharding, reader=reader, transform=to_regression, audit_dir=audit_dir)
 
@@ -131,6 +132,7 @@ def file_reader(
     cache_dir: str | None,
     key: str,
     cache_limit: int | float | None = None,
+    index_once_per: str = "job",
 ) -> Reader:
     """A reader of ``format`` over ``urls``; with none, of a regression set generated once into the
     cache. ``key`` names the config key of ``format`` in errors (``data`` or ``data.streams[i]``)."""
@@ -146,5 +148,10 @@ def file_reader(
 
         where = generated(cache_dir, f"{format}-{num_items}x{samples_per_item}x{dim}", write)
         urls = [str(where / f"part-*.{format}")]
-    storage, cache = dict(storage_options), cache_root(cache_dir)
-    return FILE_READERS[format](list(urls), storage_options=storage, cache_dir=cache, cache_limit=cache_limit)
+    return FILE_READERS[format](
+        list(urls),
+        storage_options=dict(storage_options),
+        cache_dir=cache_root(cache_dir),
+        cache_limit=cache_limit,
+        index_once_per=index_once_per,
+    )

@@ -280,9 +280,13 @@ class SkewedReader(SyntheticReader):
 
 def file_reader(spec: dict[str, Any], cache_dir: Path) -> Any:
     """The file reader a Job's ``data`` names: ``{"format", "urls", "storage_options", "default_cache",
-    "cache_dir", "cache_limit"}``."""
+    "cache_dir", "cache_limit", "index_once_per", "cache_per_node"}``; ``cache_per_node`` gives each
+    torchrun node a cache directory of its own, like machines that share no disk."""
     from lightning_sharding.readers import FILE_READERS
 
     cache = None if spec.get("default_cache") else spec.get("cache_dir", cache_dir)  # None: the default cache
+    if spec.get("cache_per_node"):
+        cache = Path(cache) / f"node{os.environ.get('GROUP_RANK', '0')}"
     options = dict(storage_options=spec.get("storage_options"), cache_limit=spec.get("cache_limit"))
+    options["index_once_per"] = spec.get("index_once_per", "job")
     return FILE_READERS[spec["format"]](spec["urls"], cache_dir=cache, **options)

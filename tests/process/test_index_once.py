@@ -1,0 +1,108 @@
+"""Index once per job (``index_once_per``) against a real S3-protocol server on loopback, behind the
+counting proxy: a 2-rank DDP job's first start lists the bucket once and makes one index pass per
+object, where every rank indexing for itself lists it twice; nodes that share no disk each index
+into their own cache and still train exactly once; a failure of the indexing rank stops every
+rank with its message instead of leaving one waiting."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lightning_sharding.datasets import write_regression
+from lightning_sharding.readers import TarReader
+from tests.fault_proxy import FaultProxy
+from tests.harness import Job, assert_exactly_once, run_segment, served_per_epoch
+from tests.s3 import S3Server
+
+SIZES = (23, 17, 29, 19, 31)
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    p = FaultProxy(s3_server.endpoint)
+    yield p
+    p.close()
+
+
+def bucket_with_shards(s3_server: S3Server, name: str) -> tuple[str, list[str]]:
+    """Shards written directly (not through the proxy): the glob and the object paths."""
+    urls = write_regression(
+        f"{s3_server.bucket(name)}/wds", "tar", list(SIZES), storage_options=s3_server.storage_options
+    )
+    return f"s3://{name}/wds/part-*.tar", [u.removeprefix("s3:/") for u in urls]
+
+
+def split(requests: Counter[tuple[str, str]], objects: list[str]) -> tuple[dict[str, int], int]:
+    """GETs per object, and every other request (listings, bucket lookups)."""
+    per_object = {o: requests[("GET", o)] for o in objects}
+    return per_object, sum(requests.values()) - sum(per_object.values())
+
+
+def job_counts(
+    tmp_path: Path, proxy: FaultProxy, urls: str, objects: list[str], per: str
+) -> tuple[dict[str, int], int]:
+    """What a 2-rank x 2-worker DDP job's setup asks of the store (no training step: only the index)."""
+    proxy.requests.clear()
+    data = {
+        "format": "tar",
+        "urls": urls,
+        "storage_options": proxy.storage_options(),
+        "cache_dir": str(tmp_path / f"cache-{per}"),
+        "index_once_per": per,
+    }
+    job = Job(data=data, world_size=2, num_workers=2, batch_size=6, limit_train_batches=0)
+    run_segment(tmp_path / f"job-{per}", "first", job)
+    return split(proxy.requests, objects)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_two_rank_job_lists_once_and_indexes_each_object_once(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    urls, objects = bucket_with_shards(s3_server, "index-once")
+    TarReader(urls, storage_options=proxy.storage_options(), cache_dir=tmp_path / "one-process").items()
+    one_pass, one_listing = split(proxy.requests, objects)
+    assert one_listing >= 1 and all(n >= 1 for n in one_pass.values()), (one_listing, one_pass)
+
+    per_object, listing = job_counts(tmp_path, proxy, urls, objects, "job")
+    assert listing == one_listing, f"the job listed the bucket {listing} request(s), one process {one_listing}"
+    assert per_object == one_pass, f"one index pass per object: {per_object} vs one process {one_pass}"
+
+    per_object, listing = job_counts(tmp_path, proxy, urls, objects, "rank")
+    assert listing == 2 * one_listing, "with index_once_per='rank' each of the 2 ranks lists the bucket"
+    assert all(n >= one_pass[o] for o, n in per_object.items())
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_nodes_sharing_no_disk_each_index_their_own_cache_and_train_exactly_once(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    urls, _ = bucket_with_shards(s3_server, "index-per-node")
+    cache = tmp_path / "caches"
+    data = {"format": "tar", "urls": urls, "storage_options": s3_server.storage_options, "cache_dir": str(cache)}
+    data.update(index_once_per="node", cache_per_node=True)
+    job = Job(data=data, world_size=2, num_workers=2, batch_size=6, launcher="torchrun", num_nodes=2)
+    segment = run_segment(tmp_path / "job", "first", job)
+    assert_exactly_once(
+        served_per_epoch([r for rs in segment.records.values() for r in rs]), total=sum(SIZES), epochs=1
+    )
+    for node in ("node0", "node1"):
+        indexes = sorted((cache / node / "index").glob("tar-*.npz"))
+        assert len(indexes) == len(SIZES), f"{node} indexed every shard into its own disk: {indexes}"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_failure_of_the_indexing_rank_stops_every_rank_with_its_message(tmp_path: Path, s3_server: S3Server) -> None:
+    s3_server.bucket("index-fails")
+    data = {"format": "tar", "urls": "s3://index-fails/none.tar", "storage_options": s3_server.storage_options}
+    job = Job(data=data, world_size=2, num_workers=1, batch_size=6, launcher="torchrun")
+    segment = run_segment(tmp_path / "job", "first", job, expect_death=True)
+    assert "FileNotFoundError" in segment.output and "s3://index-fails/none.tar" in segment.output
+    assert "rank 0 lists and indexes tar files ['s3://index-fails/none.tar'] for this job" in segment.output
