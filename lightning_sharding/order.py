@@ -103,6 +103,12 @@ class EpochOrder:
             index[group] = self._inner(int(items[group[0]]))[local[group]]
         return items, index
 
+    def items_from(self, position: int, count: int) -> Int64Array:
+        """The ids of the ``count`` items laid out from the one holding ``position`` on, in epoch
+        order (fewer at the end of the epoch); shape ``(<= count,)``."""
+        slot = int(np.searchsorted(self.starts, position, side="right")) - 1
+        return self.item_order[slot : slot + count]
+
     def _by_item(self, items: Int64Array) -> list[Int64Array]:
         """Where each item of several samples occurs in ``items``, one array per item (an item of
         one sample needs no permutation: its index is its place)."""

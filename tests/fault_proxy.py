@@ -53,6 +53,7 @@ class FaultProxy:
         self.fault_rate, self.drop_share, self.methods = fault_rate, drop_share, methods
         self.counts: Counter[str] = Counter()
         self.requests: Counter[tuple[str, str]] = Counter()  # (method, path without the query) forwarded
+        self.log: list[tuple[str, str]] = []  # the same, in the order they arrived
         self.delay = delay  # seconds added before forwarding each request
         self.trickle = trickle  # seconds between 1 KiB pieces of a body: a slow download
         self._rng = random.Random(seed)
@@ -107,6 +108,7 @@ class FaultProxy:
             self.counts["forwarded" if verdict == "forward" else ("dropped" if verdict == "drop" else "503")] += 1
             if verdict == "forward":
                 self.requests[(method, path.split("?", 1)[0])] += 1
+                self.log.append((method, path.split("?", 1)[0]))
             return verdict
 
     def track(self, conn: socket.socket, alive: bool) -> None:

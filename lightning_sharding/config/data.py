@@ -68,6 +68,7 @@ class FilesData(DataOptions):
     endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, moto...); none: AWS
     cache_limit: Any = None  # keep remote files locally: bytes (int) or a fraction of free disk (float <= 1)
     index_once_per: str = "job"  # who lists and indexes: job (rank 0), node (local rank 0s), rank (every rank)
+    prefetch_files: int = 0  # with cache_limit: files each worker fetches ahead of the one it reads
     num_items: int = 16
     samples_per_item: int = 1024
     dim: int = 16

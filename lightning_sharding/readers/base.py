@@ -24,6 +24,9 @@ class Reader(ABC):
     small: paths and options, not open files.
     """
 
+    # How many of its next items a worker tells :meth:`ahead` about (0: it is never called).
+    fetch_ahead: int = 0
+
     @abstractmethod
     def items(self) -> Sequence[Item]:
         """Every item with its sample count, in a stable order."""
@@ -35,6 +38,11 @@ class Reader(ABC):
     @abstractmethod
     def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
         """Sample ``index`` (``0 <= index < item.num_samples``) of ``item``."""
+
+    def ahead(self, items: Sequence[Item]) -> None:
+        """The items this worker reads next, nearest first (the current batch's, then the plan's
+        following ones, at least ``fetch_ahead``): a reader may start fetching them. Nothing by default."""
+        return None
 
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
         """Samples ``indices`` (shape ``(n,)``) of one item, in that order.

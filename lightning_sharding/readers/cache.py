@@ -5,7 +5,8 @@ Names are derived from the URL and the file's fingerprint (size and ETag or mtim
 object gets a new name and its old copy ages out. A copy is written to the hidden
 ``.<name>.part-<host>-<pid>-<random>`` and renamed into place once complete and of the listed
 size: a reader never sees a partial file, and a SIGKILL during a download leaves only a ``.part-``
-file, never served, which the next cache on that host removes once its writer is dead.
+file, never served, which the next cache on the machine removes: a writer holds the copy's fetch
+lock while it writes, so a partial file whose fetch lock is free has no writer.
 
 Every read holds a shared ``flock`` on the copy; eviction takes an exclusive one without waiting
 and skips a copy that is in use, so a file being read is never removed; while such copies keep the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import numbers
 import os
 import secrets
 import shutil
@@ -32,15 +34,16 @@ _PART, _LOCK = ".part-", ".lock"
 def resolve_limit(limit: int | float, directory: Path) -> int:
     """``limit`` in bytes: an int as it is, a float in (0, 1] as that fraction of the disk space the
     cache may use (free space plus what the cache holds)."""
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+    if isinstance(limit, numbers.Integral) and not isinstance(limit, bool) and limit > 1:
+        return int(limit)
+    if limit == 1 and isinstance(limit, numbers.Integral) and not isinstance(limit, bool):
+        raise ValueError("cache_limit=1 is one byte: give 1.0 for all of the free disk, or a number of bytes")
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not 0 < limit <= 1:
         raise ValueError(
-            f"cache_limit={limit!r}: give a number of bytes (e.g. 50 * 2**30) or a fraction of free disk in (0, 1]"
+            f"cache_limit={limit!r}: give a number of bytes as an int (e.g. 50 * 2**30) or a fraction of "
+            "the free disk as a float in (0, 1]"
         )
-    if isinstance(limit, int):
-        return limit
-    if limit > 1:
-        raise ValueError(f"cache_limit={limit!r}: a fraction of free disk must be at most 1; give bytes as an int")
-    return int(limit * (shutil.disk_usage(directory).free + _held_bytes(directory)))
+    return int(float(limit) * (shutil.disk_usage(directory).free + _held_bytes(directory)))
 
 
 def _copies(directory: Path) -> list[os.DirEntry[str]]:
@@ -51,16 +54,6 @@ def _copies(directory: Path) -> list[os.DirEntry[str]]:
 
 def _held_bytes(directory: Path) -> int:
     return sum(e.stat().st_size for e in _copies(directory))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ShardCache:
@@ -81,16 +74,20 @@ class ShardCache:
         return self.directory / f"{digest}-{os.path.basename(url)[-80:]}"
 
     def sweep(self) -> None:
-        """Remove the partial downloads of dead processes on this host."""
+        """Remove the partial downloads whose writer is gone. A writer holds its copy's fetch lock
+        from before it creates the partial file until it is renamed or removed (whatever the host,
+        PID namespace or user), so a partial file whose fetch lock is free is dead."""
         with os.scandir(self.directory) as entries:
             for entry in entries:
-                _, part, tail = entry.name.rpartition(_PART)
-                writer = tail.rsplit("-", 2)
-                if not part or len(writer) != 3 or writer[0] != self._host or not writer[1].isdigit():
+                name, part, _ = entry.name[1:].partition(_PART)
+                if not entry.name.startswith(".") or not part:
                     continue
-                if not _alive(int(writer[1])):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
+                with contextlib.suppress(OSError), open(self.directory / f".{name}{_LOCK}", "a+b") as lock:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue  # its writer is at work
+                    os.unlink(entry.path)
 
     @contextlib.contextmanager
     def open(self, url: str, fingerprint: str, size: int, fetch: Callable[[str], None]) -> Iterator[str | None]:
@@ -154,8 +151,8 @@ class ShardCache:
                     continue  # being read
                 os.unlink(entry.path)
                 held -= entry.stat().st_size
-            # Its lock file goes too: at worst two processes racing for the next fetch both download it.
-            Path(entry.path).with_name(f".{entry.name}{_LOCK}").unlink(missing_ok=True)
+            # Its (empty) lock file stays: removing it would let two processes fetch and replace the
+            # copy at once, and a reader could then read a copy that no lock keeps.
         if held > self.limit:
             self._over.touch()
         else:

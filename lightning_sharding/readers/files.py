@@ -12,9 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 import threading
-import time
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,7 +26,8 @@ import numpy.typing as npt
 from lightning_sharding.manifest import Item
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
-from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, default_cache_dir, write_atomically
+from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, Progress, default_cache_dir, write_atomically
+from lightning_sharding.readers.prefetch import Prefetcher
 from lightning_sharding.readers.shared_index import check_index_once_per, shared_items
 from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
 from lightning_sharding.world import ShardContext
@@ -50,6 +49,8 @@ class FileReader(Reader):
             int) or this fraction of the free disk (a float in (0, 1]), evicting the least recently
             used; each file is then fetched once, not read by range every epoch. ``None``: no copies.
             Local files are never copied. See :mod:`lightning_sharding.readers.cache`.
+        prefetch_files: with ``cache_limit``, each worker fetches the files of its next items into
+            the cache in the background, up to this many files ahead, in the order the plan gives.
         scan_threads: files indexed in parallel when the manifest is built.
         index_once_per: who lists and indexes in a distributed job: ``"job"`` (global rank 0; the
             others receive the items), ``"node"`` (each node's local rank 0, for nodes that share no
@@ -69,6 +70,7 @@ class FileReader(Reader):
         retry: RetryPolicy | None = None,
         cache_limit: int | float | None = None,
         index_once_per: str = "job",
+        prefetch_files: int = 0,
     ) -> None:
         if isinstance(urls, str):
             urls = [urls]
@@ -82,6 +84,15 @@ class FileReader(Reader):
         if cache_limit is not None:
             resolve_limit(cache_limit, Path("."))  # a bad value fails here, not in a worker
         self.cache_limit = cache_limit
+        if isinstance(prefetch_files, bool) or not isinstance(prefetch_files, int) or prefetch_files < 0:
+            raise ValueError(f"`{type(self).__name__}(prefetch_files={prefetch_files!r})` must be an int >= 0")
+        if prefetch_files and cache_limit is None:
+            raise ValueError(
+                f"`{type(self).__name__}(prefetch_files={prefetch_files})` fetches into the local shard cache: "
+                "set cache_limit= too"
+            )
+        self.fetch_ahead = prefetch_files
+        self._prefetcher: Prefetcher | None = None
         self.index_once_per = check_index_once_per(index_once_per, type(self).__name__)
         self._shards: ShardCache | None = None
         self._indexes: OrderedDict[str, FileIndex] = OrderedDict()
@@ -91,7 +102,7 @@ class FileReader(Reader):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_indexes"], state["_lock"] = OrderedDict(), None  # workers load what they need
-        state["_shards"] = None  # each process opens the shared shard cache itself
+        state["_shards"] = state["_prefetcher"] = None  # each process opens the shared shard cache itself
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -134,7 +145,7 @@ class FileReader(Reader):
             return [Item(key, int(count), tag) for key, count, tag in cached]
         except (OSError, ValueError):
             pass  # first start with this listing
-        progress = _Progress(f"indexing {len(files)} {self.format} file(s)", len(files))
+        progress = Progress(f"indexing {len(files)} {self.format} file(s)", len(files))
         scanned = 0
 
         def index(info: FileInfo) -> FileIndex:
@@ -257,32 +268,14 @@ class FileReader(Reader):
         with self._shards.open(url, fingerprint, size, fetch) as local:
             yield local
 
+    def ahead(self, items: Sequence[Item]) -> None:
+        """Fetch the files of ``items`` (this worker's next, in plan order) into the shard cache in a
+        background thread, the first ``prefetch_files`` of them."""
+        if self.fetch_ahead and self.cache_limit is not None:
+            if self._prefetcher is None:
+                self._prefetcher = Prefetcher(self._have_copy, self.fetch_ahead)
+            self._prefetcher.want(list({self.split_key(i)[0]: i for i in items}.values()))  # one per file
 
-class _Progress:
-    """Prints progress to stderr when indexing takes longer than a few seconds."""
-
-    def __init__(self, what: str, total: int, every: float = 5.0) -> None:
-        self.what, self.total, self.every = what, total, every
-        self.count = 0
-        self.start = self.last = time.monotonic()
-        self._lock = threading.Lock()
-
-    def step(self) -> None:
-        with self._lock:
-            self.count += 1
-            now = time.monotonic()
-            if now - self.last >= self.every:
-                self.last = now
-                print(
-                    f"lightning_sharding: {self.what}: {self.count}/{self.total} ({now - self.start:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-    def done(self) -> None:
-        if self.last != self.start:
-            print(
-                f"lightning_sharding: {self.what}: done in {time.monotonic() - self.start:.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+    def _have_copy(self, item: Item) -> None:
+        with self.local_copy(item):
+            pass

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,3 +75,35 @@ def write_atomically(path: Path, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+class Progress:
+    """Prints progress to stderr when indexing takes longer than a few seconds."""
+
+    def __init__(self, what: str, total: int, every: float = 5.0) -> None:
+        self.what, self.total, self.every = what, total, every
+        self.count = 0
+        self.start = self.last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def step(self) -> None:
+        """One more done; print if the last print is a while ago."""
+        with self._lock:
+            self.count += 1
+            now = time.monotonic()
+            if now - self.last >= self.every:
+                self.last = now
+                print(
+                    f"lightning_sharding: {self.what}: {self.count}/{self.total} ({now - self.start:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def done(self) -> None:
+        """Print the total, if anything was printed before."""
+        if self.last != self.start:
+            print(
+                f"lightning_sharding: {self.what}: done in {time.monotonic() - self.start:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )

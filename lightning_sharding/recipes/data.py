@@ -106,6 +106,7 @@ def files(
     sharding: Mapping[str, Any],
     cache_limit: int | float | None = None,
     index_once_per: str = "job",
+    prefetch_files: int = 0,
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
@@ -116,8 +117,8 @@ def files(
     if endpoint_url:
         storage["client_kwargs"] = {**storage.get("client_kwargs", {}), "endpoint_url": endpoint_url}
     spec = (format, urls, num_items, samples_per_item, dim)
-    cache = dict(cache_dir=options["cache_dir"], cache_limit=cache_limit, index_once_per=index_once_per)
-    reader = file_reader(*spec, storage_options=storage, key="data", **cache)
+    cache = dict(cache_dir=options["cache_dir"], cache_limit=cache_limit, prefetch_files=prefetch_files)
+    reader = file_reader(*spec, storage_options=storage, key="data", index_once_per=index_once_per, **cache)
     return datamodule(options, sharding, reader=reader, transform=to_regression, audit_dir=audit_dir)
 
 
@@ -133,6 +134,7 @@ def file_reader(
     key: str,
     cache_limit: int | float | None = None,
     index_once_per: str = "job",
+    prefetch_files: int = 0,
 ) -> Reader:
     """A reader of ``format`` over ``urls``; with none, of a regression set generated once into the
     cache. ``key`` names the config key of ``format`` in errors (``data`` or ``data.streams[i]``)."""
@@ -154,4 +156,5 @@ def file_reader(
         cache_dir=cache_root(cache_dir),
         cache_limit=cache_limit,
         index_once_per=index_once_per,
+        prefetch_files=prefetch_files,
     )

@@ -83,6 +83,8 @@ class PlannedBatches(Dataset[Delivery]):
     def _batch(self, task: BatchTask) -> Delivery:
         ctx = self.context(task.epoch)
         item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
+        if self.reader.fetch_ahead:
+            self._tell_ahead(task, item_ids)
         # Read runs of consecutive positions that fall in the same item with one call.
         cuts = np.flatnonzero(np.diff(item_ids)) + 1
         starts, ends = np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(item_ids)])).tolist()
@@ -113,6 +115,15 @@ class PlannedBatches(Dataset[Delivery]):
             except Exception as err:  # noqa: BLE001 - a collate failure: name the sample that does not fit
                 for i, failure in self._misfits(samples, err, task, item_ids, indices, ctx):
                     samples[i] = Failed(str(failure))
+
+    def _tell_ahead(self, task: BatchTask, item_ids: npt.NDArray[np.int64]) -> None:
+        """Tell the reader this batch's items, then those the epoch order lays out after its last
+        position: this worker's next ones, as a worker reads a run of positions (not yet in a mixture)."""
+        ids = list(dict.fromkeys(item_ids.tolist()))
+        order, real = self._epoch_order(task.epoch), task.positions[: len(task.positions) - task.num_padding]
+        if isinstance(order, EpochOrder) and len(real):
+            ids += [i for i in order.items_from(int(real.max()), self.reader.fetch_ahead + 1).tolist() if i not in ids]
+        self.reader.ahead([self.items[i] for i in ids])
 
     def _misfits(
         self,

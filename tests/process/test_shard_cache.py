@@ -13,11 +13,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from lightning_sharding.datasets import write_regression
+from lightning_sharding.datasets import to_regression, write_regression
+from lightning_sharding.ledger import Ledger
+from lightning_sharding.manifest import Manifest
+from lightning_sharding.options import LoaderOptions
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.cache import ShardCache
+from lightning_sharding.strategies.shard import ShardedLoader
+from lightning_sharding.world import World
 from tests.fault_proxy import FaultProxy
 from tests.s3 import S3Server
 from tests.unit.test_readers import ids_served, serve_epoch
@@ -183,3 +189,71 @@ def test_a_copy_in_use_is_never_evicted_and_a_bad_limit_is_named(tmp_path: Path)
 
 def copies_in(directory: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in directory.iterdir() if not p.name.startswith(".")}
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("resumed", [False, True], ids=["epoch-start", "resumed-mid-epoch"])
+def test_a_worker_prefetches_its_next_files_in_plan_order(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy, resumed: bool
+) -> None:
+    """While training holds the first batch, the worker's prefetch thread fetches the file it reads
+    and the next ``prefetch_files`` of its plan, and no further; over the epoch every file is
+    fetched once, in the order the plan reads them. Resumed mid-epoch, it starts at the resumed
+    position's file, not at the epoch's first."""
+    objects = shards(s3_server, f"cache-ahead-{int(resumed)}")
+    urls = f"s3://cache-ahead-{int(resumed)}/wds/part-*.tar"
+    options = proxy.storage_options()
+    reader = TarReader(urls, storage_options=options, cache_dir=tmp_path / "cache", cache_limit=10**9, prefetch_files=2)
+    manifest = Manifest.from_items(reader.items())
+    ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
+    if resumed:
+        ledger.record(np.arange(40))
+        ledger.commit()
+    proxy.delay, proxy.log[:] = 0.05, []
+    loader = ShardedLoader.build(
+        reader,
+        manifest.items,
+        ledger,
+        world=World(0, 1),
+        track=True,
+        options=LoaderOptions(batch_size=4, transform=to_regression, num_workers=1, multiprocessing_context="spawn"),
+    )
+    batches = iter(loader)
+    first = next(batches)
+    time.sleep(4)  # a long training step
+    while_held = fetched(proxy, objects)
+    ids = [i for b in [first, *batches] for i in b["id"][~b["is_padding"]].tolist()]
+    files = np.searchsorted(np.cumsum(SIZES), ids, side="right")
+    plan = [objects[f] for f in dict.fromkeys(files.tolist())]
+    assert while_held == plan[:3], f"the file read and the next 2 of the plan, no more: {while_held} vs {plan}"
+    assert fetched(proxy, objects) == plan, "every file fetched once, in plan order"
+    order = manifest.order(3, 0, shuffle=True)
+    items, index = order.locate(np.arange(40 if resumed else 0))
+    consumed = set((np.concatenate(([0], np.cumsum(SIZES)))[items] + index).tolist())
+    assert sorted(ids) == sorted(set(range(TOTAL)) - consumed), "each sample not consumed, once"
+    if resumed:  # the epoch's first file is wholly before position 40 (no file holds 40 samples)
+        skipped = objects[int(order.item_order[0])]
+        assert skipped not in fetched(proxy, objects), "prefetch started at the resumed position"
+
+
+def fetched(proxy: FaultProxy, objects: list[str]) -> list[str]:
+    """The objects read by GET, in the order of their first GET."""
+    return list(dict.fromkeys(path for method, path in proxy.log if method == "GET" and path in objects))
+
+
+def test_a_partial_file_is_swept_only_once_its_writer_holds_no_fetch_lock(tmp_path: Path) -> None:
+    """A writer on another host or in another PID namespace (its PID means nothing here) keeps its
+    partial download as long as it holds the copy's fetch lock; once the lock is free it is swept."""
+    import fcntl
+
+    ShardCache(tmp_path, 10**6)
+    name = "0123abcd-part-00000.tar"
+    partial = tmp_path / f".{name}.part-elsewhere-1-abcdef"
+    with open(tmp_path / f".{name}.lock", "a+b") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        partial.write_bytes(b"half a shard")
+        ShardCache(tmp_path, 10**6)  # another run starting now
+        assert partial.exists(), "a live writer's partial download was removed"
+    ShardCache(tmp_path, 10**6)
+    assert not partial.exists(), "a partial download with no writer was left"

@@ -1,0 +1,47 @@
+"""Fetch ahead: a worker's background thread that puts the files of its next items into the local
+shard cache, in the order the plan gives, while the worker reads the current one.
+
+The worker tells it, at every batch, which items come next (:meth:`Prefetcher.want`); the thread
+fetches the first ``depth`` of them, one after the other, and forgets an older wish when a newer
+one arrives. A file already cached costs a ``stat``; one the worker itself is fetching is waited
+for on the cache's lock, never fetched twice. A failed prefetch is dropped: the worker's own read
+fetches the file again and raises what it finds, so an error is never lost nor raised twice.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from lightning_sharding.manifest import Item
+
+
+class Prefetcher:
+    """Fetch ``fetch(item)`` for the first ``depth + 1`` items of the newest wish, in order: the one
+    the worker reads now (usually cached by then: a ``stat``) and ``depth`` after it."""
+
+    def __init__(self, fetch: Callable[[Item], None], depth: int) -> None:
+        self._fetch, self.depth = fetch, depth
+        self._wanted: list[Item] = []
+        self._wish = threading.Condition()
+        self.fetched = 0  # files this thread made sure of (fetched or found cached)
+        self._thread = threading.Thread(target=self._run, name="lightning-sharding-prefetch", daemon=True)
+        self._thread.start()
+
+    def want(self, items: Sequence[Item]) -> None:
+        """The items wanted locally next, nearest first (replaces the previous wish)."""
+        with self._wish:
+            self._wanted = list(items[: self.depth + 1])
+            self._wish.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wish:
+                while not self._wanted:
+                    self._wish.wait()
+                item = self._wanted.pop(0)
+            try:
+                self._fetch(item)
+            except Exception:  # noqa: BLE001 - the worker's own read of this file raises it, named
+                continue
+            self.fetched += 1
