@@ -52,8 +52,7 @@ class ShardingCallback(pl.Callback):
         self._step_hooks: list[Any] = []
         self._unreported: list[Provenance] = []
         self._epoch_start = 0.0
-        self._served = 0
-        self._skipped = 0
+        self._served = self._skipped = 0
         self._interleave: Any = None  # the epoch's order of a mixture: streams(positions)
         self._stream_served = np.zeros(0, dtype=np.int64)
         self._consumed_at_start = 0
@@ -120,8 +119,7 @@ class ShardingCallback(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         keeper = self._keeper(trainer)
         self._epoch_start = time.perf_counter()
-        self._served = 0
-        self._skipped = 0
+        self._served = self._skipped = 0
         mixture = keeper.manifest.mixture
         ledger = keeper.ledger  # a mixture's order tells each position's stream (also after a change)
         self._interleave = keeper.manifest.order(ledger.seed, ledger.epoch) if mixture else None
@@ -203,8 +201,8 @@ class ShardingCallback(pl.Callback):
         return self._accounting.sync(self._progress(trainer), keeper.train_loader.pop_delivered, keeper.ledger)
 
     def _log_progress(self, pl_module: pl.LightningModule, keeper: LedgerKeeper) -> None:
-        """Epoch progress (exact to within one sample per rank: other ranks are assumed in step),
-        samples/s of all ranks, and the share of step time spent waiting for data."""
+        """Epoch progress (exact to within one sample per rank: other ranks are assumed in step), samples/s
+        of all ranks, the share of step time spent waiting for data, and rank 0's shard-cache figures."""
         world = keeper.world.data_size  # the ranks of a model replica serve the same samples
         elapsed = time.perf_counter() - self._epoch_start
         metrics = {
@@ -213,6 +211,8 @@ class ShardingCallback(pl.Callback):
             "data/wait": self._wait / (self._wait + self._busy) if self._wait + self._busy > 0 else 0.0,
         }
         pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True)
+        if keeper.train_loader is not None:  # data/cache_hit, data/prefetch_wait: when the reader counts them
+            pl_module.log_dict(keeper.train_loader.delivered.take_metrics(), on_step=True, rank_zero_only=True)
         self._wait = self._busy = 0.0
 
     @override

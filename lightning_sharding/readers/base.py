@@ -44,6 +44,11 @@ class Reader(ABC):
         following ones, at least ``fetch_ahead``): a reader may start fetching them. Nothing by default."""
         return None
 
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the last call, sent with each batch and logged by the callback: a file
+        reader counts ``cache_hits``, ``cache_misses`` and ``fetch_wait_s``. None by default."""
+        return {}
+
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
         """Samples ``indices`` (shape ``(n,)``) of one item, in that order.
 

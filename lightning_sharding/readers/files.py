@@ -13,8 +13,9 @@ import hashlib
 import json
 import os
 import threading
+import time
 from abc import abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,6 +94,7 @@ class FileReader(Reader):
             )
         self.fetch_ahead = prefetch_files
         self._prefetcher: Prefetcher | None = None
+        self._stats: defaultdict[str, float] = defaultdict(float)
         self.index_once_per = check_index_once_per(index_once_per, type(self).__name__)
         self._shards: ShardCache | None = None
         self._indexes: OrderedDict[str, FileIndex] = OrderedDict()
@@ -102,7 +104,8 @@ class FileReader(Reader):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_indexes"], state["_lock"] = OrderedDict(), None  # workers load what they need
-        state["_shards"] = state["_prefetcher"] = None  # each process opens the shared shard cache itself
+        # Each process opens the shared shard cache, starts its prefetch thread and counts, itself.
+        state["_shards"], state["_prefetcher"], state["_stats"] = None, None, defaultdict(float)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -249,9 +252,10 @@ class FileReader(Reader):
             return read_ranges(self.split_key(item)[0], s, e, self.storage_options, self.retry)
 
     @contextlib.contextmanager
-    def local_copy(self, item: Item) -> Iterator[str | None]:
+    def local_copy(self, item: Item, count: bool = True) -> Iterator[str | None]:
         """The path of a whole local copy of the file of ``item``, kept from eviction while the block
-        runs; ``None`` without ``cache_limit``, for a local file, or for a file larger than the budget."""
+        runs; ``None`` without ``cache_limit``, for a local file, or for a file larger than the budget.
+        ``count``: a read of the worker's (counted in :meth:`take_stats`), not a prefetch."""
         url, _ = self.split_key(item)
         fs, path = filesystem(url, self.storage_options)
         if self.cache_limit is None or "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
@@ -265,8 +269,17 @@ class FileReader(Reader):
         def fetch(part: str) -> None:
             with_retries(lambda: fs.get_file(path, part), f"downloading {url}", self.retry)
 
+        present, asked = self._shards.path(url, fingerprint).exists(), time.perf_counter()
         with self._shards.open(url, fingerprint, size, fetch) as local:
+            if count and local is not None:
+                self._stats["cache_hits" if present else "cache_misses"] += 1
+                self._stats["fetch_wait_s"] += 0.0 if present else time.perf_counter() - asked
             yield local
+
+    def take_stats(self) -> dict[str, float]:
+        """This process's shard-cache reads since the last call: hits, misses, seconds waited."""
+        stats, self._stats = dict(self._stats), defaultdict(float)
+        return stats
 
     def ahead(self, items: Sequence[Item]) -> None:
         """Fetch the files of ``items`` (this worker's next, in plan order) into the shard cache in a
@@ -277,5 +290,5 @@ class FileReader(Reader):
             self._prefetcher.want(list({self.split_key(i)[0]: i for i in items}.values()))  # one per file
 
     def _have_copy(self, item: Item) -> None:
-        with self.local_copy(item):
+        with self.local_copy(item, count=False):
             pass

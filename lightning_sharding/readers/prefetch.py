@@ -1,9 +1,10 @@
-"""Fetch ahead: a worker's background thread that puts the files of its next items into the local
+"""Fetch ahead: a worker's background threads put the files of its next items into the local
 shard cache, in the order the plan gives, while the worker reads the current one.
 
-The worker tells it, at every batch, which items come next (:meth:`Prefetcher.want`); the thread
-fetches the first ``depth`` of them, one after the other, and forgets an older wish when a newer
-one arrives. A file already cached costs a ``stat``; one the worker itself is fetching is waited
+The worker tells them, at every batch, which items come next (:meth:`Prefetcher.want`); ``depth``
+threads take them in that order, so up to ``depth`` files download at once (a store's latency is
+paid once per round, not once per file), and an older wish is forgotten when a newer one arrives.
+A file already cached costs a ``stat``; one that another process or thread is fetching is waited
 for on the cache's lock, never fetched twice. A failed prefetch is dropped: the worker's own read
 fetches the file again and raises what it finds, so an error is never lost nor raised twice.
 """
@@ -24,9 +25,9 @@ class Prefetcher:
         self._fetch, self.depth = fetch, depth
         self._wanted: list[Item] = []
         self._wish = threading.Condition()
-        self.fetched = 0  # files this thread made sure of (fetched or found cached)
-        self._thread = threading.Thread(target=self._run, name="lightning-sharding-prefetch", daemon=True)
-        self._thread.start()
+        self.fetched = 0  # files the threads made sure of (fetched or found cached)
+        for k in range(depth):
+            threading.Thread(target=self._run, name=f"lightning-sharding-prefetch-{k}", daemon=True).start()
 
     def want(self, items: Sequence[Item]) -> None:
         """The items wanted locally next, nearest first (replaces the previous wish)."""
@@ -44,4 +45,5 @@ class Prefetcher:
                 self._fetch(item)
             except Exception:  # noqa: BLE001 - the worker's own read of this file raises it, named
                 continue
-            self.fetched += 1
+            with self._wish:
+                self.fetched += 1

@@ -18,7 +18,7 @@ from lightning_sharding.order import EpochOrder
 from lightning_sharding.plan import BatchTask
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.storage import is_transient
-from lightning_sharding.strategies._delivery import Delivery
+from lightning_sharding.strategies._delivery import NO_POSITIONS, Delivery
 from lightning_sharding.strategies._samples import Failed, SampleError, difference, structure
 from lightning_sharding.strategies._slots import SlotStates, WorkerSlots
 from lightning_sharding.strategies._worker import WorkerContexts
@@ -228,9 +228,8 @@ class PlannedBatches(Dataset[Delivery]):
         """The batch, through ``batch_transform`` when there is one, with its provenance."""
         if self.batch_transform is not None:
             batch = self._run_batch_transform(batch, task, positions, num_padding, ctx)
-        if skipped is None:
-            return Delivery(batch, task.epoch, positions, num_padding)
-        return Delivery(batch, task.epoch, positions, num_padding, skipped)
+        skipped = NO_POSITIONS if skipped is None else skipped
+        return Delivery(batch, task.epoch, positions, num_padding, skipped, stats=self.reader.take_stats())
 
     def _run_batch_transform(
         self, batch: Any, task: BatchTask, positions: Any, num_padding: int, ctx: ShardContext

@@ -7,7 +7,7 @@ batches, and keeps the provenance in :class:`DeliveredLog` until the step is acc
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -26,7 +26,8 @@ class Delivery(NamedTuple):
     ``positions`` (int64, ``(n,)``) are the batch's epoch positions, the last ``num_padding`` of
     them padding; ``skipped`` (``(k,)``) failed to read under ``on_error="skip"`` and are consumed
     without being in the batch; ``used`` are the items whose shared memory the batch used
-    (strategy ``broadcast``); ``end`` marks that the source has no more batches (``batch`` is None).
+    (strategy ``broadcast``); ``end`` marks that the source has no more batches (``batch`` is None);
+    ``stats`` are the reader's counters since the worker's previous batch (see ``Reader.take_stats``).
     """
 
     batch: Any
@@ -36,6 +37,7 @@ class Delivery(NamedTuple):
     skipped: Int64Array = NO_POSITIONS
     used: Int64Array = NO_POSITIONS
     end: bool = False
+    stats: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class DeliveredLog:
     def __init__(self, *, padding_key: str | None, track: bool) -> None:
         self.padding_key, self.track = padding_key, track
         self._queue: deque[Provenance] = deque()
+        self._stats: Counter[str] = Counter()  # the readers' counters since take_metrics()
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -100,9 +103,21 @@ class DeliveredLog:
                 f"a batch planned for epoch {delivery.epoch} arrived in epoch {epoch}; "
                 "this is a bug in lightning_sharding, please report it"
             )
+        if delivery.stats:
+            self._stats.update(delivery.stats)
         if self.track:
             self._queue.append(Provenance(delivery.epoch, delivery.positions, delivery.num_padding, delivery.skipped))
         return flag_padding(delivery.batch, len(delivery.positions), delivery.num_padding, self.padding_key)
+
+    def take_metrics(self) -> dict[str, float]:
+        """The readers' figures since the last call, as logger metrics: ``data/cache_hit`` (the
+        share of file reads whose local copy was there) and ``data/prefetch_wait`` (seconds the
+        workers waited for files to arrive, summed); empty when no reader counts them."""
+        hits, misses, waited = self._stats["cache_hits"], self._stats["cache_misses"], self._stats["fetch_wait_s"]
+        self._stats.clear()
+        if hits + misses == 0:
+            return {}
+        return {"data/cache_hit": hits / (hits + misses), "data/prefetch_wait": waited}
 
     def pop(self) -> Provenance:
         """The oldest delivered batch's provenance whose step has not been accounted yet."""

@@ -16,16 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(420)
 @pytest.mark.needs("matplotlib")
 def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--repeats", "1", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_benchmark("benchmarks", "--quick", "--repeats", "1", "--out", str(tmp_path), timeout=400)
     results = json.loads((tmp_path / "latest.json").read_text())
     systems = results["throughput"]["systems"]
     names = ("lightning_sharding", "lightning_sharding, batch path", "DataLoader + DistributedSampler")
@@ -55,3 +46,46 @@ def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
     table = done.stdout
     assert "| measure | system / setting |" in table and "planning a mixture" in table and "memory" in table
     assert "batch transport: slot pool vs PyTorch's own path" in table and "worker scaling" in table
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+@pytest.mark.needs("moto", "boto3", "s3fs")
+def test_remote_benchmark_prints_the_wait_of_every_way_to_read() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    small = [
+        "--repeats",
+        "1",
+        "--shards",
+        "4",
+        "--per-shard",
+        "32",
+        "--dim",
+        "8",
+        "--latency-ms",
+        "5",
+        "--step-ms",
+        "1",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.remote", *small],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    for way in ("ranged", "cache", "cache + prefetch"):
+        assert f"\n| {way} | " in done.stdout, done.stdout
+    assert "target (prefetch waits at least 5x less than without it): " in done.stdout
+
+
+def run_benchmark(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` from the repository root; fails the test unless it exits 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
