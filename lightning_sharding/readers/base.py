@@ -24,7 +24,7 @@ class Reader(ABC):
     small: paths and options, not open files.
     """
 
-    # How many of its next items a worker tells :meth:`ahead` about (0: it is never called).
+    # How far ahead a worker tells :meth:`ahead` about (0: it is never called).
     fetch_ahead: int = 0
 
     @abstractmethod
@@ -39,9 +39,9 @@ class Reader(ABC):
     def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
         """Sample ``index`` (``0 <= index < item.num_samples``) of ``item``."""
 
-    def ahead(self, items: Sequence[Item]) -> None:
-        """The items this worker reads next, nearest first (the current batch's, then the plan's
-        following ones, at least ``fetch_ahead``): a reader may start fetching them. Nothing by default."""
+    def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
+        """The items of this worker's current batch, and the items the plan reads after it, nearest
+        first (from the next ``fetch_ahead`` on): a reader may start fetching them. Nothing by default."""
         return None
 
     def take_stats(self) -> dict[str, float]:

@@ -79,8 +79,11 @@ class ShardCache:
         PID namespace or user), so a partial file whose fetch lock is free is dead."""
         with os.scandir(self.directory) as entries:
             for entry in entries:
-                name, part, _ = entry.name[1:].partition(_PART)
-                if not entry.name.startswith(".") or not part:
+                name, part, writer = entry.name[1:].rpartition(_PART)
+                host_pid_random = writer.rsplit("-", 2)
+                if not entry.name.startswith(".") or not part or len(host_pid_random) != 3:
+                    continue  # a copy, a lock file, or a name of ours that only contains ".part-"
+                if not host_pid_random[1].isdigit() or entry.name.endswith(_LOCK):
                     continue
                 with contextlib.suppress(OSError), open(self.directory / f".{name}{_LOCK}", "a+b") as lock:
                     try:

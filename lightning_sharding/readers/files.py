@@ -281,13 +281,15 @@ class FileReader(Reader):
         stats, self._stats = dict(self._stats), defaultdict(float)
         return stats
 
-    def ahead(self, items: Sequence[Item]) -> None:
-        """Fetch the files of ``items`` (this worker's next, in plan order) into the shard cache in a
-        background thread, the first ``prefetch_files`` of them."""
+    def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
+        """Fetch into the shard cache, in background threads, the files of ``now`` (the worker's
+        batch) and then the next ``prefetch_files`` files of ``upcoming`` (the plan's next items)."""
         if self.fetch_ahead and self.cache_limit is not None:
             if self._prefetcher is None:
-                self._prefetcher = Prefetcher(self._have_copy, self.fetch_ahead)
-            self._prefetcher.want(list({self.split_key(i)[0]: i for i in items}.values()))  # one per file
+                self._prefetcher = Prefetcher(self._have_copy, self.fetch_ahead, key=lambda i: self.split_key(i)[0])
+            current = {self.split_key(i)[0]: i for i in now}  # one item per file
+            later = {self.split_key(i)[0]: i for i in upcoming if self.split_key(i)[0] not in current}
+            self._prefetcher.want([*current.values(), *list(later.values())[: self.fetch_ahead]])
 
     def _have_copy(self, item: Item) -> None:
         with self.local_copy(item, count=False):

@@ -18,22 +18,22 @@ from lightning_sharding.manifest import Item
 
 
 class Prefetcher:
-    """Fetch ``fetch(item)`` for the first ``depth + 1`` items of the newest wish, in order: the one
-    the worker reads now (usually cached by then: a ``stat``) and ``depth`` after it."""
+    """Fetch ``fetch(item)`` for the items of the newest wish, in order, ``threads`` at once; an item
+    whose ``key`` is being fetched already is not fetched again by another thread."""
 
-    def __init__(self, fetch: Callable[[Item], None], depth: int) -> None:
-        self._fetch, self.depth = fetch, depth
+    def __init__(self, fetch: Callable[[Item], None], threads: int, key: Callable[[Item], str]) -> None:
+        self._fetch, self._key = fetch, key
         self._wanted: list[Item] = []
+        self._busy: set[str] = set()
         self._wish = threading.Condition()
-        self.fetched = 0  # files the threads made sure of (fetched or found cached)
-        for k in range(depth):
+        for k in range(threads):
             threading.Thread(target=self._run, name=f"lightning-sharding-prefetch-{k}", daemon=True).start()
 
     def want(self, items: Sequence[Item]) -> None:
         """The items wanted locally next, nearest first (replaces the previous wish)."""
         with self._wish:
-            self._wanted = list(items[: self.depth + 1])
-            self._wish.notify()
+            self._wanted = [i for i in items if self._key(i) not in self._busy]
+            self._wish.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -41,9 +41,11 @@ class Prefetcher:
                 while not self._wanted:
                     self._wish.wait()
                 item = self._wanted.pop(0)
+                self._busy.add(self._key(item))
             try:
                 self._fetch(item)
             except Exception:  # noqa: BLE001 - the worker's own read of this file raises it, named
-                continue
-            with self._wish:
-                self.fetched += 1
+                pass
+            finally:
+                with self._wish:
+                    self._busy.discard(self._key(item))

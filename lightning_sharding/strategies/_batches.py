@@ -119,11 +119,11 @@ class PlannedBatches(Dataset[Delivery]):
     def _tell_ahead(self, task: BatchTask, item_ids: npt.NDArray[np.int64]) -> None:
         """Tell the reader this batch's items, then those the epoch order lays out after its last
         position: this worker's next ones, as a worker reads a run of positions (not yet in a mixture)."""
-        ids = list(dict.fromkeys(item_ids.tolist()))
         order, real = self._epoch_order(task.epoch), task.positions[: len(task.positions) - task.num_padding]
+        upcoming = []  # enough items for fetch_ahead files when several items share a file (row groups)
         if isinstance(order, EpochOrder) and len(real):
-            ids += [i for i in order.items_from(int(real.max()), self.reader.fetch_ahead + 1).tolist() if i not in ids]
-        self.reader.ahead([self.items[i] for i in ids])
+            upcoming = order.items_from(int(real.max()), 8 * self.reader.fetch_ahead + 1).tolist()
+        self.reader.ahead([self.items[i] for i in dict.fromkeys(item_ids.tolist())], [self.items[i] for i in upcoming])
 
     def _misfits(
         self,

@@ -249,19 +249,22 @@ def fetched(proxy: FaultProxy, objects: list[str]) -> list[str]:
 
 def test_a_partial_file_is_swept_only_once_its_writer_holds_no_fetch_lock(tmp_path: Path) -> None:
     """A writer on another host or in another PID namespace (its PID means nothing here) keeps its
-    partial download as long as it holds the copy's fetch lock; once the lock is free it is swept."""
+    partial download as long as it holds the copy's fetch lock; once the lock is free it is swept.
+    A file whose own name contains ".part-" is no exception, and no lock file is ever swept."""
     import fcntl
 
     ShardCache(tmp_path, 10**6)
-    name = "0123abcd-part-00000.tar"
-    partial = tmp_path / f".{name}.part-elsewhere-1-abcdef"
-    with open(tmp_path / f".{name}.lock", "a+b") as writer:
-        fcntl.flock(writer, fcntl.LOCK_EX)
-        partial.write_bytes(b"half a shard")
-        ShardCache(tmp_path, 10**6)  # another run starting now
-        assert partial.exists(), "a live writer's partial download was removed"
-    ShardCache(tmp_path, 10**6)
-    assert not partial.exists(), "a partial download with no writer was left"
+    for name in ("0123abcd-part-00000.tar", "4567cdef-train.part-0001.tar"):
+        partial = tmp_path / f".{name}.part-elsewhere-1-abcdef"
+        lock = tmp_path / f".{name}.lock"
+        with open(lock, "a+b") as writer:
+            fcntl.flock(writer, fcntl.LOCK_EX)
+            partial.write_bytes(b"half a shard")
+            ShardCache(tmp_path, 10**6)  # another run starting now
+            assert partial.exists(), f"a live writer's partial download of {name} was removed"
+        ShardCache(tmp_path, 10**6)
+        assert not partial.exists(), f"a partial download of {name} with no writer was left"
+        assert lock.exists(), f"the fetch lock of {name} was swept"
 
 
 @pytest.mark.processes
