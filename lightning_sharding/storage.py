@@ -1,4 +1,9 @@
-"""One URL scheme for every file reader: plain paths, ``file://`` and ``s3://`` through fsspec.
+"""One URL scheme for every file reader: plain paths and any URL fsspec opens.
+
+S3 (``s3://``), Google Cloud Storage (``gs://``), Azure Blob Storage and Data Lake Gen2
+(``az://``, ``abfs://``) and the Hugging Face Hub (``hf://``) each need their fsspec package,
+installed by an extra of this package (:data:`STORAGES`); a URL whose package is missing fails
+with the URL and the ``pip install`` that fixes it.
 
 Globs and lists of URLs expand to files with their size and a content fingerprint (mtime or
 ETag), taken from the listing itself so a thousand shards cost one listing, not a thousand calls.
@@ -32,6 +37,34 @@ _TRANSIENT_NAMES = {
     "ConnectTimeoutError",
     "ResponseStreamingError",
     "IncompleteReadError",
+    "ServiceRequestError",  # azure-core (adlfs)
+    "ServiceResponseError",
+    "ConnectError",  # httpx (huggingface_hub)
+    "ReadTimeout",
+    "RemoteProtocolError",
+}
+# HTTP statuses a retry may fix, read from an error's ``code`` (gcsfs), ``status_code`` (azure-core)
+# or ``response.status_code`` (huggingface_hub).
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+
+# URL scheme -> the package fsspec opens it with, and the extra of this package that installs it.
+STORAGES: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", "s3"),
+    "s3a": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"),
+    "gcs": ("gcsfs", "gcs"),
+    "az": ("adlfs", "azure"),
+    "abfs": ("adlfs", "azure"),
+    "abfss": ("adlfs", "azure"),
+    "hf": ("huggingface_hub", "hf"),
+}
+# What a storage needs in ``storage_options`` when opening it fails for want of credentials.
+_CREDENTIALS = {
+    "azure": "storage_options={'account_name': ..., and 'account_key', 'sas_token', 'connection_string' "
+    "or 'anon': True}, or the AZURE_STORAGE_ACCOUNT_NAME environment variable",
+    "gcs": "storage_options={'token': 'anon' | 'google_default' | a service-account JSON path, 'project': ...}",
+    "hf": "storage_options={'token': ...} or log in with `hf auth login`",
+    "s3": "storage_options={'key': ..., 'secret': ...} or the usual AWS environment variables",
 }
 
 
@@ -46,7 +79,8 @@ def _fsspec() -> Any:
         import fsspec
     except ImportError as err:  # pragma: no cover - fsspec is a dependency of the file extras
         raise ImportError(
-            "reading files needs fsspec: pip install 'lightning-sharding[files]' (add [s3] for s3:// URLs)"
+            "reading files needs fsspec: pip install 'lightning-sharding[files]' "
+            "(and [s3], [gcs], [azure] or [hf] for s3://, gs://, az:// or hf:// URLs)"
         ) from err
     return fsspec
 
@@ -70,10 +104,19 @@ def is_transient(err: BaseException) -> bool:
         return False
     if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__name__ in _TRANSIENT_NAMES:
         return True
-    if _TRANSIENT_TEXT.search(str(err)):
+    if _TRANSIENT_TEXT.search(str(err)) or _status(err) in _TRANSIENT_STATUS:
         return True
     cause = err.__cause__ or err.__context__
     return cause is not None and cause is not err and is_transient(cause)
+
+
+def _status(err: BaseException) -> int | None:
+    """The HTTP status an object store's client put on ``err``, if any."""
+    for owner, name in ((err, "code"), (err, "status_code"), (getattr(err, "response", None), "status_code")):
+        value = getattr(owner, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def with_retries(call: Callable[[], T], what: str, policy: RetryPolicy) -> T:
@@ -99,21 +142,53 @@ class FileInfo:
     fingerprint: str
 
 
+def scheme_of(url: str) -> str:
+    """``url``'s scheme, of the innermost filesystem of a chained URL; ``file`` for a plain path."""
+    return url.split("://", 1)[0].rsplit("::", 1)[-1].lower() if "://" in url else "file"
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """The fsspec filesystem for ``url`` and the path inside it (fsspec caches the instances)."""
-    fs, path = _fsspec().core.url_to_fs(url, **dict(storage_options or {}))
+    """The fsspec filesystem for ``url`` and the path inside it (fsspec caches the instances).
+
+    A scheme whose package is not installed, an unknown scheme, and a storage that cannot be
+    opened with ``storage_options`` (no account, no credentials) are errors naming the URL and what
+    to do.
+    """
+    scheme = scheme_of(url)
+    package, extra = STORAGES.get(scheme, ("", "files"))
+    try:
+        fs, path = _fsspec().core.url_to_fs(url, **dict(storage_options or {}))
+    except ImportError as err:
+        needs = f"{package}, which is not installed" if package else f"a package that is not installed ({err})"
+        raise ImportError(f"{url!r}: {scheme}:// URLs need {needs}: pip install 'lightning-sharding[{extra}]'") from err
+    except ValueError as err:
+        if "Protocol not known" in str(err):
+            raise ValueError(
+                f"{url!r}: no filesystem reads {scheme}:// URLs; use a path or one of "
+                f"{', '.join(f'{s}://' for s in STORAGES)} (or another protocol fsspec knows)"
+            ) from err
+        if extra in _CREDENTIALS:
+            raise ValueError(f"{url!r}: could not open its storage ({err}); pass {_CREDENTIALS[extra]}") from err
+        raise
     return fs, path
 
 
 def _fingerprint(info: Mapping[str, Any]) -> str:
     size = info.get("size")
-    tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or info.get("created")
+    # ETag (S3, GCS, Azure), the blob's git hash (Hugging Face Hub), else a modification time.
+    tag = info.get("ETag") or info.get("etag") or info.get("blob_id") or info.get("generation")
+    tag = tag or info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
     return f"size={size};tag={str(tag).strip(chr(34))}"
 
 
 def _display(url: str, fs: Any, path: str) -> str:
-    """Keep the user's spelling: plain paths stay plain, URLs keep their scheme."""
-    return str(fs.unstrip_protocol(path)) if "://" in url else path
+    """Keep the user's spelling: plain paths stay plain, URLs keep their scheme (az:// stays az://)."""
+    if "://" not in url:
+        return path
+    scheme, protocols = url.split("://", 1)[0], fs.protocol
+    if scheme in ((protocols,) if isinstance(protocols, str) else tuple(protocols)):
+        return f"{scheme}://{path}"
+    return str(fs.unstrip_protocol(path))
 
 
 def list_files(

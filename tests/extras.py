@@ -20,6 +20,10 @@ EXTRA_OF = {
     "rich": "dev",
     "pyarrow": "files",
     "s3fs": "s3",
+    "gcsfs": "gcs",
+    "adlfs": "azure",
+    "huggingface_hub": "hf",
+    "gcp_storage_emulator": "dev",
     "moto": "dev",
     "boto3": "dev",
 }
