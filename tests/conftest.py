@@ -6,9 +6,11 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# gcsfs would ask every bucket's type over gRPC, which the loopback GCS server does not speak (tests/gcs.py).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-# The S3-protocol server fixture (moto on loopback) for the remote-storage tests.
-pytest_plugins = ["tests.s3"]
+# The object-store servers on loopback for the remote-storage tests: S3 (moto) and GCS.
+pytest_plugins = ["tests.s3", "tests.gcs"]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -63,7 +63,7 @@ class FilesData(DataOptions):
 
     _target_: str = "lightning_sharding.recipes.data.files"
     format: str = "tar"  # tar | parquet | npy | jsonl
-    urls: list[str] | None = None  # paths, globs or URLs (s3://...); none: generate a data set
+    urls: list[str] | None = None  # paths, globs or URLs (s3://, gs://, az://, hf://); none: generate a data set
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options (credentials...)
     endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, moto...); none: AWS
     cache_limit: Any = None  # keep remote files locally: bytes (int) or a fraction of free disk (float <= 1)

@@ -37,7 +37,7 @@ _SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row
 
 
 class FileReader(Reader):
-    """A reader of files named by paths, ``file://`` or ``s3://`` URLs, globs or lists of them.
+    """A reader of files named by paths or URLs (``s3://``, ``gs://``, ``az://``, ``hf://``...), globs or lists of them.
 
     Subclasses set ``format`` and implement :meth:`scan` (index one file, in the main process) and
     :meth:`read_batch` (inside workers, using :meth:`index_of`).

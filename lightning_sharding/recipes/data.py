@@ -13,6 +13,7 @@ from lightning_sharding.datamodule import ShardedDataModule
 from lightning_sharding.options import Transform
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.sources import Source
+from lightning_sharding.storage import scheme_of
 
 # The loader options of config.DataOptions that go to ShardedDataModule unchanged.
 _PASSED = (
@@ -115,11 +116,24 @@ def files(
 
     storage = dict(storage_options)
     if endpoint_url:
-        storage["client_kwargs"] = {**storage.get("client_kwargs", {}), "endpoint_url": endpoint_url}
+        storage.update(endpoint_options(endpoint_url, storage, urls or []))
     spec = (format, urls, num_items, samples_per_item, dim)
     cache = dict(cache_dir=options["cache_dir"], cache_limit=cache_limit, prefetch_files=prefetch_files)
     reader = file_reader(*spec, storage_options=storage, key="data", index_once_per=index_once_per, **cache)
     return datamodule(options, sharding, reader=reader, transform=to_regression, audit_dir=audit_dir)
+
+
+def endpoint_options(endpoint_url: str, storage: Mapping[str, Any], urls: list[str]) -> dict[str, Any]:
+    """``data.endpoint_url`` as the URLs' storage takes it: S3 in ``client_kwargs``, GCS as is."""
+    schemes = {scheme_of(u) for u in urls}
+    if schemes <= {"s3", "s3a"}:
+        return {"client_kwargs": {**storage.get("client_kwargs", {}), "endpoint_url": endpoint_url}}
+    if schemes <= {"gs", "gcs"}:
+        return {"endpoint_url": endpoint_url}
+    raise ValueError(
+        f"data.endpoint_url={endpoint_url!r} sets the endpoint of s3:// or gs:// URLs, and data.urls has "
+        f"{', '.join(sorted(s + '://' for s in schemes))}: set that storage's endpoint in data.storage_options"
+    )
 
 
 def file_reader(

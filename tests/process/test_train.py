@@ -97,6 +97,32 @@ def test_webdataset_s3_reads_tar_shards_from_a_bucket(tmp_path: Path, s3_server)
 
 
 @pytest.mark.processes
+def test_the_webdataset_recipe_reads_tar_shards_from_a_gcs_bucket(tmp_path: Path, gcs_server) -> None:  # type: ignore[no-untyped-def]
+    """The same recipe over gs:// URLs: data.endpoint_url goes where gcsfs takes it."""
+    from lightning_sharding.datasets import write_regression
+
+    bucket = gcs_server.bucket("recipe-shards")
+    write_regression(f"{bucket}/train", "tar", [40, 40, 40], dim=16, storage_options=gcs_server.storage_options)
+    overrides = [
+        "recipe=webdataset_s3",
+        f"data.urls=[{bucket}/train/part-*.tar]",
+        f"data.endpoint_url={gcs_server.endpoint}",
+        "+data.storage_options={token: anon, project: test}",
+        "data.batch_size=16",
+        "data.num_workers=1",
+        "data.multiprocessing_context=spawn",
+        "trainer.max_epochs=1",
+    ]
+    result = run(make(tmp_path, *overrides))
+    assert [e["consumed"] for e in result["epochs"]] == [120]
+    local = [f"data.urls=[{tmp_path}/*.tar]", f"data.endpoint_url={gcs_server.endpoint}"]
+    with pytest.raises(
+        Exception, match=r"endpoint_url=.* sets the endpoint of s3:// or gs:// URLs, and data.urls has file://"
+    ):
+        run(make(tmp_path, overrides[0], *local))
+
+
+@pytest.mark.processes
 def test_ckpt_path_last_resumes_the_run_on_another_number_of_workers(tmp_path: Path) -> None:
     """tokens: stop after 4 steps (0 workers), resume from the newest checkpoint with 1 worker."""
     overrides, total = TINY["tokens"]
