@@ -65,10 +65,11 @@ class FilesData(DataOptions):
     format: str = "tar"  # tar | parquet | npy | jsonl
     urls: list[str] | None = None  # paths, globs or URLs (s3://, gs://, az://, hf://); none: generate a data set
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options (credentials...)
-    endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, moto...); none: AWS
+    endpoint_url: str | None = None  # of s3:// (MinIO, moto...) or gs:// URLs; none: the cloud's
     cache_limit: Any = None  # keep remote files locally: bytes (int) or a fraction of free disk (float <= 1)
     index_once_per: str = "job"  # who lists and indexes: job (rank 0), node (local rank 0s), rank (every rank)
     prefetch_files: int = 0  # with cache_limit: files each worker fetches ahead of the one it reads
+    prefetch_bytes: int | None = None  # with prefetch_files: at most these bytes of files ahead
     num_items: int = 16
     samples_per_item: int = 1024
     dim: int = 16

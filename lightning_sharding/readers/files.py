@@ -28,7 +28,7 @@ from lightning_sharding.manifest import Item
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
 from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, Progress, default_cache_dir, write_atomically
-from lightning_sharding.readers.prefetch import Prefetcher
+from lightning_sharding.readers.prefetch import Prefetcher, check_prefetch, files_ahead
 from lightning_sharding.readers.shared_index import check_index_once_per, shared_items
 from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
 from lightning_sharding.world import ShardContext
@@ -52,6 +52,8 @@ class FileReader(Reader):
             Local files are never copied. See :mod:`lightning_sharding.readers.cache`.
         prefetch_files: with ``cache_limit``, each worker fetches the files of its next items into
             the cache in the background, up to this many files ahead, in the order the plan gives.
+        prefetch_bytes: with ``prefetch_files``, fetch ahead only while those files add up to at
+            most this many bytes (``None``: no cap).
         scan_threads: files indexed in parallel when the manifest is built.
         index_once_per: who lists and indexes in a distributed job: ``"job"`` (global rank 0; the
             others receive the items), ``"node"`` (each node's local rank 0, for nodes that share no
@@ -72,6 +74,7 @@ class FileReader(Reader):
         cache_limit: int | float | None = None,
         index_once_per: str = "job",
         prefetch_files: int = 0,
+        prefetch_bytes: int | None = None,
     ) -> None:
         if isinstance(urls, str):
             urls = [urls]
@@ -85,14 +88,9 @@ class FileReader(Reader):
         if cache_limit is not None:
             resolve_limit(cache_limit, Path("."))  # a bad value fails here, not in a worker
         self.cache_limit = cache_limit
-        if isinstance(prefetch_files, bool) or not isinstance(prefetch_files, int) or prefetch_files < 0:
-            raise ValueError(f"`{type(self).__name__}(prefetch_files={prefetch_files!r})` must be an int >= 0")
-        if prefetch_files and cache_limit is None:
-            raise ValueError(
-                f"`{type(self).__name__}(prefetch_files={prefetch_files})` fetches into the local shard cache: "
-                "set cache_limit= too"
-            )
-        self.fetch_ahead = prefetch_files
+        self.fetch_ahead, self.fetch_bytes = check_prefetch(
+            type(self).__name__, cache_limit, prefetch_files, prefetch_bytes
+        )
         self._prefetcher: Prefetcher | None = None
         self._stats: defaultdict[str, float] = defaultdict(float)
         self.index_once_per = check_index_once_per(index_once_per, type(self).__name__)
@@ -215,6 +213,9 @@ class FileReader(Reader):
         """The file part of the item's fingerprint (size and mtime or ETag)."""
         return item.fingerprint.split(f";{self.format}:", 1)[0]
 
+    def _file_size(self, item: Item) -> int:
+        return int(self.file_fingerprint(item).split(";", 1)[0].removeprefix("size="))
+
     def index_of(self, item: Item) -> dict[str, npt.NDArray[Any]]:
         """The index arrays of ``item``, from a small per-process cache, the cache dir, or a fresh scan."""
         idx = self.file_index(item)
@@ -264,7 +265,7 @@ class FileReader(Reader):
         if self._shards is None:
             self._shards = ShardCache((self.cache_dir or default_cache_dir()) / "shards", self.cache_limit)
         fingerprint = self.file_fingerprint(item)
-        size = int(fingerprint.split(";", 1)[0].removeprefix("size="))
+        size = self._file_size(item)
 
         def fetch(part: str) -> None:
             with_retries(lambda: fs.get_file(path, part), f"downloading {url}", self.retry)
@@ -283,13 +284,15 @@ class FileReader(Reader):
 
     def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
         """Fetch into the shard cache, in background threads, the files of ``now`` (the worker's
-        batch) and then the next ``prefetch_files`` files of ``upcoming`` (the plan's next items)."""
+        batch), then the next files of ``upcoming`` (the plan's next items): see :func:`files_ahead`."""
         if self.fetch_ahead and self.cache_limit is not None:
             if self._prefetcher is None:
                 self._prefetcher = Prefetcher(self._have_copy, self.fetch_ahead, key=lambda i: self.split_key(i)[0])
-            current = {self.split_key(i)[0]: i for i in now}  # one item per file
-            later = {self.split_key(i)[0]: i for i in upcoming if self.split_key(i)[0] not in current}
-            self._prefetcher.want([*current.values(), *list(later.values())[: self.fetch_ahead]])
+            size = self._file_size
+            wanted = files_ahead(
+                now, upcoming, lambda i: self.split_key(i)[0], size, self.fetch_ahead, self.fetch_bytes
+            )
+            self._prefetcher.want(wanted)
 
     def _have_copy(self, item: Item) -> None:
         with self.local_copy(item, count=False):

@@ -11,10 +11,55 @@ fetches the file again and raises what it finds, so an error is never lost nor r
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 
 from lightning_sharding.manifest import Item
+
+
+def check_prefetch(reader: str, cache_limit: object, files: object, max_bytes: object) -> tuple[int, int | None]:
+    """``(prefetch_files, prefetch_bytes)`` of a reader's arguments, or an error naming the bad one."""
+    if isinstance(files, bool) or not isinstance(files, numbers.Integral) or files < 0:
+        raise ValueError(f"`{reader}(prefetch_files={files!r})` must be an int >= 0")
+    if files and cache_limit is None:
+        raise ValueError(f"`{reader}(prefetch_files={files})` fetches into the local shard cache: set cache_limit= too")
+    if max_bytes is None:
+        return int(files), None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Integral) or max_bytes < 1:
+        raise ValueError(f"`{reader}(prefetch_bytes={max_bytes!r})` must be a number of bytes >= 1, or None")
+    if not files:
+        raise ValueError(
+            f"`{reader}(prefetch_bytes={max_bytes})` caps what prefetch_files= fetches ahead: set prefetch_files= "
+            "too (the most files ahead, and downloads at once)"
+        )
+    return int(files), int(max_bytes)
+
+
+def files_ahead(
+    now: Sequence[Item],
+    upcoming: Sequence[Item],
+    file_of: Callable[[Item], str],
+    size_of: Callable[[Item], int],
+    files: int,
+    max_bytes: int | None = None,
+) -> list[Item]:
+    """What to have locally, nearest first: one item of each file of ``now`` (the batch being read),
+    then one of each next file of ``upcoming``, at most ``files`` of them and, with ``max_bytes``,
+    only while their sizes add up to at most that (a file larger than what is left ends the list:
+    it is read when its turn comes, not ahead)."""
+    current = {file_of(i): i for i in now}
+    later: dict[str, Item] = {}
+    held = 0
+    for item in upcoming:
+        name = file_of(item)
+        if name in current or name in later:
+            continue
+        if len(later) == files or (max_bytes is not None and held + size_of(item) > max_bytes):
+            break
+        held += size_of(item)
+        later[name] = item
+    return [*current.values(), *later.values()]
 
 
 class Prefetcher:

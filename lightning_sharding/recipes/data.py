@@ -108,6 +108,7 @@ def files(
     cache_limit: int | float | None = None,
     index_once_per: str = "job",
     prefetch_files: int = 0,
+    prefetch_bytes: int | None = None,
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
@@ -118,7 +119,8 @@ def files(
     if endpoint_url:
         storage.update(endpoint_options(endpoint_url, storage, urls or []))
     spec = (format, urls, num_items, samples_per_item, dim)
-    cache = dict(cache_dir=options["cache_dir"], cache_limit=cache_limit, prefetch_files=prefetch_files)
+    cache = dict(cache_dir=options["cache_dir"], cache_limit=cache_limit)
+    cache.update(prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes)
     reader = file_reader(*spec, storage_options=storage, key="data", index_once_per=index_once_per, **cache)
     return datamodule(options, sharding, reader=reader, transform=to_regression, audit_dir=audit_dir)
 
@@ -149,6 +151,7 @@ def file_reader(
     cache_limit: int | float | None = None,
     index_once_per: str = "job",
     prefetch_files: int = 0,
+    prefetch_bytes: int | None = None,
 ) -> Reader:
     """A reader of ``format`` over ``urls``; with none, of a regression set generated once into the
     cache. ``key`` names the config key of ``format`` in errors (``data`` or ``data.streams[i]``)."""
@@ -171,4 +174,5 @@ def file_reader(
         cache_limit=cache_limit,
         index_once_per=index_once_per,
         prefetch_files=prefetch_files,
+        prefetch_bytes=prefetch_bytes,
     )

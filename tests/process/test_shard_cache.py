@@ -193,18 +193,28 @@ def copies_in(directory: Path) -> dict[str, int]:
 
 @pytest.mark.processes
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("resumed", [False, True], ids=["epoch-start", "resumed-mid-epoch"])
+@pytest.mark.parametrize("mode", ["epoch-start", "resumed-mid-epoch", "byte-cap"])
 def test_a_worker_prefetches_its_next_files_in_plan_order(
-    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy, resumed: bool
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy, mode: str
 ) -> None:
     """While training holds the first batch, the worker's prefetch threads fetch the file it reads
     and the next ``prefetch_files`` of its plan, and no further; over the epoch every file is
     fetched once, in the order the plan reads them (give or take the files fetched at once).
-    Resumed mid-epoch, it starts at the resumed position's file, not at the epoch's first."""
-    objects = shards(s3_server, f"cache-ahead-{int(resumed)}")
-    urls = f"s3://cache-ahead-{int(resumed)}/wds/part-*.tar"
+    Resumed mid-epoch, it starts at the resumed position's file, not at the epoch's first. With
+    ``prefetch_bytes`` the size of the plan's second file, only that one file is fetched ahead."""
+    resumed = mode == "resumed-mid-epoch"
+    objects = shards(s3_server, f"cache-ahead-{mode}")
+    urls = f"s3://cache-ahead-{mode}/wds/part-*.tar"
     options = proxy.storage_options()
-    reader = TarReader(urls, storage_options=options, cache_dir=tmp_path / "cache", cache_limit=10**9, prefetch_files=2)
+    cap: dict[str, int] = {}
+    ahead = 2
+    if mode == "byte-cap":
+        items = TarReader(urls, storage_options=options, cache_dir=tmp_path / "cache").items()
+        second = int(Manifest.from_items(items).order(3, 0, shuffle=True).item_order[1])
+        cap, ahead = {"prefetch_bytes": int(items[second].fingerprint.split(";")[0].removeprefix("size="))}, 1
+    reader = TarReader(
+        urls, storage_options=options, cache_dir=tmp_path / "cache", cache_limit=10**9, prefetch_files=2, **cap
+    )
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
     if resumed:
@@ -226,8 +236,8 @@ def test_a_worker_prefetches_its_next_files_in_plan_order(
     ids = [i for b in [first, *batches] for i in b["id"][~b["is_padding"]].tolist()]
     files = np.searchsorted(np.cumsum(SIZES), ids, side="right")
     plan = [objects[f] for f in dict.fromkeys(files.tolist())]
-    assert sorted(while_held) == sorted(plan[:3]), (
-        f"the file read and the next 2 of the plan, no more: {while_held} vs {plan}"
+    assert sorted(while_held) == sorted(plan[: 1 + ahead]), (
+        f"the file read and the next {ahead} of the plan, no more: {while_held} vs {plan}"
     )
     order = fetched(proxy, objects)
     assert sorted(order) == sorted(plan), "every file the epoch reads fetched, once"
