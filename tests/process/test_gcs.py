@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from lightning_sharding.datasets import FORMATS, write_regression
 from lightning_sharding.readers import TarReader
 from tests.gcs import GCSServer
-from tests.harness import Job, assert_exactly_once, check_resume
+from tests.process.test_s3 import resume_from_a_bucket_exactly_once
 from tests.unit.test_readers import ids_served, make_reader, serve_epoch
 
 
@@ -58,14 +57,4 @@ def test_ddp_over_gcs_shards_with_the_shard_cache_resumes_exactly_once_on_anothe
         "cache_limit": 10**9,
         "prefetch_files": 2,
     }
-    first = Job(data=data, world_size=2, num_workers=2, batch_size=6, epochs=2)
-    seen, segments = check_resume(
-        tmp_path, first, [Job(data=data, world_size=1, num_workers=1, batch_size=6, epochs=2)], checkpoint_every=4
-    )
-    assert_exactly_once(seen, total=sum(sizes), epochs=2)
-    report = segments[-1].report
-    assert report is not None and [e["consumed"] for e in report["epochs"]] == [sum(sizes)] * 2
-    assert np.all(np.array([e["skipped"] for e in report["epochs"]]) == 0)
-    held = sorted((tmp_path / "shared-cache" / "shards").iterdir())
-    assert len([p for p in held if not p.name.startswith(".")]) == len(sizes)
-    assert not [p for p in held if ".part-" in p.name]
+    resume_from_a_bucket_exactly_once(tmp_path, data, sizes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,9 +59,20 @@ def test_ddp_over_s3_shards_resumes_exactly_once_on_another_topology(
     bucket = s3_server.bucket(f"shards-{int(cached)}")
     sizes = [23, 31, 17, 29, 20]
     write_regression(f"{bucket}/wds", "tar", sizes, storage_options=s3_server.storage_options)
-    data = {"format": "tar", "urls": f"{bucket}/wds/part-*.tar", "storage_options": s3_server.storage_options}
+    data: dict[str, Any] = {
+        "format": "tar",
+        "urls": f"{bucket}/wds/part-*.tar",
+        "storage_options": s3_server.storage_options,
+    }
     if cached:
         data.update(cache_dir=str(tmp_path / "shared-cache"), cache_limit=10**9)
+    resume_from_a_bucket_exactly_once(tmp_path, data, sizes)
+
+
+def resume_from_a_bucket_exactly_once(tmp_path: Path, data: dict[str, Any], sizes: list[int]) -> None:
+    """A 2-rank x 2-worker job over ``data`` (shards of ``sizes`` samples in a bucket), SIGKILLed
+    mid-epoch, resumed on 1 rank x 1 worker: over both epochs every sample is trained on exactly
+    once, nothing skipped; with a shard cache, it holds one complete copy a shard, nothing partial."""
     first = Job(data=data, world_size=2, num_workers=2, batch_size=6, epochs=2)
     seen, segments = check_resume(
         tmp_path, first, [Job(data=data, world_size=1, num_workers=1, batch_size=6, epochs=2)], checkpoint_every=4
@@ -69,7 +81,7 @@ def test_ddp_over_s3_shards_resumes_exactly_once_on_another_topology(
     report = segments[-1].report
     assert report is not None and [e["consumed"] for e in report["epochs"]] == [sum(sizes)] * 2
     assert np.all(np.array([e["skipped"] for e in report["epochs"]]) == 0)
-    if cached:  # one complete copy per shard, nothing partial
-        held = sorted((tmp_path / "shared-cache" / "shards").iterdir())
+    if data.get("cache_limit") is not None:
+        held = sorted((Path(data["cache_dir"]) / "shards").iterdir())
         assert len([p for p in held if not p.name.startswith(".")]) == len(sizes)
         assert not [p for p in held if ".part-" in p.name]

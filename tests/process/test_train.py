@@ -75,17 +75,34 @@ def test_tokens_outside_the_vocabulary_are_named_with_the_file(tmp_path: Path) -
         run(cfg)
 
 
+# The loopback server of each store, and the credentials its filesystem takes from the command line.
+STORES = {
+    "s3": (
+        "s3_server",
+        "+data.storage_options={key: testing, secret: testing, client_kwargs: {region_name: us-east-1}}",
+    ),
+    "gs": ("gcs_server", "+data.storage_options={token: anon, project: test}"),
+}
+
+
 @pytest.mark.processes
-def test_webdataset_s3_reads_tar_shards_from_a_bucket(tmp_path: Path, s3_server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("store", list(STORES))
+def test_the_webdataset_recipe_reads_tar_shards_from_a_bucket(
+    tmp_path: Path, request: pytest.FixtureRequest, store: str
+) -> None:
+    """recipe=webdataset_s3 over s3:// or gs:// URLs: data.endpoint_url goes where that store's
+    filesystem takes it, and is refused for local paths."""
     from lightning_sharding.datasets import write_regression
 
-    bucket = s3_server.bucket("shards")
-    write_regression(f"{bucket}/train", "tar", [40, 40, 40], dim=16, storage_options=s3_server.storage_options)
+    fixture, credentials = STORES[store]
+    server = request.getfixturevalue(fixture)
+    bucket = server.bucket("recipe-shards")
+    write_regression(f"{bucket}/train", "tar", [40, 40, 40], dim=16, storage_options=server.storage_options)
     overrides = [
         "recipe=webdataset_s3",
         f"data.urls=[{bucket}/train/part-*.tar]",
-        f"data.endpoint_url={s3_server.endpoint}",
-        "+data.storage_options={key: testing, secret: testing, client_kwargs: {region_name: us-east-1}}",
+        f"data.endpoint_url={server.endpoint}",
+        credentials,
         "data.batch_size=16",
         "data.num_workers=1",
         "data.multiprocessing_context=spawn",
@@ -94,28 +111,7 @@ def test_webdataset_s3_reads_tar_shards_from_a_bucket(tmp_path: Path, s3_server)
     result = run(make(tmp_path, *overrides))
     assert [e["consumed"] for e in result["epochs"]] == [120]
     assert not (tmp_path / "cache" / "datasets").exists(), "given urls, nothing is generated"
-
-
-@pytest.mark.processes
-def test_the_webdataset_recipe_reads_tar_shards_from_a_gcs_bucket(tmp_path: Path, gcs_server) -> None:  # type: ignore[no-untyped-def]
-    """The same recipe over gs:// URLs: data.endpoint_url goes where gcsfs takes it."""
-    from lightning_sharding.datasets import write_regression
-
-    bucket = gcs_server.bucket("recipe-shards")
-    write_regression(f"{bucket}/train", "tar", [40, 40, 40], dim=16, storage_options=gcs_server.storage_options)
-    overrides = [
-        "recipe=webdataset_s3",
-        f"data.urls=[{bucket}/train/part-*.tar]",
-        f"data.endpoint_url={gcs_server.endpoint}",
-        "+data.storage_options={token: anon, project: test}",
-        "data.batch_size=16",
-        "data.num_workers=1",
-        "data.multiprocessing_context=spawn",
-        "trainer.max_epochs=1",
-    ]
-    result = run(make(tmp_path, *overrides))
-    assert [e["consumed"] for e in result["epochs"]] == [120]
-    local = [f"data.urls=[{tmp_path}/*.tar]", f"data.endpoint_url={gcs_server.endpoint}"]
+    local = [f"data.urls=[{tmp_path}/*.tar]", f"data.endpoint_url={server.endpoint}"]
     with pytest.raises(
         Exception, match=r"endpoint_url=.* sets the endpoint of s3:// or gs:// URLs, and data.urls has file://"
     ):
