@@ -171,7 +171,8 @@ class StreamOrder:
         self.starts = np.cumsum([0] + [g.hi - g.lo for g in self.segments]).astype(np.int64)
         self._orders: OrderedDict[tuple[int, int], EpochOrder] = OrderedDict()
 
-    def _order(self, segment: Segment) -> EpochOrder:
+    def segment_order(self, segment: Segment) -> EpochOrder:
+        """The order of the pass or cycle chunk ``segment`` draws from (the newest few are kept)."""
         key = (segment.kind, segment.key)
         order = self._orders.get(key)
         if order is None:
@@ -189,7 +190,7 @@ class StreamOrder:
         for g in np.unique(which).tolist():
             at = which == g
             segment = self.segments[g]
-            items[at], index[at] = self._order(segment).locate(draw[at] - self.starts[g] + segment.lo)
+            items[at], index[at] = self.segment_order(segment).locate(draw[at] - self.starts[g] + segment.lo)
         return items, index
 
 

@@ -76,6 +76,7 @@ class MixtureReader(Reader):
         self.composition, self.batch_size = composition, batch_size if composition != "mixed" else None
         self._listed: list[tuple[Item, ...]] | None = None
         self._origin: dict[str, tuple[int, Item]] = {}
+        self.fetch_ahead = max(s.reader.fetch_ahead for s in streams)  # a stream that fetches ahead is told
 
     def _list(self) -> list[tuple[Item, ...]]:
         """Every stream's items, listed once (in the main process; workers get them pickled)."""
@@ -115,10 +116,30 @@ class MixtureReader(Reader):
         return Manifest(tuple(self.items()), mixture=mixture)
 
     def _source(self, item: Item) -> tuple[Reader, Item]:
+        s, original = self._origin_of(item)
+        return self.streams[s].reader, original
+
+    def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
+        """Each stream's reader that fetches ahead is told its own items of ``now`` and ``upcoming``."""
+        for s, stream in enumerate(self.streams):
+            if stream.reader.fetch_ahead:
+                mine = [
+                    [original for k, original in map(self._origin_of, items) if k == s] for items in (now, upcoming)
+                ]
+                stream.reader.ahead(*mine)
+
+    def take_stats(self) -> dict[str, float]:
+        """The counters of every stream's reader since the last call, added up."""
+        total: dict[str, float] = {}
+        for stream in self.streams:
+            for name, value in stream.reader.take_stats().items():
+                total[name] = total.get(name, 0.0) + value
+        return total
+
+    def _origin_of(self, item: Item) -> tuple[int, Item]:
         if not self._origin:
             self._list()
-        s, original = self._origin[item.key]
-        return self.streams[s].reader, original
+        return self._origin[item.key]
 
     def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
         """Sample ``index`` of ``item``, read by its stream's reader."""

@@ -10,6 +10,7 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
+from lightning_sharding.lookahead import items_from
 from lightning_sharding.manifest import Item, Manifest
 from lightning_sharding.mixture import MixtureOrder
 from lightning_sharding.mixture_change import MixtureChange
@@ -118,11 +119,10 @@ class PlannedBatches(Dataset[Delivery]):
 
     def _tell_ahead(self, task: BatchTask, item_ids: npt.NDArray[np.int64]) -> None:
         """Tell the reader this batch's items, then those the epoch order lays out after its last
-        position: this worker's next ones, as a worker reads a run of positions (not yet in a mixture)."""
-        order, real = self._epoch_order(task.epoch), task.positions[: len(task.positions) - task.num_padding]
-        upcoming = []  # enough items for fetch_ahead files when several items share a file (row groups)
-        if isinstance(order, EpochOrder) and len(real):
-            upcoming = order.items_from(int(real.max()), 8 * self.reader.fetch_ahead + 1).tolist()
+        position: this worker's next ones, 8 x fetch_ahead + 1 of them (enough files when several
+        items share one) (:func:`~lightning_sharding.lookahead.items_from`)."""
+        real = task.positions[: len(task.positions) - task.num_padding]
+        upcoming = items_from(self._epoch_order(task.epoch), real, 8 * self.reader.fetch_ahead + 1).tolist()
         self.reader.ahead([self.items[i] for i in dict.fromkeys(item_ids.tolist())], [self.items[i] for i in upcoming])
 
     def _misfits(

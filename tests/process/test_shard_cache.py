@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +20,12 @@ import pytest
 from lightning_sharding.datasets import to_regression, write_regression
 from lightning_sharding.ledger import Ledger
 from lightning_sharding.manifest import Manifest
+from lightning_sharding.mixture import MixtureOrder
 from lightning_sharding.options import LoaderOptions
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.cache import ShardCache
 from lightning_sharding.strategies.shard import ShardedLoader
+from lightning_sharding.streams import MixtureReader, Stream
 from lightning_sharding.world import World
 from tests.fault_proxy import FaultProxy
 from tests.s3 import S3Server
@@ -250,6 +253,52 @@ def test_a_worker_prefetches_its_next_files_in_plan_order(
     if resumed:  # the epoch's first file is wholly before position 40 (no file holds 40 samples)
         skipped = objects[int(order.item_order[0])]
         assert skipped not in fetched(proxy, objects), "prefetch started at the resumed position"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_each_stream_of_a_mixture_prefetches_its_own_next_files(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    """In a mixture of two streams from two buckets, each stream's reader fetches the files of the
+    worker's batch and its own next file (``prefetch_files=1``) while training holds the first
+    batch: the next file of each stream from its next draw on, which the batch does not read."""
+    objects = {name: shards(s3_server, f"mix-ahead-{name}") for name in ("a", "b")}
+    options = proxy.storage_options()
+
+    def stream(name: str) -> Stream:
+        urls = f"s3://mix-ahead-{name}/wds/part-*.tar"
+        reader = TarReader(
+            urls, storage_options=options, cache_dir=tmp_path / "cache", cache_limit=10**9, prefetch_files=1
+        )
+        return Stream(name, reader)
+
+    mixture = MixtureReader([stream("a"), stream("b")])
+    manifest = mixture.manifest()
+    ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
+    order = manifest.order(3, 0, shuffle=True)
+    assert isinstance(order, MixtureOrder)
+    every = np.arange(manifest.total)
+    streams, _ = order.streams(every)
+    items, _ = order.locate(every)
+    object_of = [f"/{it.key.split('/s3://', 1)[1]}" for it in manifest.items]
+    batch = 4
+    expected = {object_of[i] for i in items[:batch].tolist()}  # the first batch's files...
+    for s in range(2):  # ... and each stream's next file after them, in the order its draws read them
+        later = [object_of[i] for i in items[batch - 1 :][streams[batch - 1 :] == s].tolist()]
+        expected.add(next(o for o in later if o not in {object_of[i] for i in items[:batch].tolist()}))
+    proxy.delay, proxy.log[:] = 0.05, []
+    options_ = LoaderOptions(batch_size=batch, transform=to_regression, num_workers=1, multiprocessing_context="spawn")
+    loader = ShardedLoader.build(mixture, manifest, ledger, world=World(0, 1), track=True, options=options_)
+    batches = iter(loader)
+    next(batches)
+    time.sleep(4)  # a long training step
+    every_object = objects["a"] + objects["b"]
+    assert sorted(fetched(proxy, every_object)) == sorted(expected), "the batch's files and one more of each stream"
+    served = 1 + sum(1 for _ in batches)
+    assert served == -(-manifest.total // batch)
+    gets = Counter(path for method, path in proxy.log if method == "GET" and path in every_object)
+    assert set(gets.values()) == {1}, f"each file fetched once: {gets}"
 
 
 def fetched(proxy: FaultProxy, objects: list[str]) -> list[str]:
