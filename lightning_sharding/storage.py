@@ -26,21 +26,26 @@ T = TypeVar("T")
 _GLOB_CHARS = "*?["
 # Errors that a retry cannot fix: the object is not there, or we may not read it.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
-# Network errors of aiohttp/botocore that s3fs lets through; matched by name to avoid importing them.
+# Network errors the stores' clients raise, matched by the name of the error's class or of any of its
+# bases, to avoid importing them: aiohttp and botocore (s3fs, gcsfs, adlfs), requests (gcsfs),
+# azure-core (adlfs), httpx (huggingface_hub).
 _TRANSIENT_NAMES = {
-    "ClientConnectorError",
-    "ClientOSError",
-    "ServerDisconnectedError",
-    "EndpointConnectionError",
+    "ClientConnectionError",  # aiohttp: ClientOSError, ServerDisconnectedError, ClientConnectorError...
+    "ClientPayloadError",
+    "EndpointConnectionError",  # botocore
     "ConnectionClosedError",
     "ReadTimeoutError",
     "ConnectTimeoutError",
     "ResponseStreamingError",
     "IncompleteReadError",
-    "ServiceRequestError",  # azure-core (adlfs)
+    "ConnectionError",  # requests: ProxyError (what gcsfs raises for a 502), ConnectTimeout...
+    "Timeout",
+    "ChunkedEncodingError",
+    "ServiceRequestError",  # azure-core
     "ServiceResponseError",
-    "ConnectError",  # httpx (huggingface_hub)
-    "ReadTimeout",
+    "NetworkError",  # httpx: ConnectError, ReadError, WriteError...
+    "TimeoutException",
+    "ProxyError",
     "RemoteProtocolError",
 }
 # HTTP statuses a retry may fix, read from an error's ``code`` (gcsfs), ``status_code`` (azure-core)
@@ -102,7 +107,7 @@ def is_transient(err: BaseException) -> bool:
     """Whether a retry may succeed: connection resets, timeouts, throttling, server errors."""
     if isinstance(err, _PERMANENT):
         return False
-    if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__name__ in _TRANSIENT_NAMES:
+    if isinstance(err, (ConnectionError, TimeoutError)) or _TRANSIENT_NAMES & {c.__name__ for c in type(err).__mro__}:
         return True
     if _TRANSIENT_TEXT.search(str(err)) or _status(err) in _TRANSIENT_STATUS:
         return True
@@ -144,7 +149,7 @@ class FileInfo:
 
 def scheme_of(url: str) -> str:
     """``url``'s scheme, of the innermost filesystem of a chained URL; ``file`` for a plain path."""
-    return url.split("://", 1)[0].rsplit("::", 1)[-1].lower() if "://" in url else "file"
+    return url.split("://", 1)[0].rsplit("::", 1)[-1] if "://" in url else "file"
 
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -155,16 +160,23 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     to do.
     """
     scheme = scheme_of(url)
-    package, extra = STORAGES.get(scheme, ("", "files"))
+    package, extra = STORAGES.get(scheme, ("", ""))
     try:
         fs, path = _fsspec().core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as err:
-        needs = f"{package}, which is not installed" if package else f"a package that is not installed ({err})"
-        raise ImportError(f"{url!r}: {scheme}:// URLs need {needs}: pip install 'lightning-sharding[{extra}]'") from err
+        cause = err.__cause__ or err  # fsspec's own message only says which package it wanted
+        if not package:
+            raise ImportError(f"{url!r}: its filesystem could not be imported ({err}: {cause})") from err
+        raise ImportError(
+            f"{url!r}: {scheme}:// URLs need {package}, which could not be imported ({cause}): "
+            f"pip install 'lightning-sharding[{extra}]'"
+        ) from err
     except ValueError as err:
         if "Protocol not known" in str(err):
+            unknown = str(err).rsplit(":", 1)[-1].strip()
+            case = " (schemes are lower case)" if unknown != unknown.lower() else ""
             raise ValueError(
-                f"{url!r}: no filesystem reads {scheme}:// URLs; use a path or one of "
+                f"{url!r}: no filesystem reads {unknown}:// URLs{case}; use a path or one of "
                 f"{', '.join(f'{s}://' for s in STORAGES)} (or another protocol fsspec knows)"
             ) from err
         if extra in _CREDENTIALS:
@@ -173,7 +185,8 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     return fs, path
 
 
-def _fingerprint(info: Mapping[str, Any]) -> str:
+def fingerprint_of(info: Mapping[str, Any]) -> str:
+    """A listed file's size and content tag, as each store's fsspec ``info`` reports them."""
     size = info.get("size")
     # ETag (S3, GCS, Azure), the blob's git hash (Hugging Face Hub), else a modification time.
     tag = info.get("ETag") or info.get("etag") or info.get("blob_id") or info.get("generation")
@@ -181,14 +194,18 @@ def _fingerprint(info: Mapping[str, Any]) -> str:
     return f"size={size};tag={str(tag).strip(chr(34))}"
 
 
-def _display(url: str, fs: Any, path: str) -> str:
-    """Keep the user's spelling: plain paths stay plain, URLs keep their scheme (az:// stays az://)."""
+def spelled_like(url: str, pattern: str, path: str) -> str:
+    """The file at ``path`` (a match of the glob ``url``, which its filesystem strips to
+    ``pattern``) as the user spells it: the URL's own directory before the first glob character
+    (scheme, ``container@account`` host, ``simplecache::`` chain and all), then the rest of the
+    match. Plain paths stay plain."""
     if "://" not in url:
         return path
-    scheme, protocols = url.split("://", 1)[0], fs.protocol
-    if scheme in ((protocols,) if isinstance(protocols, str) else tuple(protocols)):
-        return f"{scheme}://{path}"
-    return str(fs.unstrip_protocol(path))
+    cut_url = url.rfind("/", 0, min(url.find(c) for c in _GLOB_CHARS if c in url)) + 1
+    cut_path = pattern.rfind("/", 0, min(pattern.find(c) for c in _GLOB_CHARS if c in pattern)) + 1
+    if not path.startswith(pattern[:cut_path]):  # pragma: no cover - a filesystem that renames its matches
+        raise ValueError(f"{url!r} matched {path!r}, which is not under {pattern[:cut_path]!r}")
+    return url[:cut_url] + path[cut_path:]
 
 
 def list_files(
@@ -206,6 +223,7 @@ def list_files(
     if not entries:
         raise ValueError("no data URLs were given: pass a path, a glob or a list of URLs")
     files: list[FileInfo] = []
+    seen: dict[tuple[int, str], str] = {}  # (filesystem, canonical URL) -> how it was named first
     for url in entries:
         fs, path = filesystem(url, storage_options)
         if any(c in path for c in _GLOB_CHARS):
@@ -213,18 +231,30 @@ def list_files(
             matches = sorted((p, i) for p, i in found.items() if i.get("type", "file") == "file")
             if not matches:
                 raise FileNotFoundError(f"no file matches {url!r}: check the pattern and the bucket or directory")
-            files.extend(FileInfo(_display(url, fs, p), int(i["size"]), _fingerprint(i)) for p, i in matches)
-            continue
-        try:
-            info = with_retries(partial(fs.info, path), f"reading the size of {url}", retry)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"data file {url!r} does not exist") from err
-        except PermissionError as err:
-            raise PermissionError(f"no permission to read data file {url!r}: {err}") from err
-        if info.get("type", "file") != "file":
-            raise IsADirectoryError(f"{url!r} is a directory; give a glob such as '{url.rstrip('/')}/*.tar'")
-        files.append(FileInfo(_display(url, fs, path), int(info["size"]), _fingerprint(info)))
+            found_files = [(spelled_like(url, path, p), p, i) for p, i in matches]
+        else:
+            found_files = [(url if "://" in url else path, path, _info(fs, path, url, retry))]
+        for display, p, i in found_files:
+            canonical = (id(fs), str(fs.unstrip_protocol(p)))
+            if canonical in seen:  # its samples would be read twice an epoch
+                also = "" if seen[canonical] == display else f" (also as {seen[canonical]!r})"
+                raise ValueError(f"{display!r} is named twice in the URLs{also}: name each file once")
+            seen[canonical] = display
+            files.append(FileInfo(display, int(i["size"]), fingerprint_of(i)))
     return files
+
+
+def _info(fs: Any, path: str, url: str, retry: RetryPolicy) -> Any:
+    """The listing of one named file, or an error naming it."""
+    try:
+        info = with_retries(partial(fs.info, path), f"reading the size of {url}", retry)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"data file {url!r} does not exist") from err
+    except PermissionError as err:
+        raise PermissionError(f"no permission to read data file {url!r}: {err}") from err
+    if info.get("type", "file") != "file":
+        raise IsADirectoryError(f"{url!r} is a directory; give a glob such as '{url.rstrip('/')}/*.tar'")
+    return info
 
 
 def read_ranges(

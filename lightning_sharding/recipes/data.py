@@ -128,6 +128,11 @@ def files(
 def endpoint_options(endpoint_url: str, storage: Mapping[str, Any], urls: list[str]) -> dict[str, Any]:
     """``data.endpoint_url`` as the URLs' storage takes it: S3 in ``client_kwargs``, GCS as is."""
     schemes = {scheme_of(u) for u in urls}
+    if any("::" in u for u in urls):
+        raise ValueError(
+            f"data.endpoint_url={endpoint_url!r} does not reach inside a chained URL ({urls[0]!r}...): set the "
+            "endpoint under the inner store's key of data.storage_options: {s3: {client_kwargs: {endpoint_url: ...}}}"
+        )
     if schemes <= {"s3", "s3a"}:
         return {"client_kwargs": {**storage.get("client_kwargs", {}), "endpoint_url": endpoint_url}}
     if schemes <= {"gs", "gcs"}:

@@ -30,12 +30,21 @@ def test_every_format_reads_from_a_gcs_bucket(tmp_path: Path, gcs_server: GCSSer
     assert sorted(ids_served(serve_epoch(reader, world_size=2))) == list(range(56))
 
 
-def test_a_missing_gcs_object_is_named(tmp_path: Path, gcs_server: GCSServer) -> None:
+def test_a_missing_gcs_object_and_one_named_twice_are_named(tmp_path: Path, gcs_server: GCSServer) -> None:
     bucket = gcs_server.bucket("errors")
+    opts = gcs_server.storage_options
     with pytest.raises(FileNotFoundError, match="gs://errors/none.tar"):
-        TarReader(f"{bucket}/none.tar", storage_options=gcs_server.storage_options, cache_dir=tmp_path).items()
+        TarReader(f"{bucket}/none.tar", storage_options=opts, cache_dir=tmp_path).items()
     with pytest.raises(FileNotFoundError, match="gs://errors/wds/part-"):
-        TarReader(f"{bucket}/wds/part-*.tar", storage_options=gcs_server.storage_options, cache_dir=tmp_path).items()
+        TarReader(f"{bucket}/wds/part-*.tar", storage_options=opts, cache_dir=tmp_path).items()
+    write_regression(f"{bucket}/twice", "tar", [3, 4], storage_options=opts)
+    twice = (
+        r"'gcs://errors/twice/part-00000.tar' is named twice in the URLs \(also as 'gs://errors/twice/part-00000.tar'\)"
+    )
+    with pytest.raises(ValueError, match=twice):  # two spellings of one object: its samples twice an epoch
+        TarReader(
+            [f"{bucket}/twice/*.tar", "gcs://errors/twice/*.tar"], storage_options=opts, cache_dir=tmp_path
+        ).items()
 
 
 @pytest.mark.processes

@@ -1,11 +1,12 @@
 """Storages other than S3 through fsspec: gs:// and gcs://, az:// and abfs://, hf://.
 
-What runs without the cloud: each URL opens the filesystem of its package with the path inside it
-and keeps the user's spelling; a URL whose package is missing fails naming the URL and the extra
-to install (checked in a fresh interpreter where the package cannot be imported); an unknown
-scheme and an Azure URL without an account say what to pass; the storages' own transient errors
-are retried and their permanent ones are not. Reading from a GCS server on loopback is in
-tests/process/test_gcs.py.
+What runs without the cloud: each URL opens the filesystem of its package with the path inside it;
+a glob's matches keep the user's spelling (scheme, account, chain) and a file named twice is
+refused; each store's listing fingerprints a file by its content tag; a URL whose package is
+missing fails naming the URL and the extra to install (checked in a fresh interpreter where the
+package cannot be imported); an unknown scheme and an Azure URL without an account say what to
+pass; the storages' own transient errors are retried and their permanent ones are not. Reading
+from a GCS server on loopback is in tests/process/test_gcs.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import Any
 
 import pytest
 
-from lightning_sharding.storage import STORAGES, RetryPolicy, filesystem, is_transient, list_files, with_retries
+from lightning_sharding.storage import (
+    RetryPolicy,
+    filesystem,
+    fingerprint_of,
+    is_transient,
+    list_files,
+    spelled_like,
+    with_retries,
+)
 
 FAST = RetryPolicy(attempts=3, backoff=0.001)
 
@@ -48,13 +57,6 @@ FAST = RetryPolicy(attempts=3, backoff=0.001)
             "HfFileSystem",
             "datasets/org/repo/wds/part-0.tar",
         ),
-        (
-            "hf://datasets/org/repo@v1.0/wds/part-*.tar",
-            {},
-            "huggingface_hub",
-            "HfFileSystem",
-            "datasets/org/repo@v1.0/wds/part-*.tar",
-        ),
     ],
 )
 def test_each_storage_url_opens_its_filesystem_at_the_path_inside_it(
@@ -65,7 +67,6 @@ def test_each_storage_url_opens_its_filesystem_at_the_path_inside_it(
     require(module)
     fs, inside = filesystem(url, options)
     assert (type(fs).__name__, inside) == (cls, path)
-    assert STORAGES[url.split("://")[0]][0] == module
 
 
 def missing_package_error(url: str, package: str) -> str:
@@ -98,8 +99,8 @@ def test_a_url_whose_package_is_missing_names_the_url_and_the_extra_to_install(
 ) -> None:
     message = missing_package_error(url, package)
     assert message == (
-        f"ImportError: {url!r}: {url.split('://')[0]}:// URLs need {package}, which is not installed: "
-        f"pip install 'lightning-sharding[{extra}]'"
+        f"ImportError: {url!r}: {url.split('://')[0]}:// URLs need {package}, which could not be imported "
+        f"(import of {package} halted; None in sys.modules): pip install 'lightning-sharding[{extra}]'"
     )
 
 
@@ -108,6 +109,78 @@ def test_an_unknown_scheme_names_the_url_and_the_schemes_that_work() -> None:
         ValueError, match=r"'s4://bkt/x.tar': no filesystem reads s4:// URLs; use a path or one of s3://"
     ):
         list_files("s4://bkt/x.tar")
+    with pytest.raises(
+        ValueError, match=r"'GS://bkt/x.tar': no filesystem reads GS:// URLs \(schemes are lower case\)"
+    ):
+        list_files("GS://bkt/x.tar")
+    with pytest.raises(ValueError, match=r"'cache::gs://bkt/x.tar': no filesystem reads cache:// URLs; use"):
+        list_files("cache::gs://bkt/x.tar")
+
+
+@pytest.mark.parametrize(
+    ("url", "pattern", "match", "spelled"),
+    [
+        ("az://cont/train/part-*.tar", "cont/train/part-*.tar", "cont/train/part-0.tar", "az://cont/train/part-0.tar"),
+        (
+            "abfss://cont@acct.dfs.core.windows.net/train/part-*.tar",
+            "cont/train/part-*.tar",
+            "cont/train/part-0.tar",
+            "abfss://cont@acct.dfs.core.windows.net/train/part-0.tar",
+        ),
+        ("gcs://bkt/a/*/x.tar", "bkt/a/*/x.tar", "bkt/a/b/x.tar", "gcs://bkt/a/b/x.tar"),
+        ("s3://bkt-*/x.tar", "bkt-*/x.tar", "bkt-1/x.tar", "s3://bkt-1/x.tar"),
+        (
+            "hf://datasets/org/name@v1/t/*.tar",
+            "datasets/org/name@v1/t/*.tar",
+            "datasets/org/name@v1/t/0.tar",
+            "hf://datasets/org/name@v1/t/0.tar",
+        ),
+        ("data/*.tar", "/abs/data/*.tar", "/abs/data/0.tar", "/abs/data/0.tar"),
+    ],
+)
+def test_a_glob_match_keeps_the_users_spelling(url: str, pattern: str, match: str, spelled: str) -> None:
+    """The scheme, an account in the host, a revision: a match is reopened from its URL alone in the
+    workers, so what the user's URL says of where the files are must stay in it."""
+    assert spelled_like(url, pattern, match) == spelled
+
+
+def test_globs_keep_their_chain_and_a_file_named_twice_is_refused() -> None:
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/spell/t/a.bin", b"123")
+    memory.pipe("/spell/t/b.bin", b"45")
+    chained = list_files("simplecache::memory://spell/t/*.bin")
+    assert [f.url for f in chained] == ["simplecache::memory://spell/t/a.bin", "simplecache::memory://spell/t/b.bin"]
+    assert [f.size for f in chained] == [3, 2]
+    with pytest.raises(ValueError, match=r"'memory://spell/t/a.bin' is named twice in the URLs: name each file once"):
+        list_files(["memory://spell/t/a.bin", "memory://spell/t/*.bin"])
+    twice = r"'memory:///spell/t/b.bin' is named twice in the URLs \(also as 'memory://spell/t/b.bin'\)"
+    with pytest.raises(ValueError, match=twice):
+        list_files(["memory://spell/t/*.bin", "memory:///spell/t/b.bin"])
+
+
+@pytest.mark.parametrize(
+    ("info", "tag"),
+    [
+        (
+            {"size": 5, "ETag": '"9b2cf535f27731c974343645a3985328"', "LastModified": "x"},
+            "9b2cf535f27731c974343645a3985328",
+        ),
+        ({"size": 5, "etag": "CJ+Q2Z8=", "generation": "17955", "mtime": "x"}, "CJ+Q2Z8="),
+        ({"size": 5, "etag": "0x8DC1", "last_modified": "2026-01-01"}, "0x8DC1"),
+        (
+            {"size": 5, "blob_id": "a94a8fe5ccb19ba61c4c0873d391e987982fbbd3", "lfs": None},
+            "a94a8fe5ccb19ba61c4c0873d391e987982fbbd3",
+        ),
+        ({"size": 5, "mtime": 1795558361.5}, "1795558361.5"),
+    ],
+    ids=["s3", "gcs", "azure", "hf", "local"],
+)
+def test_each_store_fingerprints_a_file_by_its_content_tag(info: dict[str, Any], tag: str) -> None:
+    """A changed object of the same size gets a new fingerprint: an ETag, the Hub's git blob hash
+    (the Hub lists no ETag and no modification time), a local file's mtime."""
+    assert fingerprint_of(info) == f"size=5;tag={tag}"
 
 
 def test_an_azure_url_without_an_account_says_what_to_pass() -> None:
@@ -125,8 +198,17 @@ def storage_errors() -> list[tuple[BaseException, bool]]:
     from tests.extras import require
 
     require("gcsfs", "adlfs", "huggingface_hub")
+    import aiohttp
+    import httpx2
+    import requests
     from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
     from gcsfs.retry import HttpError
+    from huggingface_hub.errors import HfHubHTTPError
+
+    def hub(status: int) -> HfHubHTTPError:
+        return HfHubHTTPError(
+            f"status {status}", response=httpx2.Response(status, request=httpx2.Request("GET", "https://hf.co/x"))
+        )
 
     def azure(status: int) -> HttpResponseError:
         err = HttpResponseError(message=f"status {status}")
@@ -141,6 +223,14 @@ def storage_errors() -> list[tuple[BaseException, bool]]:
         (ServiceResponseError("read timed out"), True),
         (azure(500), True),
         (azure(403), False),
+        (requests.exceptions.ProxyError("502 from the proxy"), True),  # what gcsfs raises for a 502
+        (requests.exceptions.ConnectTimeout("connect timed out"), True),
+        (aiohttp.ClientPayloadError("response payload is not completed"), True),
+        (hub(503), True),
+        (hub(404), False),
+        (httpx2.ReadError("connection reset"), True),
+        (httpx2.PoolTimeout("no connection free"), True),
+        (httpx2.UnsupportedProtocol("ftp"), False),
     ]
 
 
@@ -161,3 +251,17 @@ def test_the_storages_transient_errors_are_retried_and_their_permanent_ones_are_
             with pytest.raises(type(err)):
                 with_retries(fail_twice, "reading x", FAST)
             assert len(calls) == 1
+
+
+def test_data_endpoint_url_goes_where_the_urls_store_takes_it() -> None:
+    from lightning_sharding.recipes.data import endpoint_options
+
+    given = {"client_kwargs": {"region_name": "eu-west-1"}}
+    assert endpoint_options("http://h:9000", given, ["s3://b/x.tar"]) == {
+        "client_kwargs": {"region_name": "eu-west-1", "endpoint_url": "http://h:9000"}
+    }
+    assert endpoint_options("http://h:4443", {}, ["gs://b/x.tar", "gcs://b/y.tar"]) == {"endpoint_url": "http://h:4443"}
+    with pytest.raises(ValueError, match=r"does not reach inside a chained URL \('simplecache::s3://b/x.tar'"):
+        endpoint_options("http://h", {}, ["simplecache::s3://b/x.tar"])
+    with pytest.raises(ValueError, match=r"sets the endpoint of s3:// or gs:// URLs, and data.urls has az://, s3://"):
+        endpoint_options("http://h", {}, ["s3://b/x.tar", "az://c/y.tar"])
