@@ -146,8 +146,19 @@ def main() -> None:
         less = result["prefetch_less_than"].get(way)
         shown = "—" if less is None else ("no wait left" if math.isinf(less) else f"{less:.1f}x")
         print(f"| {way} | {result['wait_s'][way]:.2f} s | {result['wait_share'][way]:.0%} | {shown} |")
-    target = result["prefetch_less_than"]["cache"] >= 5 and result["prefetch_less_than"]["ranged"] >= 5
-    print(f"\ntarget (prefetch waits at least 5x less than without it): {'met' if target else 'missed'}")
+    print("\ntarget: prefetch waits at least 5x less than without it")
+    for way in ("ranged", "cache"):
+        less, wait, share = result["prefetch_less_than"][way], result["wait_s"][way], result["wait_share"][way]
+        verdict = "met" if less >= 5 else "missed"
+        print(f"- against {way}: {verdict} ({'no wait left' if math.isinf(less) else f'{less:.1f}x'})", end="")
+        if less < 5:  # say why: there was little left to hide
+            print(
+                f": {way} alone waits {wait:.2f} s ({share:.0%} of the epoch), what the DataLoader's own queue "
+                "does not hide at these step times; shorter steps leave more to hide "
+                "(--step-ms 5 --shards 32 --per-shard 128 --prefetch-files 4)"
+            )
+        else:
+            print()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ JSON and plot. It asserts the shape of the results, never a speed (speeds live i
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,11 @@ def test_remote_benchmark_prints_the_wait_of_every_way_to_read() -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     for way in ("ranged", "cache", "cache + prefetch"):
         assert f"\n| {way} | " in done.stdout, done.stdout
-    assert "target (prefetch waits at least 5x less than without it): " in done.stdout
+    assert "target: prefetch waits at least 5x less than without it" in done.stdout
+    verdicts = re.findall(r"^- against (ranged|cache): (met|missed) \(", done.stdout, flags=re.M)
+    assert [way for way, _ in verdicts] == ["ranged", "cache"], done.stdout
+    for way, verdict in verdicts:  # a miss says why
+        assert verdict == "met" or f"): {way} alone waits " in done.stdout, done.stdout
 
 
 def run_benchmark(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess[str]:
