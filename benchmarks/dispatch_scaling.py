@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.sources import SqliteSource, source_manifest
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.world import SampleContext, World
+from lightning_sharding.readers.sources import SqliteSource, source_manifest
 from lightning_sharding.strategies.dispatch import DispatchLoader
-from lightning_sharding.world import SampleContext, World
 
 WORK = int(os.environ.get("DISPATCH_BENCH_WORK", "20000"))
 
@@ -58,7 +58,7 @@ def epoch_rate(loader: DispatchLoader, epoch: int) -> float:
 
 def transform_only_rate(rows: int) -> float:
     """Samples/s of the transform alone in this process: what one core gives without any loader."""
-    from lightning_sharding.world import ShardContext
+    from lightning_sharding.core.world import ShardContext
 
     ctx = SampleContext(ShardContext(0, 1, 0, 0, 0, 0), 0, 0, 0)
     start = time.perf_counter()

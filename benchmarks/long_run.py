@@ -88,7 +88,7 @@ def probe(helpers: dict[str, int]) -> dict[str, Any]:
 
 def make_datamodule(strategy: str, root: Path) -> Any:
     from lightning_sharding import NpyWindows, ShardedDataModule, SyntheticReader
-    from lightning_sharding.sources import SqliteSource
+    from lightning_sharding.readers.sources import SqliteSource
 
     options: dict[str, Any] = dict(
         batch_size=BATCH,

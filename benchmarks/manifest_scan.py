@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lightning_sharding.datasets import write_regression
 from lightning_sharding.readers import TarReader
+from lightning_sharding.recipes.synthetic_files import write_regression
 
 
 def timed_build(pattern: str, cache: Path, threads: int, clear: bool) -> tuple[float, dict[str, int]]:

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_sharding._distributed import gather_objects
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.plan import plan_epoch
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.distributed.collectives import gather_objects
 
 ITEMS, RANKS, WORKERS, LEDGER_RANGES, PLAN_BATCH = 1_000_000, 4096, 8, 10_000, 16
 STREAMS = 16  # the mixture row: 16 streams of ITEMS items each (one sample per item), weights 1..16
@@ -54,7 +54,7 @@ def mixture_planning_seconds(repeats: int, composition: str = "mixed") -> dict[s
     positions, with a 10,000-range ledger), and separately to map that rank's positions to items:
     that builds each stream's item order (a permutation of its 10^6 items), once per epoch. A
     ``stratified`` or ``per_stream`` composition plans blocks of the batch size (one batch each)."""
-    from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
+    from lightning_sharding.mixture.order import Mixture, StreamSpec, plan_draws
 
     specs = [StreamSpec(f"s{i}", weight=float(i + 1)) for i in range(STREAMS)]
     draws = plan_draws(specs, [ITEMS] * STREAMS)
@@ -103,9 +103,9 @@ def mixture_change_seconds(items: int, samples_per_item: int) -> dict[str, Any]:
     streams of ``items`` items of ``samples_per_item`` samples, a quarter of the epoch consumed in 16
     runs (as 16 ranks leave it), weights 1..16 reversed. It locates every consumed sample (each
     item's sample order is drawn once: items of few samples cost the most), and then the rest."""
-    from lightning_sharding.manifest import Item, Manifest
-    from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
-    from lightning_sharding.mixture_change import change_mixture
+    from lightning_sharding.core.manifest import Item, Manifest
+    from lightning_sharding.mixture.change import change_mixture
+    from lightning_sharding.mixture.order import Mixture, StreamSpec, plan_draws
 
     names = [f"s{i}" for i in range(STREAMS)]
     all_items = tuple(Item(f"{n}/{i}", samples_per_item) for n in names for i in range(items))

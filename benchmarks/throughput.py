@@ -1,9 +1,9 @@
 """Samples/s of every system on the same local data with the same per-sample work, side by side.
 
 The data: ``.npy`` files of rows ``[id, x (64 float32), y]`` written by
-:func:`lightning_sharding.datasets.write_regression`; the streaming peers get the same rows in
+:func:`lightning_sharding.recipes.synthetic_files.write_regression`; the streaming peers get the same rows in
 their own formats, written by their own writers (see ``peers.py``). The per-sample work is
-:func:`lightning_sharding.datasets.to_regression` for every system; our batch path does the same
+:func:`lightning_sharding.recipes.synthetic_files.to_regression` for every system; our batch path does the same
 work once per batch (``batch_transform``) on rows read a batch at a time. Shuffle on, one rank,
 spawned workers. The clock starts at the first batch, so worker start-up is left out.
 """
@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, World
-from lightning_sharding.datasets import to_regression, write_regression
-from lightning_sharding.options import LoaderOptions
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.world import SampleContext
 from lightning_sharding.readers import NpyReader
-from lightning_sharding.world import SampleContext
+from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
 
 DIM, BATCH, FILES = 64, 256, 16
 BATCH_ROW_BYTES = 8 + 4 * DIM + 4  # one sample of a batch: id (int64), x and y (float32)

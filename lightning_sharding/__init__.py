@@ -11,48 +11,54 @@ modules, without paying for importing Lightning.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from lightning_sharding._version import __version__
 
 _EXPORTS = {
-    "BatchContext": "world",
-    "BatchTask": "plan",
-    "CheckpointMismatchError": "ledger",
+    "BatchContext": "core.world",
+    "BatchTask": "core.plan",
+    "CheckpointMismatchError": "core.ledger",
     "DispatchLoader": "strategies.dispatch",
-    "EpochOrder": "order",
-    "EpochPlan": "plan",
-    "EpochReport": "summary",
+    "EpochOrder": "core.order",
+    "EpochPlan": "core.plan",
+    "EpochReport": "lightning.summary",
     "FileReader": "readers",
-    "Item": "manifest",
+    "Item": "core.manifest",
     "JsonlReader": "readers",
-    "Ledger": "ledger",
-    "LoaderOptions": "options",
-    "Manifest": "manifest",
+    "Ledger": "core.ledger",
+    "LoaderOptions": "core.options",
+    "Manifest": "core.manifest",
     "NpyReader": "readers",
     "NpyWindows": "readers",
     "ParquetReader": "readers",
-    "plan_epoch": "plan",
+    "plan_epoch": "core.plan",
     "register_strategy": "strategies",
-    "RangeSet": "rangeset",
-    "RankPlan": "plan",
+    "RangeSet": "core.rangeset",
+    "RankPlan": "core.plan",
     "Reader": "readers",
-    "ReleaseProcessGroup": "release",
-    "ReplicaMismatchError": "keeper",
-    "SampleContext": "world",
+    "ReleaseProcessGroup": "lightning.release",
+    "ReplicaMismatchError": "lightning.keeper",
+    "SampleContext": "core.world",
     "SampleError": "strategies",
-    "Source": "sources",
+    "Source": "readers.sources",
     "Strategy": "strategies",
-    "SqliteSource": "sources",
-    "Stream": "streams",
-    "ShardContext": "world",
-    "ShardedDataModule": "datamodule",
+    "SqliteSource": "readers.sources",
+    "Stream": "mixture.streams",
+    "ShardContext": "core.world",
+    "ShardedDataModule": "lightning.datamodule",
     "ShardedLoader": "strategies.shard",
-    "ShardingCallback": "callbacks",
+    "ShardingCallback": "lightning.callbacks",
     "SyntheticReader": "readers",
     "TarReader": "readers",
     "WindowedReader": "readers",
-    "World": "world",
+    "World": "core.world",
 }
 
 __all__ = [
@@ -97,15 +103,19 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lightning_sharding.callbacks import ShardingCallback
-    from lightning_sharding.datamodule import ShardedDataModule
-    from lightning_sharding.keeper import ReplicaMismatchError
-    from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-    from lightning_sharding.manifest import Item, Manifest
-    from lightning_sharding.options import LoaderOptions
-    from lightning_sharding.order import EpochOrder
-    from lightning_sharding.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
-    from lightning_sharding.rangeset import RangeSet
+    from lightning_sharding.core.ledger import CheckpointMismatchError, Ledger
+    from lightning_sharding.core.manifest import Item, Manifest
+    from lightning_sharding.core.options import LoaderOptions
+    from lightning_sharding.core.order import EpochOrder
+    from lightning_sharding.core.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
+    from lightning_sharding.core.rangeset import RangeSet
+    from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
+    from lightning_sharding.lightning.callbacks import ShardingCallback
+    from lightning_sharding.lightning.datamodule import ShardedDataModule
+    from lightning_sharding.lightning.keeper import ReplicaMismatchError
+    from lightning_sharding.lightning.release import ReleaseProcessGroup
+    from lightning_sharding.lightning.summary import EpochReport
+    from lightning_sharding.mixture.streams import Stream
     from lightning_sharding.readers import (
         FileReader,
         JsonlReader,
@@ -117,14 +127,10 @@ if TYPE_CHECKING:
         TarReader,
         WindowedReader,
     )
-    from lightning_sharding.release import ReleaseProcessGroup
-    from lightning_sharding.sources import Source, SqliteSource
+    from lightning_sharding.readers.sources import Source, SqliteSource
     from lightning_sharding.strategies import SampleError, Strategy, register_strategy
     from lightning_sharding.strategies.dispatch import DispatchLoader
     from lightning_sharding.strategies.shard import ShardedLoader
-    from lightning_sharding.streams import Stream
-    from lightning_sharding.summary import EpochReport
-    from lightning_sharding.world import BatchContext, SampleContext, ShardContext, World
 
 
 def __getattr__(name: str) -> Any:
@@ -138,3 +144,70 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+# Modules that moved into folders in 0.9 (issue 33): their old paths still import, for one release,
+# as the new module itself, with a DeprecationWarning naming the new path. (``lightning_sharding.mixture``
+# is now the mixture package, which exports what the old module did.)
+_MOVED = {
+    "manifest": "core.manifest",
+    "order": "core.order",
+    "plan": "core.plan",
+    "rangeset": "core.rangeset",
+    "ledger": "core.ledger",
+    "world": "core.world",
+    "options": "core.options",
+    "streams": "mixture.streams",
+    "interleave": "mixture.interleave",
+    "composition": "mixture.composition",
+    "mixture_change": "mixture.change",
+    "lookahead": "mixture.lookahead",
+    "datamodule": "lightning.datamodule",
+    "callbacks": "lightning.callbacks",
+    "keeper": "lightning.keeper",
+    "accounting": "lightning.accounting",
+    "progress_bar": "lightning.progress_bar",
+    "summary": "lightning.summary",
+    "release": "lightning.release",
+    "restart": "lightning.restart",
+    "audit": "lightning.audit",
+    "dali": "lightning.dali",
+    "_distributed": "distributed.collectives",
+    "agreement": "distributed.agreement",
+    "segments": "strategies._shared_memory",
+    "processes": "strategies._helper_deaths",
+    "dispatcher": "strategies._dispatch_process",
+    "storage": "readers.storage",
+    "sources": "readers.sources",
+    "plots": "cli.plots",
+    "datasets": "recipes.synthetic_files",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``lightning_sharding.<old>`` as the module it moved to, warning once per import."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        """A spec for a moved module's old path; ``None`` for every other name."""
+        prefix, _, old = fullname.partition(".")
+        if prefix != __name__ or old not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        """The new module itself, so classes and functions are the same objects under both paths."""
+        new = f"{__name__}.{_MOVED[spec.name.partition('.')[2]]}"
+        warnings.warn(
+            f"{spec.name} moved to {new} in lightning_sharding 0.9; import it from there "
+            "(the old path goes away in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the new module is already loaded."""
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

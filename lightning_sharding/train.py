@@ -30,8 +30,8 @@ from lightning_sharding.config import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_sharding.callbacks import ShardingCallback
-    from lightning_sharding.datamodule import ShardedDataModule
+    from lightning_sharding.lightning.callbacks import ShardingCallback
+    from lightning_sharding.lightning.datamodule import ShardedDataModule
     from lightning_sharding.recipes.models import Regressor
 
 __all__ = ["CONF_DIR", "Regressor", "build_callbacks", "build_datamodule", "main", "run"]
@@ -47,7 +47,7 @@ def __getattr__(name: str) -> Any:
 
 def build_datamodule(cfg: DictConfig) -> ShardedDataModule:
     """Instantiate ``cfg.data`` with the ``sharding`` options and the audit directory."""
-    from lightning_sharding.datamodule import ShardedDataModule
+    from lightning_sharding.lightning.datamodule import ShardedDataModule
 
     sharding = OmegaConf.to_container(cfg.sharding, resolve=True)
     audit_dir = cfg.audit.dir if cfg.audit.enabled else None
@@ -59,7 +59,7 @@ def build_datamodule(cfg: DictConfig) -> ShardedDataModule:
 
 def _check_data(cfg: DictConfig, dm: ShardedDataModule) -> None:
     """The checks that need the data itself: what the strategy takes, a reachable batch size."""
-    from lightning_sharding.sources import UNKNOWN_LENGTH
+    from lightning_sharding.readers.sources import UNKNOWN_LENGTH
 
     reader = None if dm.source is not None else dm.make_reader()
     try:
@@ -82,7 +82,7 @@ def build_callbacks(cfg: DictConfig) -> tuple[ShardingCallback, list[pl.Callback
     """The summary callback, and every callback the trainer gets (checkpoints if enabled)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
+    from lightning_sharding.lightning.callbacks import ReleaseProcessGroup, ShardingCallback
 
     c = cfg.callbacks
     sharding = ShardingCallback(print_summary=c.print_summary, log_every_n_steps=c.log_every_n_steps)

@@ -69,7 +69,7 @@ class Job:
     skew_rank1: bool = False  # rank 1 lists one more item than rank 0
     audit: bool = False  # write the audit trail to <out>/audit
     # A file reader instead of the synthetic one: {"format": "tar"|..., "urls": ..., "storage_options": ...};
-    # files written by lightning_sharding.datasets.write_regression (ids 0..N-1 in file order).
+    # files written by lightning_sharding.recipes.synthetic_files.write_regression (ids 0..N-1 in file order).
     data: dict[str, Any] | None = None
     on_error: str = "raise"
     loader: str = "dataloader"  # "dataloader": ShardedDataModule; "dali": DaliDataModule (CPU pipeline)
@@ -347,8 +347,8 @@ def assert_checkpoint_matches_weights(path: Path, sizes: tuple[int, ...]) -> tup
     import numpy as np
     import torch
 
-    from lightning_sharding.order import EpochOrder
-    from lightning_sharding.rangeset import RangeSet
+    from lightning_sharding.core.order import EpochOrder
+    from lightning_sharding.core.rangeset import RangeSet
 
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     state = ckpt["lightning_sharding"]

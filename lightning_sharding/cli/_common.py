@@ -57,7 +57,7 @@ def _check_plot_path(text: str | None) -> Path | None:
 
 
 def _draw(function: Callable[..., None], path: Path, *args: Any) -> None:
-    from lightning_sharding.plots import MatplotlibMissingError
+    from lightning_sharding.cli.plots import MatplotlibMissingError
 
     try:
         function(path, *args)

@@ -1,11 +1,14 @@
-"""``lightning-sharding audit DIR...``: exactly-once over a run's audit trail (see :mod:`lightning_sharding.audit`)."""
+"""``lightning-sharding audit DIR...``: exactly-once over a run's audit trail.
+
+The trail itself is written and read by :mod:`lightning_sharding.lightning.audit`.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from lightning_sharding.audit import audit, format_audit
+from lightning_sharding.lightning.audit import audit, format_audit
 
 
 def register(subparsers: Any) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from lightning_sharding.cli._common import CliError, _check_plot_path, _draw, _first_line, _plural
-from lightning_sharding.ledger import CHECKPOINT_KEY, GLOBAL_STEP_KEY, ledger_step_mismatch
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.ledger import CHECKPOINT_KEY, GLOBAL_STEP_KEY, ledger_step_mismatch
+from lightning_sharding.core.rangeset import RangeSet
 
 
 def register(sub: Any) -> None:
@@ -50,7 +50,7 @@ def _percent(part: int, whole: int) -> str:
 
 def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
     """The ``inspect`` report of a checkpoint holding a valid data ledger."""
-    from lightning_sharding.ledger import Ledger
+    from lightning_sharding.core.ledger import Ledger
 
     state = ckpt[CHECKPOINT_KEY]
     ledger = Ledger.from_state_dict(state)
@@ -90,13 +90,13 @@ def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:
     """A mixture's streams: each one's share, and how many of its draws this epoch are consumed."""
     if not streams:
         return []
-    from lightning_sharding.composition import layout_of_summary
+    from lightning_sharding.mixture.composition import layout_of_summary
 
     composition, size = manifest.get("composition", "mixed"), manifest.get("batch_size")
     blocked = f" of {size} (resume with batch_size={size})" if composition != "mixed" else ""
     lines = [f"mixture      {len(streams)} streams in {composition} batches{blocked}"]
     if ledger.change is not None:  # resumed with allow_mixture_change: the epoch's counts span both mixtures
-        from lightning_sharding.mixture_change import changed_counts
+        from lightning_sharding.mixture.change import changed_counts
 
         before = len(RangeSet.from_state(np.asarray(ledger.change["before"]["consumed"])))
         counts = changed_counts(ledger)
@@ -124,7 +124,7 @@ def _step_line(state: Mapping[str, Any], global_step: Any) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from lightning_sharding.ledger import CheckpointMismatchError, Ledger
+    from lightning_sharding.core.ledger import CheckpointMismatchError, Ledger
 
     path = Path(args.checkpoint)
     plot = _check_plot_path(args.plot)
@@ -137,7 +137,7 @@ def _inspect(args: argparse.Namespace) -> int:
         raise CliError(f"{path}: {err}") from None
     print(report)
     if plot is not None:
-        from lightning_sharding import plots
+        import lightning_sharding.cli.plots as plots
 
         ledger = Ledger.from_state_dict(ckpt[CHECKPOINT_KEY])
         _draw(plots.plot_progress, plot, ledger.consumed, ledger.total, ledger.epoch)

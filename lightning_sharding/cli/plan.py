@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING, Any, cast
 from lightning_sharding.cli._common import PROG, CliError, _check_plot_path, _draw, _first_line, _int_at_least
 from lightning_sharding.cli.plan_format import format_plan
 from lightning_sharding.config import CONF_DIR
-from lightning_sharding.plan import EVEN_BATCH_POLICIES
-from lightning_sharding.rangeset import RangeSet
-from lightning_sharding.world import check_data_parallel
+from lightning_sharding.core.plan import EVEN_BATCH_POLICIES
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import check_data_parallel
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from lightning_sharding.manifest import Manifest
-    from lightning_sharding.mixture import MixtureOrder
-    from lightning_sharding.order import EpochOrder
-    from lightning_sharding.plan import EvenBatches
+    from lightning_sharding.core.manifest import Manifest
+    from lightning_sharding.core.order import EpochOrder
+    from lightning_sharding.core.plan import EvenBatches
+    from lightning_sharding.mixture.order import MixtureOrder
 
 
 def register(sub: Any) -> None:
@@ -131,7 +131,7 @@ def _data_settings(cfg: DictConfig) -> _DataSettings:
 def _manifest(cfg: DictConfig, batch_size: int | None = None) -> Manifest:
     """The items the config's data holds (any data option or recipe: built as training builds it;
     a stratified or per_stream mixture in blocks of ``batch_size``)."""
-    from lightning_sharding.manifest import Manifest
+    from lightning_sharding.core.manifest import Manifest
     from lightning_sharding.readers.synthetic import SyntheticReader
 
     data = cfg.data
@@ -140,7 +140,7 @@ def _manifest(cfg: DictConfig, batch_size: int | None = None) -> Manifest:
             return Manifest.from_items(SyntheticReader(data.num_items, data.samples_per_item, data.dim).items())
         except ValueError as err:
             raise CliError(str(err)) from None
-    from lightning_sharding.sources import source_manifest
+    from lightning_sharding.readers.sources import source_manifest
     from lightning_sharding.train import build_datamodule
 
     try:
@@ -155,7 +155,7 @@ def _manifest(cfg: DictConfig, batch_size: int | None = None) -> Manifest:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from lightning_sharding.plan import plan_epoch
+    from lightning_sharding.core.plan import plan_epoch
 
     plot = _check_plot_path(args.plot)
     cfg = _compose(args.overrides, args.config_dir, args.config_name)
@@ -208,7 +208,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(text)
     if plot is not None:
-        from lightning_sharding import plots
+        import lightning_sharding.cli.plots as plots
 
         _draw(plots.plot_plan, plot, plan, order)
         print(f"plot written to {plot}")

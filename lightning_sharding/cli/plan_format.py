@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from lightning_sharding.cli._common import _plural
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet
 
 if TYPE_CHECKING:
-    from lightning_sharding.mixture import MixtureOrder
-    from lightning_sharding.order import EpochOrder
-    from lightning_sharding.plan import EpochPlan, RankPlan
+    from lightning_sharding.core.order import EpochOrder
+    from lightning_sharding.core.plan import EpochPlan, RankPlan
+    from lightning_sharding.mixture.order import MixtureOrder
 
 # World sizes above this print the first and last RANKS_SHOWN // 2 ranks only; likewise workers.
 MAX_RANKS = 16
@@ -85,7 +85,7 @@ def _stream_counts(order: MixtureOrder, positions: RangeSet) -> tuple[int, ...]:
 def _plan_rows(plan: EpochPlan, order: EpochOrder | MixtureOrder) -> tuple[list[_Row | None], list[RangeSet]]:
     """Printed rows (``None`` for ``...``) and what every rank covers, for the totals: the slots of
     its items, or for a mixture its served positions."""
-    from lightning_sharding.mixture import MixtureOrder
+    from lightning_sharding.mixture.order import MixtureOrder
 
     mixture = order if isinstance(order, MixtureOrder) else None
     items_order = cast("EpochOrder", order)
@@ -146,7 +146,7 @@ def _mixture_lines(order: MixtureOrder, shares: Sequence[str], width: int = 64) 
         picture = "".join(letters[s] for s in stream.tolist())
         lines.append(f"interleave of positions 0..{len(picture) - 1}: {picture}")
         return lines
-    from lightning_sharding.composition import PerStream
+    from lightning_sharding.mixture.composition import PerStream
 
     if isinstance(order.interleave, PerStream):
         starts, _ = blocks.bounds(np.arange(min(width, blocks.count)))
@@ -177,7 +177,7 @@ def format_plan(
     For a mixture (a :class:`MixtureOrder`, each stream's share in ``shares``) the ``items``
     column gives way to one column of samples per stream.
     """
-    from lightning_sharding.mixture import MixtureOrder
+    from lightning_sharding.mixture.order import MixtureOrder
 
     mixture = order if isinstance(order, MixtureOrder) else None
     rows, rank_slots = _plan_rows(plan, order)

@@ -18,7 +18,7 @@ class DataOptions:
 
     ``feeds`` says what the option builds: ``"reader"`` (samples), ``"windows"`` (a
     :class:`~lightning_sharding.readers.windows.WindowedReader`) or ``"source"`` (a
-    :class:`~lightning_sharding.sources.Source`); :func:`check_config` matches it to the strategy.
+    :class:`~lightning_sharding.readers.sources.Source`); :func:`check_config` matches it to the strategy.
     """
 
     feeds: ClassVar[str] = "reader"

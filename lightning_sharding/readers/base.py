@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.manifest import Item, Manifest
-from lightning_sharding.world import ShardContext
+from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.world import ShardContext
 
 # A batch read as columns: one array of shape (n, ...), or a dict of such arrays by field.
 Columns = npt.NDArray[Any] | dict[str, npt.NDArray[Any]]

@@ -24,14 +24,14 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.manifest import Item
+from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
 from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, Progress, default_cache_dir, write_atomically
 from lightning_sharding.readers.prefetch import Prefetcher, check_prefetch, files_ahead
 from lightning_sharding.readers.shared_index import check_index_once_per, shared_items
-from lightning_sharding.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
-from lightning_sharding.world import ShardContext
+from lightning_sharding.readers.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
 
 _SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row groups)
 
@@ -244,7 +244,7 @@ class FileReader(Reader):
     def read_ranges(self, item: Item, starts: npt.ArrayLike, ends: npt.ArrayLike) -> list[bytes]:
         """Bytes ``[starts[i], ends[i])`` of the file of ``item``, from its local copy when the reader
         keeps one (``cache_limit``), else from storage with this reader's options and retries."""
-        from lightning_sharding.storage import read_ranges
+        from lightning_sharding.readers.storage import read_ranges
 
         s, e = np.asarray(starts).tolist(), np.asarray(ends).tolist()
         with self.local_copy(item) as local:

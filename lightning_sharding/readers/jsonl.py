@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.manifest import Item
+from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
-from lightning_sharding.storage import FileInfo, filesystem
-from lightning_sharding.world import ShardContext
+from lightning_sharding.readers.storage import FileInfo, filesystem
 
 _CHUNK = 1 << 22
 

@@ -15,7 +15,7 @@ import numbers
 import threading
 from collections.abc import Callable, Sequence
 
-from lightning_sharding.manifest import Item
+from lightning_sharding.core.manifest import Item
 
 
 def check_prefetch(reader: str, cache_limit: object, files: object, max_bytes: object) -> tuple[int, int | None]:

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from lightning_sharding._distributed import broadcast_object, gather_objects
-from lightning_sharding.manifest import Item
-from lightning_sharding.world import World
+from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.world import World
+from lightning_sharding.distributed.collectives import broadcast_object, gather_objects
 
 INDEX_ONCE_PER = ("job", "node", "rank")
 _WORLD: ContextVar[World | None] = ContextVar("lightning_sharding_index_world", default=None)

@@ -13,9 +13,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lightning_sharding.manifest import Item
+from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Columns, Reader
-from lightning_sharding.world import ShardContext
 
 
 def regression_arrays(ids: npt.NDArray[np.int64], dim: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:

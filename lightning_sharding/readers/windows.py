@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.manifest import Item
+from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Reader
-from lightning_sharding.world import ShardContext
 
 Int64Array = npt.NDArray[np.int64]
 # (key, start, stop): steps [start, stop) of item `key`.

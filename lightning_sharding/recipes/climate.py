@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.core.world import ShardContext
+from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.windows import NpyWindows
 from lightning_sharding.recipes.data import datamodule, generated
-from lightning_sharding.world import ShardContext
 
 
 class ForecastWindows(NpyWindows):

@@ -9,11 +9,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_sharding.datamodule import ShardedDataModule
-from lightning_sharding.options import Transform
+from lightning_sharding.core.options import Transform
+from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.base import Reader
-from lightning_sharding.sources import Source
-from lightning_sharding.storage import scheme_of
+from lightning_sharding.readers.sources import Source
+from lightning_sharding.readers.storage import scheme_of
 
 # The loader options of config.DataOptions that go to ShardedDataModule unchanged.
 _PASSED = (
@@ -113,7 +113,7 @@ def files(
     **options: Any,
 ) -> ShardedDataModule:
     """``data=files``: files of one reader format; with no ``urls`` a regression set is generated."""
-    from lightning_sharding.datasets import to_regression
+    from lightning_sharding.recipes.synthetic_files import to_regression
 
     storage = dict(storage_options)
     if endpoint_url:
@@ -160,8 +160,8 @@ def file_reader(
 ) -> Reader:
     """A reader of ``format`` over ``urls``; with none, of a regression set generated once into the
     cache. ``key`` names the config key of ``format`` in errors (``data`` or ``data.streams[i]``)."""
-    from lightning_sharding.datasets import FORMATS, write_regression
     from lightning_sharding.readers import FILE_READERS
+    from lightning_sharding.recipes.synthetic_files import FORMATS, write_regression
 
     if format not in FILE_READERS:
         raise ValueError(f"{key}.format={format!r} is unknown; choose one of {list(FORMATS)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.recipes.data import datamodule, file_reader
 
 _SHARES = ("weight", "proportion", "repeat", "choose")
@@ -24,8 +24,8 @@ def mixture(
     **options: Any,
 ) -> ShardedDataModule:
     """A :class:`ShardedDataModule` over ``streams`` (see ``config.data.StreamOptions``)."""
-    from lightning_sharding.datasets import to_regression
-    from lightning_sharding.streams import Stream
+    from lightning_sharding.mixture.streams import Stream
+    from lightning_sharding.recipes.synthetic_files import to_regression
 
     if not streams:
         raise ValueError("data.streams is empty: give one or more {name, format, ...} (see recipe=mixture)")

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.core.world import SampleContext
+from lightning_sharding.lightning.datamodule import ShardedDataModule
+from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.readers.synthetic import regression_arrays
 from lightning_sharding.recipes.data import datamodule, generated
-from lightning_sharding.sources import SqliteSource
-from lightning_sharding.world import SampleContext
 
 
 def write_table(path: Path, rows: int, dim: int) -> None:

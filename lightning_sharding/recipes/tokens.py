@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.core.world import SampleContext
+from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.recipes.data import cache_root, datamodule, generated
-from lightning_sharding.world import SampleContext
 
 
 def write_tokens(directory: Path, num_files: int, tokens_per_file: int, vocab_size: int, seed: int = 0) -> None:

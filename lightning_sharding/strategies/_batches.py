@@ -10,20 +10,20 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
-from lightning_sharding.lookahead import items_from
-from lightning_sharding.manifest import Item, Manifest
-from lightning_sharding.mixture import MixtureOrder
-from lightning_sharding.mixture_change import MixtureChange
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.order import EpochOrder
-from lightning_sharding.plan import BatchTask
+from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.order import EpochOrder
+from lightning_sharding.core.plan import BatchTask
+from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
+from lightning_sharding.mixture.change import MixtureChange
+from lightning_sharding.mixture.lookahead import items_from
+from lightning_sharding.mixture.order import MixtureOrder
 from lightning_sharding.readers.base import Reader
-from lightning_sharding.storage import is_transient
+from lightning_sharding.readers.storage import is_transient
 from lightning_sharding.strategies._delivery import NO_POSITIONS, Delivery
 from lightning_sharding.strategies._samples import Failed, SampleError, difference, structure
 from lightning_sharding.strategies._slots import SlotStates, WorkerSlots
 from lightning_sharding.strategies._worker import WorkerContexts
-from lightning_sharding.world import BatchContext, SampleContext, ShardContext, World
 
 
 class PlannedBatches(Dataset[Delivery]):
@@ -120,7 +120,7 @@ class PlannedBatches(Dataset[Delivery]):
     def _tell_ahead(self, task: BatchTask, item_ids: npt.NDArray[np.int64]) -> None:
         """Tell the reader this batch's items, then those the epoch order lays out after its last
         position: this worker's next ones, 8 x fetch_ahead + 1 of them (enough files when several
-        items share one) (:func:`~lightning_sharding.lookahead.items_from`)."""
+        items share one) (:func:`~lightning_sharding.mixture.lookahead.items_from`)."""
         real = task.positions[: len(task.positions) - task.num_padding]
         upcoming = items_from(self._epoch_order(task.epoch), real, 8 * self.reader.fetch_ahead + 1).tolist()
         self.reader.ahead([self.items[i] for i in dict.fromkeys(item_ids.tolist())], [self.items[i] for i in upcoming])

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.plan import RankPlan
+from lightning_sharding.core.plan import RankPlan
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -31,7 +31,7 @@ def require_dali(module: str = "nvidia.dali") -> Any:
         return importlib.import_module(module)
     except ImportError as err:
         raise ImportError(
-            "lightning_sharding.dali needs NVIDIA DALI, which is not installed: "
+            "lightning_sharding.lightning.dali needs NVIDIA DALI, which is not installed: "
             "`pip install 'lightning-sharding[dali]'` (it installs nvidia-dali-cuda120)"
         ) from err
 

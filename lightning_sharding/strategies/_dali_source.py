@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.plan import BatchTask, EvenBatches, plan_epoch
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.plan import BatchTask, EvenBatches, plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import World
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._dali_layout import (
     Field,
@@ -23,7 +24,6 @@ from lightning_sharding.strategies._dali_layout import (
     require_dali,
     sample_arrays,
 )
-from lightning_sharding.world import World
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding import segments
+import lightning_sharding.strategies._shared_memory as shared_memory
 from lightning_sharding.readers.windows import WindowedReader
-from lightning_sharding.segments import SegmentInfo
+from lightning_sharding.strategies._shared_memory import SegmentInfo
 
 # Bytes read from storage per call while filling a segment: bounds the loader's own memory.
 CHUNK_BYTES = 64 << 20
@@ -31,7 +31,7 @@ _swept_once: list[bool] = []
 
 def _unlink_all(names: set[str]) -> None:
     for name in list(names):
-        segments.unlink(name)
+        shared_memory.unlink(name)
     names.clear()
 
 
@@ -47,11 +47,11 @@ class SegmentPool:
     def __init__(self, reader: WindowedReader, rank: int, depth: int) -> None:
         with _swept:
             if not _swept_once:  # once per process: leftovers of killed runs on this machine
-                segments.sweep_dead()
+                shared_memory.sweep_dead()
                 _swept_once.append(True)
         self.reader, self.depth = reader, depth
-        token = segments.process_token()
-        self._prefix = f"{segments.PREFIX}{_RUN}-{token}-r{rank}-g{next(_generations)}"
+        token = shared_memory.process_token()
+        self._prefix = f"{shared_memory.PREFIX}{_RUN}-{token}-r{rank}-g{next(_generations)}"
         self._loads = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lsh-broadcast")
         self._futures: dict[int, Future[SegmentInfo]] = {}
@@ -92,7 +92,7 @@ class SegmentPool:
                         )
                     yield data
 
-        return segments.write_segment(name, chunks(), (steps, *shape), dtype)
+        return shared_memory.write_segment(name, chunks(), (steps, *shape), dtype)
 
     def upcoming(self, items: Sequence[int]) -> None:
         """The items the following batches will need, in order: the prefetch queue."""
@@ -135,7 +135,7 @@ class SegmentPool:
             return
         wait([self._futures.pop(item)])  # a load still running finishes before its file goes
         name = self._names.pop(item)
-        segments.unlink(name)
+        shared_memory.unlink(name)
         self.created.discard(name)
         self._refs.pop(item, None)
         self._pump()

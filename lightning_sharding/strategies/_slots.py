@@ -15,7 +15,7 @@ its slot gets a new, larger file. GPU tensors and tensors that need grad go PyTo
 
 Names are ``lsh-<run>-<owner pid.start>-t<pool>-w<worker>.<pid>-s<slot>-g<generation>`` with the
 training process as owner: a slot file a SIGKILL left behind before the training process mapped it
-is removed by :func:`~lightning_sharding.segments.sweep_dead` (a dead owner) or by the pool's close.
+is removed by :func:`~lightning_sharding.strategies._shared_memory.sweep_dead` (a dead owner) or by the pool's close.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lightning_sharding import segments
+import lightning_sharding.strategies._shared_memory as shared_memory
 
 # Batches smaller than this go through PyTorch's own path. The benchmark's transport rows found no
 # batch size at which PyTorch's path is faster: the pool was 3.6x at 4 KiB batches, 1.3x at 67 KiB
@@ -97,8 +97,8 @@ class SlotStates:
         ctx = multiprocessing.get_context(context)
         self.flags = ctx.RawArray("b", num_workers * slots_per_worker)
         self.per_worker = slots_per_worker
-        self.owner = segments.process_token()
-        self.prefix = f"{segments.PREFIX}{_RUN}-{self.owner}-t{next(_pools)}"
+        self.owner = shared_memory.process_token()
+        self.prefix = f"{shared_memory.PREFIX}{_RUN}-{self.owner}-t{next(_pools)}"
 
     def index(self, worker: int, slot: int) -> int:
         """The flag of ``slot`` of ``worker``."""
@@ -152,7 +152,7 @@ class WorkerSlots:
             return current
         size = max(total, 2 * len(current[1]) if current is not None else total)
         name = f"{self.states.prefix}-w{self.worker}.{os.getpid()}-s{slot}-g{next(self.generation)}"
-        fd = os.open(segments.SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(shared_memory.SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size)
@@ -167,7 +167,7 @@ class SlotPool:
     :class:`SlotBatch` into tensors viewing the slot, freeing the slot when they are all gone."""
 
     def __init__(self, num_workers: int, prefetch_factor: int | None, context: str | None, pin_memory: bool) -> None:
-        segments.sweep_dead()  # what a SIGKILLed run left behind
+        shared_memory.sweep_dead()  # what a SIGKILLed run left behind
         # In flight per worker (prefetch_factor), plus what the trainer holds: the batch in the step,
         # the one prefetched ahead, and one of slack; more than that is a consumer keeping batches.
         self.states = SlotStates(num_workers, (prefetch_factor or 2) + 3, context)
@@ -182,7 +182,7 @@ class SlotPool:
         key = (batch.worker, batch.slot)
         mapped = self.maps.get(key)
         if mapped is None or mapped[0] != batch.name:
-            path = segments.SHM_DIR / batch.name
+            path = shared_memory.SHM_DIR / batch.name
             fd = os.open(path, os.O_RDWR)
             try:
                 mapping = mmap.mmap(fd, batch.size)
@@ -209,5 +209,5 @@ class SlotPool:
 
 
 def _unlink_prefix(prefix: str) -> None:
-    for path in segments.SHM_DIR.glob(f"{prefix}-*"):
+    for path in shared_memory.SHM_DIR.glob(f"{prefix}-*"):
         path.unlink(missing_ok=True)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from lightning_sharding.world import ShardContext, World
+from lightning_sharding.core.world import ShardContext, World
 
 
 def seed_rngs(seed: int) -> None:

@@ -14,12 +14,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Manifest
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.plan import WorkerLayout
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.plan import WorkerLayout
+from lightning_sharding.core.world import World
 from lightning_sharding.strategies._delivery import DeliveredLog, Provenance
-from lightning_sharding.world import World
 
 Takes = Literal["reader", "windows", "source"]
 
@@ -96,7 +96,7 @@ class Strategy(ABC):
 
     Class attributes: ``name`` (the registry key), ``takes`` (``"reader"``, ``"windows"`` for a
     :class:`~lightning_sharding.readers.windows.WindowedReader`, or ``"source"`` for a
-    :class:`~lightning_sharding.sources.Source`), ``even_batch_policies``, ``skips_errors`` (whether
+    :class:`~lightning_sharding.readers.sources.Source`), ``even_batch_policies``, ``skips_errors`` (whether
     ``on_error="skip"`` works), ``worker_layout`` (how a rank's batches go to its workers),
     ``shuffles`` (whether ``shuffle`` applies), ``mixes`` (whether it reads a mixture of
     ``streams``: it plans by the manifest's order), ``compositions`` (the mixture batch compositions
@@ -149,11 +149,11 @@ class Strategy(ABC):
     def check_data(self, data: object, owner: str) -> None:
         """Raise a TypeError when ``data`` is not what this strategy ``takes``."""
         from lightning_sharding.readers.base import Reader
+        from lightning_sharding.readers.sources import Source
         from lightning_sharding.readers.windows import WindowedReader
-        from lightning_sharding.sources import Source
 
         wanted: type = {"reader": Reader, "windows": WindowedReader, "source": Source}[self.takes]
-        from lightning_sharding.streams import MixtureReader
+        from lightning_sharding.mixture.streams import MixtureReader
 
         if isinstance(data, MixtureReader) and not self.mixes:
             raise ValueError(
@@ -177,8 +177,8 @@ class Strategy(ABC):
     def manifest(self, data: Any, batch_size: int | None = None) -> Manifest:
         """The manifest of the training data (a reader's items and mixture, whose blocks take
         ``batch_size``; or a source's length)."""
+        from lightning_sharding.mixture.streams import MixtureReader
         from lightning_sharding.readers.base import Reader
-        from lightning_sharding.streams import MixtureReader
 
         if isinstance(data, MixtureReader):
             return data.manifest(batch_size)

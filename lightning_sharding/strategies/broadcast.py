@@ -22,20 +22,20 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import override
 
-from lightning_sharding import segments
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Item, Manifest
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.order import EpochOrder
-from lightning_sharding.plan import BatchTask
+import lightning_sharding.strategies._shared_memory as shared_memory
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.order import EpochOrder
+from lightning_sharding.core.plan import BatchTask
+from lightning_sharding.core.world import SampleContext, World
 from lightning_sharding.readers.windows import WindowedReader
-from lightning_sharding.segments import SegmentInfo
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import Delivery
 from lightning_sharding.strategies._segment_pool import SegmentPool
+from lightning_sharding.strategies._shared_memory import SegmentInfo
 from lightning_sharding.strategies.base import Strategy, register_strategy
 from lightning_sharding.strategies.shard import LoaderRequest, PlanSampler, ShardedLoader
-from lightning_sharding.world import SampleContext, World
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -117,7 +117,7 @@ def _item_sequence(order: EpochOrder, positions: Any) -> list[int]:
 
 
 class BroadcastBatches(PlannedBatches):
-    """Runs in workers: crops a batch of windows from zero-copy views of the rank's segments.
+    """Runs in workers: crops a batch of windows from zero-copy views of the rank's shared_memory.
 
     Its :class:`Delivery` names in ``used`` the items whose segments the batch used, so that the
     main process can release them.
@@ -134,7 +134,7 @@ class BroadcastBatches(PlannedBatches):
     def _segment(self, info: SegmentInfo, keep: dict[str, npt.NDArray[Any]]) -> npt.NDArray[Any]:
         array = self._maps.get(info.name)
         if array is None:
-            array = segments.open_segment(info)
+            array = shared_memory.open_segment(info)
         keep[info.name] = array
         return array
 

@@ -16,18 +16,18 @@ from typing import Any
 import numpy as np
 from typing_extensions import override
 
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Manifest
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.order import derive_seed
-from lightning_sharding.plan import BatchTask
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.order import derive_seed
+from lightning_sharding.core.plan import BatchTask
+from lightning_sharding.core.world import World
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._dali_layout import Field, fields_of, require_dali
 from lightning_sharding.strategies._dali_source import ShardedSource, SourcePlan, sharded_sources
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.strategies.shard import PlanSampler
-from lightning_sharding.world import World
 
 PROVENANCE = "_provenance"
 """Name of the pipeline output that carries provenance: int64, shape ``(batch, 4)`` with columns

@@ -24,27 +24,27 @@ import numpy as np
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_sharding._distributed import all_true, cpu_group, gather_counts
-from lightning_sharding.dispatcher import End, SourceError, Spec, deal, failure_message
-from lightning_sharding.dispatcher import run_dispatcher as _run_dispatcher
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Manifest
-from lightning_sharding.options import DEFAULT_OPTIONS, LoaderOptions
-from lightning_sharding.plan import plan_epoch
-from lightning_sharding.processes import how_it_ended, reraise_if_dead, watch, worker_processes
-from lightning_sharding.sources import Source, source_manifest
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.options import DEFAULT_OPTIONS, LoaderOptions
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.distributed.collectives import all_true, cpu_group, gather_counts
+from lightning_sharding.readers.sources import Source, source_manifest
 from lightning_sharding.strategies._delivery import NO_POSITIONS, DeliveredLog, Delivery
-from lightning_sharding.strategies._dispatched import (
+from lightning_sharding.strategies._dispatch_process import End, SourceError, Spec, deal, failure_message
+from lightning_sharding.strategies._dispatch_process import run_dispatcher as _run_dispatcher
+from lightning_sharding.strategies._dispatch_worker import (
     DispatchedBatches,
     DispatchError,
     DispatchSampler,
     SyncOutcome,
     make_batch,
 )
+from lightning_sharding.strategies._helper_deaths import how_it_ended, reraise_if_dead, watch, worker_processes
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.strategies.shard import ShardStrategy
-from lightning_sharding.world import ShardContext, World
 
 
 class DispatchLoader(TrainLoader):

@@ -8,7 +8,7 @@ with torchdata 0.11: Lightning restores it and resuming on another worker count 
 no loader state at all, so there is nothing for it to save.
 
 Why map-style tasks instead of an ``IterableDataset``: the main process deals each worker a
-:class:`~lightning_sharding.plan.BatchTask` through the DataLoader's own index queues. A new epoch
+:class:`~lightning_sharding.core.plan.BatchTask` through the DataLoader's own index queues. A new epoch
 is then a new plan in the main process; persistent workers need no message, and the DataLoader
 itself discards every task still in flight when a new iterator starts. Workers return whole
 batches with their provenance (:class:`Delivery`), which the loader strips before Lightning sees
@@ -24,19 +24,19 @@ from typing import Any, NamedTuple
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import Self, override
 
-from lightning_sharding.composition import COMPOSITIONS, Blocks, check_blocks
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Item, Manifest
-from lightning_sharding.options import DEFAULT_OPTIONS, LoaderOptions
-from lightning_sharding.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
-from lightning_sharding.processes import reraise_if_dead, stop_workers, watch, worker_processes
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.options import DEFAULT_OPTIONS, LoaderOptions
+from lightning_sharding.core.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
+from lightning_sharding.core.world import World
+from lightning_sharding.mixture.composition import COMPOSITIONS, Blocks, check_blocks
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
+from lightning_sharding.strategies._helper_deaths import reraise_if_dead, stop_workers, watch, worker_processes
 from lightning_sharding.strategies._slots import SlotPool
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
-from lightning_sharding.world import World
 
 
 class PlanSampler(Sampler[BatchTask]):
@@ -173,7 +173,7 @@ class ShardedLoader(TrainLoader):
     ) -> Self:
         """The loader of ``world.rank`` for ``ledger``'s epoch; use it directly to shard outside Lightning.
 
-        ``worker_layout`` is how the rank's batches go to its workers (see :mod:`lightning_sharding.plan`).
+        ``worker_layout`` is how the rank's batches go to its workers (see :mod:`lightning_sharding.core.plan`).
         """
         manifest = items if isinstance(items, Manifest) else Manifest.from_items(items)
         dataset, sampler = cls._parts(LoaderRequest(reader, manifest, ledger, world, options, worker_layout))

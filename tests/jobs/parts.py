@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_sharding import Item, ShardingCallback, SyntheticReader
-from lightning_sharding.progress_bar import train_total
+from lightning_sharding.lightning.progress_bar import train_total
 
 
 class ReplicatedDDP(DDPStrategy):

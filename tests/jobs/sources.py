@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_sharding.sources import Source, SqliteSource
-from lightning_sharding.world import SampleContext, ShardContext
+from lightning_sharding.core.world import SampleContext, ShardContext
+from lightning_sharding.readers.sources import Source, SqliteSource
 
 # The order rotates with the epoch, so a batch leaking from one epoch into the next has wrong ids.
 ROTATING_QUERY = "SELECT id, payload FROM samples ORDER BY (id + :epoch * 17) % (SELECT COUNT(*) FROM samples), id"

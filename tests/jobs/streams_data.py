@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from lightning_sharding import Item, SyntheticReader
-from lightning_sharding.streams import MixtureReader, Stream
+from lightning_sharding.mixture.streams import MixtureReader, Stream
 
 
 class OffsetReader(SyntheticReader):

@@ -34,7 +34,7 @@ def main(config_path: str) -> None:
 def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
     """The segment's DataModule, as the config says."""
     from lightning_sharding import ShardedDataModule, SyntheticReader
-    from lightning_sharding.datasets import to_regression
+    from lightning_sharding.recipes.synthetic_files import to_regression
     from tests.jobs.parts import SkewedReader, file_reader, replica_of
     from tests.jobs.windows_data import MonthWindows
 
@@ -71,7 +71,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
         audit_dir=str(out / "audit") if cfg["audit"] else None,
     )
     if cfg.get("loader", "dataloader") == "dali":
-        from lightning_sharding.dali import DaliDataModule
+        from lightning_sharding.lightning.dali import DaliDataModule
 
         dm: ShardedDataModule = DaliDataModule(data["reader"], **common)
     else:
@@ -93,7 +93,7 @@ def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any
     """The Trainer and the model of one segment, with every callback the config asks for."""
     from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-    from lightning_sharding.callbacks import ReleaseProcessGroup, ShardingCallback
+    from lightning_sharding.lightning.callbacks import ReleaseProcessGroup, ShardingCallback
     from tests.jobs.parts import (
         DieAtStep,
         KillGroupAtStep,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_sharding import ShardedDataModule, SyntheticReader
-from lightning_sharding.audit import audit
+from lightning_sharding.lightning.audit import audit
 from lightning_sharding.train import Regressor
 from tests.harness import Job, assert_exactly_once, check_resume, cpu_trainer
 

@@ -29,13 +29,13 @@ import numpy as np
 import pytest
 
 from lightning_sharding import CheckpointMismatchError, SampleError, ShardedDataModule, ShardingCallback, World
-from lightning_sharding.datasets import FORMATS, to_regression, write_regression
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Manifest
-from lightning_sharding.options import LoaderOptions
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.readers import FILE_READERS, NpyReader, SyntheticReader, TarReader
-from lightning_sharding.sources import SqliteSource
-from lightning_sharding.storage import RetryPolicy
+from lightning_sharding.readers.sources import SqliteSource
+from lightning_sharding.readers.storage import RetryPolicy
+from lightning_sharding.recipes.synthetic_files import FORMATS, to_regression, write_regression
 from lightning_sharding.strategies.broadcast import BroadcastLoader
 from tests.harness import cpu_trainer
 from tests.jobs.parts import RecordingModel

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from lightning_sharding import EpochOrder, Ledger, Manifest, RangeSet, SyntheticReader, World, plan_epoch
-from lightning_sharding.dali import DaliStrategy, merge_layout
-from lightning_sharding.options import LoaderOptions
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.lightning.dali import DaliStrategy, merge_layout
 from tests.harness import ROOT, Job, assert_exactly_once, check_resume, free_port
 from tests.jobs.dali_parts import RecordingReader, add_image
 
@@ -212,7 +212,7 @@ def test_readme_dali_example_runs_as_copied(tmp_path: Path) -> None:
 
 
 def test_missing_dali_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_sharding.dali import require_dali
+    from lightning_sharding.lightning.dali import require_dali
 
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali` fail
     with pytest.raises(ImportError, match=r"lightning-sharding\[dali\]"):

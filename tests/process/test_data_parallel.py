@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lightning_sharding.audit import audit
+from lightning_sharding.lightning.audit import audit
 from tests.harness import (
     Job,
     assert_exactly_once,

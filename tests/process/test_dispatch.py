@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from lightning_sharding import ShardedDataModule
-from lightning_sharding.dispatcher import Chunk, SourceError, Spec, deal
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.plan import plan_epoch
-from lightning_sharding.rangeset import RangeSet
-from lightning_sharding.sources import SqliteSource, source_manifest
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.readers.sources import SqliteSource, source_manifest
+from lightning_sharding.strategies._dispatch_process import Chunk, SourceError, Spec, deal
 from lightning_sharding.strategies.dispatch import DispatchLoader
-from lightning_sharding.world import ShardContext, World
 from tests.harness import (
     ROOT,
     Job,

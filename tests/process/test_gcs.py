@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sharding.datasets import FORMATS, write_regression
 from lightning_sharding.readers import TarReader
+from lightning_sharding.recipes.synthetic_files import FORMATS, write_regression
 from tests.gcs import GCSServer
 from tests.process.test_s3 import resume_from_a_bucket_exactly_once
 from tests.unit.test_readers import ids_served, make_reader, serve_epoch

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sharding.datasets import write_regression
 from lightning_sharding.readers import TarReader
+from lightning_sharding.recipes.synthetic_files import write_regression
 from tests.fault_proxy import FaultProxy
 from tests.harness import Job, assert_exactly_once, run_segment, served_per_epoch
 from tests.s3 import S3Server

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_sharding import Item, Ledger, Manifest, Reader, ShardContext, SyntheticReader, World
-from lightning_sharding.options import LoaderOptions
+from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
 
 
@@ -162,7 +162,7 @@ def test_padding_is_flagged_in_dict_batches_and_absent_otherwise() -> None:
 
 def test_sample_seed_is_the_same_whatever_the_topology() -> None:
     """Per-sample randomness depends on (seed, epoch, position) only."""
-    from lightning_sharding.world import SampleContext
+    from lightning_sharding.core.world import SampleContext
 
     seen: dict[int, dict[int, int]] = {}
     for world_size in (1, 3):

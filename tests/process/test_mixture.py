@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_sharding.audit import audit, format_audit
+from lightning_sharding.lightning.audit import audit, format_audit
 from tests.harness import Job, check_resume, kept_records, weights_of_run
 from tests.jobs.streams_data import planned_blocks, planned_ids
 

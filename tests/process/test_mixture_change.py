@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_sharding.audit import audit, format_audit
+from lightning_sharding.lightning.audit import audit, format_audit
 from tests.harness import Job, checkpoint_step, kept_records, run_segment, served_per_epoch, weights_of_run
 from tests.jobs.streams_data import planned_ids
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_sharding.datasets import FORMATS, write_regression
 from lightning_sharding.readers import TarReader
+from lightning_sharding.recipes.synthetic_files import FORMATS, write_regression
 from tests.harness import Job, assert_exactly_once, check_resume
 from tests.s3 import S3Server
 from tests.unit.test_readers import ids_served, make_reader, serve_epoch

@@ -17,16 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_sharding.datasets import to_regression, write_regression
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Manifest
-from lightning_sharding.mixture import MixtureOrder
-from lightning_sharding.options import LoaderOptions
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.world import World
+from lightning_sharding.mixture.order import MixtureOrder
+from lightning_sharding.mixture.streams import MixtureReader, Stream
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.cache import ShardCache
+from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
 from lightning_sharding.strategies.shard import ShardedLoader
-from lightning_sharding.streams import MixtureReader, Stream
-from lightning_sharding.world import World
 from tests.fault_proxy import FaultProxy
 from tests.s3 import S3Server
 from tests.unit.test_readers import ids_served, serve_epoch
@@ -122,7 +122,7 @@ def test_a_budget_smaller_than_the_data_holds_and_the_epoch_stays_exactly_once(
 KILLED_READER = """
 import sys
 from lightning_sharding.readers import TarReader
-from lightning_sharding.world import ShardContext
+from lightning_sharding.core.world import ShardContext
 import numpy as np
 options = eval(sys.argv[2])
 reader = TarReader(sys.argv[1], storage_options=options, cache_dir=sys.argv[3], cache_limit=10**9)

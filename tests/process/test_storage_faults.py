@@ -23,12 +23,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sharding import SampleError, ShardedDataModule, ShardingCallback
-from lightning_sharding.audit import audit
-from lightning_sharding.datasets import to_regression, write_regression
-from lightning_sharding.order import EpochOrder
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.order import EpochOrder
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.lightning.audit import audit
 from lightning_sharding.readers import TarReader
-from lightning_sharding.storage import RetryPolicy
+from lightning_sharding.readers.storage import RetryPolicy
+from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
 from tests.fault_proxy import FaultProxy
 from tests.harness import assert_exactly_once, cpu_trainer, served_per_epoch
 from tests.jobs.parts import RecordingModel

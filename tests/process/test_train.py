@@ -92,7 +92,7 @@ def test_the_webdataset_recipe_reads_tar_shards_from_a_bucket(
 ) -> None:
     """recipe=webdataset_s3 over s3:// or gs:// URLs: data.endpoint_url goes where that store's
     filesystem takes it, and is refused for local paths."""
-    from lightning_sharding.datasets import write_regression
+    from lightning_sharding.recipes.synthetic_files import write_regression
 
     fixture, credentials = STORES[store]
     server = request.getfixturevalue(fixture)

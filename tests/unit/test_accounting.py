@@ -11,8 +11,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from lightning_sharding.accounting import StepAccounting, TrainerProgress
-from lightning_sharding.ledger import Ledger
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.lightning.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.strategies import Provenance
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lightning_sharding import cli
-from lightning_sharding.manifest import Manifest
-from lightning_sharding.order import EpochOrder
-from lightning_sharding.plan import plan_epoch
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.order import EpochOrder
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.readers.synthetic import SyntheticReader
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""Batch composition of mixtures (``lightning_sharding.composition``) and the plans that follow it.
+"""Batch composition of mixtures (``lightning_sharding.mixture.composition``) and the plans that follow it.
 
 Properties over random mixtures, batch sizes and ledgers: every (stream, draw) sits at one position;
 ``prefix`` counts what ``streams`` lays out; under ``stratified`` every full batch holds each stream
@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.composition import Stratified, layout
-from lightning_sharding.plan import plan_epoch
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.mixture.composition import Stratified, layout
+from lightning_sharding.mixture.streams import MixtureReader, Stream
 from lightning_sharding.readers.synthetic import SyntheticReader
-from lightning_sharding.streams import MixtureReader, Stream
 
 blocked = st.sampled_from(["stratified", "per_stream"])
 draw_lists = st.lists(st.integers(0, 80), min_size=1, max_size=4).filter(lambda d: sum(d) > 0)
@@ -136,7 +136,7 @@ def mixture(composition: str, batch_size: int | None = 8) -> MixtureReader:
 
 
 def test_the_manifest_keeps_the_composition_and_a_changed_batch_size_is_named() -> None:
-    from lightning_sharding.manifest import describe_change
+    from lightning_sharding.core.manifest import describe_change
 
     eight, sixteen, mixed = (
         mixture("stratified").manifest(),
@@ -181,7 +181,7 @@ def test_the_datamodule_refuses_a_composition_without_streams_or_with_a_strategy
 
 def test_inspect_counts_a_blocked_mixtures_streams_through_its_layout() -> None:
     from lightning_sharding.cli.checkpoint import _stream_lines
-    from lightning_sharding.ledger import Ledger
+    from lightning_sharding.core.ledger import Ledger
 
     manifest = mixture("per_stream").manifest()  # web 48 = 6 batches of 8, code 16 = 2
     order = manifest.order(0, 0)
@@ -201,10 +201,10 @@ def test_a_resume_after_a_blocked_epoch_that_dropped_a_batch_warns_only_when_sam
 ) -> None:
     import warnings
 
-    from lightning_sharding.keeper import LedgerKeeper
-    from lightning_sharding.ledger import Ledger
-    from lightning_sharding.options import LoaderOptions
-    from lightning_sharding.world import World
+    from lightning_sharding.core.ledger import Ledger
+    from lightning_sharding.core.options import LoaderOptions
+    from lightning_sharding.core.world import World
+    from lightning_sharding.lightning.keeper import LedgerKeeper
 
     manifest = mixture("stratified").manifest()  # 64 samples in 8 blocks of 8
     ledger = Ledger(seed=0, total=64, manifest=manifest.summary())
@@ -219,10 +219,10 @@ def test_a_resume_after_a_blocked_epoch_that_dropped_a_batch_warns_only_when_sam
 
 
 def test_resuming_a_blocked_mixture_with_another_batch_size_says_which_batch_size_to_use() -> None:
-    from lightning_sharding.keeper import LedgerKeeper
-    from lightning_sharding.ledger import CheckpointMismatchError, Ledger
-    from lightning_sharding.options import LoaderOptions
-    from lightning_sharding.world import World
+    from lightning_sharding.core.ledger import CheckpointMismatchError, Ledger
+    from lightning_sharding.core.options import LoaderOptions
+    from lightning_sharding.core.world import World
+    from lightning_sharding.lightning.keeper import LedgerKeeper
 
     saved = mixture("per_stream").manifest(8)
     ledger = Ledger(seed=0, total=saved.total, manifest=saved.summary())

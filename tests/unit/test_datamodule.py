@@ -186,7 +186,7 @@ def test_a_datamodule_reused_by_a_second_trainer_starts_a_fresh_ledger() -> None
 
 
 def test_gathering_ledgers_without_a_process_group_is_an_error() -> None:
-    from lightning_sharding._distributed import gather_objects
+    from lightning_sharding.distributed.collectives import gather_objects
 
     assert gather_objects("x", 1) == ["x"]
     with pytest.raises(RuntimeError, match="gather the data ledgers of 2 ranks"):

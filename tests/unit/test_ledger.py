@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.ledger import LEDGER_VERSION, CheckpointMismatchError, Ledger
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.ledger import LEDGER_VERSION, CheckpointMismatchError, Ledger
+from lightning_sharding.core.rangeset import RangeSet
 
 TOTAL = 200
 MANIFEST = {"fingerprint": "abc123", "num_items": 3, "total": TOTAL, "first_key": "a", "last_key": "c"}

@@ -1,4 +1,4 @@
-"""What a worker reads next (``lightning_sharding.lookahead.items_from``), checked against where
+"""What a worker reads next (``lightning_sharding.mixture.lookahead.items_from``), checked against where
 the epoch order puts every later position (``locate``): for a plain epoch and for a mixture under
 every composition, with streams drawn more than once (passes) and less than once (cycle chunks),
 the items told are the start of the sequence of items the positions after the last one read, run
@@ -10,9 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.lookahead import items_from
-from lightning_sharding.mixture import MixtureOrder
-from lightning_sharding.order import EpochOrder
+from lightning_sharding.core.order import EpochOrder
+from lightning_sharding.mixture.lookahead import items_from
+from lightning_sharding.mixture.order import MixtureOrder
 from tests.unit.test_mixture import drawn, mixtures
 
 

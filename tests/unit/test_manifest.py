@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.manifest import Item, Manifest
+from lightning_sharding.core.manifest import Item, Manifest
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

@@ -1,4 +1,4 @@
-"""The mixture order (``lightning_sharding.mixture``): draws, per-stream passes and cycles, interleave.
+"""The mixture order (``lightning_sharding.mixture.order``): draws, per-stream passes and cycles, interleave.
 
 Properties over random mixtures: each position maps to one (stream, draw) and back; every prefix
 holds each stream within two samples of its share (the bound ``interleave.py`` proves); within an
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.mixture import MixtureOrder, StreamSpec, apportion, plan_draws, stream_segments
+from lightning_sharding.mixture.order import MixtureOrder, StreamSpec, apportion, plan_draws, stream_segments
 
 
 def build(item_counts: list[list[int]], draws: list[int], seed: int = 3, epoch: int = 0) -> MixtureOrder:

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from lightning_sharding import CheckpointMismatchError, SyntheticReader
-from lightning_sharding.keeper import LedgerKeeper
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Manifest
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.plan import plan_epoch
-from lightning_sharding.rangeset import RangeSet
-from lightning_sharding.streams import MixtureReader, Stream
-from lightning_sharding.world import World
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import World
+from lightning_sharding.lightning.keeper import LedgerKeeper
+from lightning_sharding.mixture.streams import MixtureReader, Stream
 
 SIZES = {"web": [37, 41, 29], "code": [23, 17], "books": [11], "news": [19, 6]}
 SEED = 77

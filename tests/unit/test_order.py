@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.order import EpochOrder, derive_seed
-from lightning_sharding.plan import plan_epoch
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.order import EpochOrder, derive_seed
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -166,7 +166,7 @@ def test_derive_seed_and_order_are_pinned() -> None:
 
 def test_random_streams_never_share_a_seed() -> None:
     """SeedSequence pads with zeros; tags and word counts keep the item, sample and derived streams apart."""
-    from lightning_sharding.world import SampleContext, ShardContext
+    from lightning_sharding.core.world import SampleContext, ShardContext
 
     ctx = ShardContext(rank=0, world_size=1, worker_id=0, num_workers=2, epoch=3, seed=9)
     assert derive_seed(9, 3, 0) != derive_seed(9, 3, 0, 0)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
 
 MAX_TOTAL = 5000
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_sharding.manifest import Item
+from lightning_sharding.core.manifest import Item
 from lightning_sharding.readers import NpyReader
 from lightning_sharding.readers.prefetch import check_prefetch, files_ahead
 

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lightning_sharding import ShardedDataModule, SyntheticReader
-from lightning_sharding.progress_bar import train_total
+from lightning_sharding.lightning.progress_bar import train_total
 from tests.harness import cpu_trainer
 
 pytestmark = pytest.mark.timeout(180)

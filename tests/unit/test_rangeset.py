@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet
 
 BOUND = 300  # small enough that set models stay cheap, big enough for many ranges
 

@@ -15,10 +15,10 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, World
-from lightning_sharding.datasets import FORMATS, to_regression, write_regression
-from lightning_sharding.options import LoaderOptions
+from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.readers import FILE_READERS, JsonlReader, NpyReader, ParquetReader, TarReader
-from lightning_sharding.storage import RetryPolicy, with_retries
+from lightning_sharding.readers.storage import RetryPolicy, with_retries
+from lightning_sharding.recipes.synthetic_files import FORMATS, to_regression, write_regression
 
 
 def make_reader(fmt: str, urls: Any, cache: Path, **kw: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from lightning_sharding.storage import (
+from lightning_sharding.readers.storage import (
     RetryPolicy,
     filesystem,
     fingerprint_of,

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from lightning_sharding import Ledger, SyntheticReader, World
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.sources import SqliteSource
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.strategies import Strategy, get_strategy, strategy_names
 from tests.extras import require
 from tests.jobs.sources import make_db, row_to_sample
@@ -133,7 +133,7 @@ def test_the_ranks_of_a_replica_get_the_same_batches_and_resume_on_other_replica
     replica; it resumes as 4 ranks in 1 replica of 4, then the epoch is whole: every sample once."""
     if name == "dali":
         require("nvidia.dali")  # a skip without the extra; a failure in CI, which installs every extra
-    from lightning_sharding.keeper import one_ledger_per_replica
+    from lightning_sharding.lightning.keeper import one_ledger_per_replica
 
     strategy = get_strategy(name)
     data, options = data_for(strategy, tmp_path)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_sharding import CheckpointMismatchError, ShardedDataModule, SyntheticReader
-from lightning_sharding.streams import MixtureReader, Stream
+from lightning_sharding.mixture.streams import MixtureReader, Stream
 from tests.harness import cpu_trainer
 
 

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding import ShardContext, segments
-from lightning_sharding.plan import plan_epoch
-from lightning_sharding.rangeset import RangeSet
+import lightning_sharding.strategies._shared_memory as shared_memory
+from lightning_sharding import ShardContext
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.readers.windows import NpyWindows, WindowedReader
 from tests.jobs.windows_data import write_months
 
@@ -124,13 +125,13 @@ def test_the_interleaved_layout_deals_batch_i_to_worker_i_mod_w() -> None:
 
 
 def test_the_sweep_removes_segments_of_dead_owners_only(tmp_path: Path) -> None:
-    dead = segments.SHM_DIR / f"{segments.PREFIX}test-999999999.1-r0-g0-n0-i0"
-    live = segments.SHM_DIR / f"{segments.PREFIX}test-{segments.process_token()}-r0-g0-n0-i0"
-    reused = segments.SHM_DIR / f"{segments.PREFIX}test-{os.getpid()}.1-r0-g0-n0-i0"  # same pid, other start
+    dead = shared_memory.SHM_DIR / f"{shared_memory.PREFIX}test-999999999.1-r0-g0-n0-i0"
+    live = shared_memory.SHM_DIR / f"{shared_memory.PREFIX}test-{shared_memory.process_token()}-r0-g0-n0-i0"
+    reused = shared_memory.SHM_DIR / f"{shared_memory.PREFIX}test-{os.getpid()}.1-r0-g0-n0-i0"  # same pid, other start
     for path in (dead, live, reused):
         path.write_bytes(b"x")
     try:
-        removed = segments.sweep_dead()
+        removed = shared_memory.sweep_dead()
         assert dead.name in removed and reused.name in removed
         assert live.exists() and not dead.exists() and not reused.exists()
     finally:
@@ -139,14 +140,14 @@ def test_the_sweep_removes_segments_of_dead_owners_only(tmp_path: Path) -> None:
 
 
 def test_a_segment_is_a_read_only_zero_copy_view() -> None:
-    name = f"{segments.PREFIX}test-{segments.process_token()}-r0-g0-n0-i7"
+    name = f"{shared_memory.PREFIX}test-{shared_memory.process_token()}-r0-g0-n0-i7"
     data = np.arange(24, dtype=np.float32).reshape(6, 4)
-    info = segments.write_segment(name, [data[:4], data[4:]], data.shape, data.dtype)
+    info = shared_memory.write_segment(name, [data[:4], data[4:]], data.shape, data.dtype)
     try:
-        view = segments.open_segment(info)
+        view = shared_memory.open_segment(info)
         assert np.array_equal(view, data) and not view.flags.writeable and not view.flags.owndata
         with pytest.raises(ValueError):
             view[0, 0] = 1
     finally:
-        segments.unlink(name)
+        shared_memory.unlink(name)
     assert not info.path.exists()

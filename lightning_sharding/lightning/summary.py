@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.world import World
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.world import World
 
 
 @dataclass

@@ -36,8 +36,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.composition import Blocks, fit_edges
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.mixture.composition import Blocks, fit_edges
 
 EvenBatches = Literal["pad", "drop"]
 EVEN_BATCH_POLICIES: tuple[str, ...] = ("pad", "drop")

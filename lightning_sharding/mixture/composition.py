@@ -1,6 +1,6 @@
 """Batch composition of a mixture: which stream each epoch position draws from, batch by batch.
 
-``mixed`` (the default) is the :class:`~lightning_sharding.interleave.Interleave`: streams spread
+``mixed`` (the default) is the :class:`~lightning_sharding.mixture.interleave.Interleave`: streams spread
 through the epoch at their shares, batches cut wherever the plan cuts them. The other two cut the
 epoch into *blocks* of ``batch_size`` positions, and the plan serves each block as one batch
 (:class:`Blocks`, ``plan_epoch(blocks=...)``), so a block's composition is a batch's:
@@ -31,8 +31,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.interleave import Interleave
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.mixture.interleave import Interleave
 
 Int64Array = npt.NDArray[np.int64]
 COMPOSITIONS: tuple[str, ...] = ("mixed", "stratified", "per_stream")

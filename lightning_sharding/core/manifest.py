@@ -17,10 +17,10 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from lightning_sharding.composition import Blocks
-    from lightning_sharding.mixture import Mixture, MixtureOrder
-    from lightning_sharding.mixture_change import MixtureChange
-    from lightning_sharding.order import EpochOrder
+    from lightning_sharding.core.order import EpochOrder
+    from lightning_sharding.mixture.change import MixtureChange
+    from lightning_sharding.mixture.composition import Blocks
+    from lightning_sharding.mixture.order import Mixture, MixtureOrder
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Manifest:
 
     def order(self, seed: int, epoch: int, *, shuffle: bool = True) -> EpochOrder | MixtureOrder | MixtureChange:
         """The epoch order of these items: positions ``[0, total)`` to ``(item, index)``."""
-        from lightning_sharding.order import EpochOrder
+        from lightning_sharding.core.order import EpochOrder
 
         if self.change is not None and epoch == self.change.epoch:
             return self.change

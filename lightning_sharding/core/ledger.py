@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet
 
 LEDGER_VERSION = 1
 CHANGED_VERSION = 2  # a ledger of an epoch whose mixture changed on resume: earlier releases refuse it
@@ -62,7 +62,7 @@ class Ledger:
         change: Mapping[str, Any] | None = None,
     ) -> None:
         # ``change``: the epoch's mixture changed on resume; ``before`` is the ledger state it changed
-        # from, ``next_total`` the samples of the epochs after it (see :mod:`~lightning_sharding.mixture_change`).
+        # from, ``next_total`` the samples of the epochs after it (see :mod:`~lightning_sharding.mixture.change`).
         self.change: dict[str, Any] | None = dict(change) if change is not None else None
         self.seed = int(seed)
         self.total = int(total)

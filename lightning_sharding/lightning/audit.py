@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet
 
 AUDIT_VERSION = 1
 
@@ -251,7 +251,7 @@ def _per_stream(
     their composition)."""
     if not streams:
         return []
-    from lightning_sharding.composition import layout_of_summary
+    from lightning_sharding.mixture.composition import layout_of_summary
 
     positions = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
     times = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))

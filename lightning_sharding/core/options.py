@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from torch.utils.data import default_collate
 
-from lightning_sharding.plan import EvenBatches
-from lightning_sharding.world import BatchContext, SampleContext
+from lightning_sharding.core.plan import EvenBatches
+from lightning_sharding.core.world import BatchContext, SampleContext
 
 Transform = Callable[[Any, SampleContext], Any]
 BatchTransform = Callable[[Any, BatchContext], Any]

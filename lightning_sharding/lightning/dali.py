@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from lightning_sharding.datamodule import ShardedDataModule
+from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.strategies._dali_layout import merge_layout, require_dali
 from lightning_sharding.strategies.dali import DaliLoader, DaliStrategy, Graph, PipelineOptions

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.composition import Blocks, Layout, apportion, blocks_of, layout, layout_of_summary
-from lightning_sharding.mixture import StreamOrder, locate_streams, stream_seed
-from lightning_sharding.order import EpochOrder, derive_seed
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.order import EpochOrder, derive_seed
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.mixture.composition import Blocks, Layout, apportion, blocks_of, layout, layout_of_summary
+from lightning_sharding.mixture.order import StreamOrder, locate_streams, stream_seed
 
 Int64Array = npt.NDArray[np.int64]
 _REST_SEEDS = 0x4E57
@@ -107,7 +107,7 @@ class StreamReport:
 
 class MixtureChange:
     """The order of a changed epoch (see the module): ``locate``, ``streams`` and ``blocks`` like a
-    :class:`~lightning_sharding.mixture.MixtureOrder`, over ``total = rest + before`` positions."""
+    :class:`~lightning_sharding.mixture.order.MixtureOrder`, over ``total = rest + before`` positions."""
 
     def __init__(
         self,
@@ -173,7 +173,7 @@ class MixtureChange:
 
 def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -> MixtureChange:
     """The changed epoch from ``before`` (the state of a checkpoint's ledger, written under another
-    mixture) onto the mixture of ``manifest`` (a :class:`~lightning_sharding.manifest.Manifest`);
+    mixture) onto the mixture of ``manifest`` (a :class:`~lightning_sharding.core.manifest.Manifest`);
     raises :class:`MixtureChangeError` naming the stream."""
     saved = before["manifest"]
     mixture, old = manifest.mixture, saved.get("streams")

@@ -1,6 +1,6 @@
 """``LedgerKeeper``: the ledger of one fit and everything done to it, with no Lightning in sight.
 
-The DataModule makes one at ``setup("fit")``; :class:`~lightning_sharding.callbacks.ShardingCallback`
+The DataModule makes one at ``setup("fit")``; :class:`~lightning_sharding.lightning.callbacks.ShardingCallback`
 drives it: it starts epochs, gathers every rank's consumed positions, writes the checkpoint entry
 and restores one, and tells the train loader when a checkpoint is saved.
 """
@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_sharding._distributed import gather_objects
-from lightning_sharding.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
-from lightning_sharding.manifest import Manifest, describe_change
-from lightning_sharding.mixture_change import MixtureChangeError, change_mixture
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
+from lightning_sharding.core.manifest import Manifest, describe_change
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import World
+from lightning_sharding.distributed.collectives import gather_objects
+from lightning_sharding.mixture.change import MixtureChangeError, change_mixture
 from lightning_sharding.strategies.base import TrainLoader
-from lightning_sharding.world import World
 
 
 class LedgerKeeper:
@@ -31,7 +31,7 @@ class LedgerKeeper:
     ``seed_given`` is the seed the user asked for (``None``: drawn); ``allow_data_change`` lets a
     checkpoint of other data restart its epoch instead of failing; ``allow_mixture_change`` lets a
     checkpoint of another mixture of the same streams' data go on with the rest of its epoch at the
-    new shares (:mod:`~lightning_sharding.mixture_change`); ``audit_dir`` is where the callback writes
+    new shares (:mod:`~lightning_sharding.mixture.change`); ``audit_dir`` is where the callback writes
     the audit trail (``None``: none).
     """
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.world import SampleContext
 from lightning_sharding.readers.synthetic import regression_arrays
-from lightning_sharding.world import SampleContext
 
 FORMATS = ("tar", "parquet", "npy", "jsonl")  # the keys of readers.FILE_READERS
 _SUFFIX = {"tar": "tar", "parquet": "parquet", "npy": "npy", "jsonl": "jsonl"}
@@ -83,7 +83,7 @@ def write_regression(
 
     Sample ids run from 0 across the files in order. ``.npy`` files hold rows ``[id, x..., y]``.
     """
-    from lightning_sharding.storage import filesystem
+    from lightning_sharding.readers.storage import filesystem
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")

@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
-from lightning_sharding.manifest import Item, Manifest
-from lightning_sharding.world import ShardContext
+from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.world import ShardContext
 
 # The epoch length the ledger uses for a source whose length nobody knows (a stream): positions
 # are still exact, only the total is a bound rather than a count.

@@ -1,7 +1,7 @@
 """``ShardedDataModule``: the LightningDataModule users subclass or configure.
 
 It takes the topology from the trainer at ``setup()``, owns the manifest and the ledger, builds
-the sharded loaders, and adds the :class:`~lightning_sharding.callbacks.ShardingCallback` that
+the sharded loaders, and adds the :class:`~lightning_sharding.lightning.callbacks.ShardingCallback` that
 keeps the ledger in step with training and in the checkpoint.
 """
 
@@ -16,21 +16,21 @@ from lightning.pytorch.callbacks import Checkpoint
 from torch.utils.data import default_collate
 from typing_extensions import override
 
-from lightning_sharding.agreement import agree
-from lightning_sharding.callbacks import ShardingCallback
-from lightning_sharding.keeper import LedgerKeeper
-from lightning_sharding.ledger import Ledger
-from lightning_sharding.manifest import Manifest
-from lightning_sharding.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
-from lightning_sharding.plan import EvenBatches
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
+from lightning_sharding.core.plan import EvenBatches
+from lightning_sharding.core.world import DataParallel, World, check_data_parallel
+from lightning_sharding.distributed.agreement import agree
+from lightning_sharding.lightning.callbacks import ShardingCallback
+from lightning_sharding.lightning.keeper import LedgerKeeper
+from lightning_sharding.lightning.restart import epoch_lightning_runs_next
+from lightning_sharding.mixture.streams import Stream, reader_of
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.shared_index import collective
-from lightning_sharding.restart import epoch_lightning_runs_next
-from lightning_sharding.sources import Source
+from lightning_sharding.readers.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies.base import strategies_where
-from lightning_sharding.streams import Stream, reader_of
-from lightning_sharding.world import DataParallel, World, check_data_parallel
 
 
 class ShardedDataModule(pl.LightningDataModule):
@@ -76,10 +76,10 @@ class ShardedDataModule(pl.LightningDataModule):
             or ``"dispatch"`` (one process per rank reads the non-replicable ``source`` and deals
             batches to the workers; see :mod:`lightning_sharding.strategies.dispatch`).
         prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
-        source: the :class:`~lightning_sharding.sources.Source` of ``strategy="dispatch"``; a
+        source: the :class:`~lightning_sharding.readers.sources.Source` of ``strategy="dispatch"``; a
             source of unknown length needs ``even_batches="sync"``.
         streams, samples_per_epoch, batch_composition: a mixture of readers at chosen shares instead
-            of ``reader`` (see :class:`~lightning_sharding.streams.Stream`), the samples of an epoch, and
+            of ``reader`` (see :class:`~lightning_sharding.mixture.streams.Stream`), the samples of an epoch, and
             ``"mixed"``, ``"stratified"`` or ``"per_stream"`` batches (see the README's "Mixtures").
         data_parallel: ``(rank, size)`` of this rank's model replica among all replicas, or a
             function of the trainer returning it, for meshes Lightning cannot see. By default the

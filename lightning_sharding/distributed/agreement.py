@@ -1,6 +1,6 @@
 """What every rank must agree on before it reads: the data, the plan's inputs, and who shares a replica.
 
-Each rank plans every other rank's share on its own (see :mod:`lightning_sharding.plan`), so they
+Each rank plans every other rank's share on its own (see :mod:`lightning_sharding.core.plan`), so they
 must all start from the same manifest, seed, batch size and policies, and the data-parallel view
 must cut the world into equal replicas. One gather at ``setup("fit")`` checks all of it, before
 any sample is read, and names the rank and the value at fault.
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lightning_sharding._distributed import gather_objects
-from lightning_sharding.manifest import Manifest, describe_change
-from lightning_sharding.options import LoaderOptions
-from lightning_sharding.world import World
+from lightning_sharding.core.manifest import Manifest, describe_change
+from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.core.world import World
+from lightning_sharding.distributed.collectives import gather_objects
 
 # The inputs of the plan every rank computes; a rank with another value would plan other shares.
 PLAN_INPUTS = ("seed", "batch_size", "even_batches", "shuffle", "data_size")

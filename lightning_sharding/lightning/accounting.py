@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_sharding.ledger import Ledger
+from lightning_sharding.core.ledger import Ledger
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.order import derive_seed
+from lightning_sharding.core.order import derive_seed
 
 # Distinct second words keep worker seeds and sample seeds apart for every (rank, worker, position).
 _WORKER_SEEDS = 0x3017

@@ -4,7 +4,7 @@ are its next ones, until its run ends.
 
 In a plain epoch those are the items from the one holding the position on. In a mixture each
 stream's draws continue from the position on, so it is each stream's next items: those of its
-pass or cycle chunk from the draw on (:class:`~lightning_sharding.mixture.StreamOrder`), then of
+pass or cycle chunk from the draw on (:class:`~lightning_sharding.mixture.order.StreamOrder`), then of
 the next. The rest of an epoch whose mixture changed has no look-ahead: its worker fetches what
 it reads, when it reads it.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.mixture import MixtureOrder, StreamOrder
-from lightning_sharding.order import EpochOrder
+from lightning_sharding.core.order import EpochOrder
+from lightning_sharding.mixture.order import MixtureOrder, StreamOrder
 
 Int64Array = npt.NDArray[np.int64]
 

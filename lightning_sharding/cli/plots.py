@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_sharding.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from lightning_sharding.mixture import MixtureOrder
-    from lightning_sharding.order import EpochOrder
-    from lightning_sharding.plan import EpochPlan
+    from lightning_sharding.core.order import EpochOrder
+    from lightning_sharding.core.plan import EpochPlan
+    from lightning_sharding.mixture.order import MixtureOrder
 
 # Above this many (rank, worker) bands the plan is drawn with one band per rank.
 MAX_BANDS = 64
@@ -126,7 +126,7 @@ def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder | MixtureOrde
     the worker's batches in alternating shades of its rank's colour, above a thin band coloured by
     item id along the epoch order (by stream, for a mixture). Padding samples are not drawn.
     """
-    from lightning_sharding.mixture import MixtureOrder
+    from lightning_sharding.mixture.order import MixtureOrder
 
     fig = _figure(10.0, 2.0)  # fails first when matplotlib is missing; resized below
     from matplotlib.collections import PolyCollection

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.composition import Blocks, apportion, blocks_of, layout
-from lightning_sharding.order import EpochOrder, derive_seed
+from lightning_sharding.core.order import EpochOrder, derive_seed
+from lightning_sharding.mixture.composition import Blocks, apportion, blocks_of, layout
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -199,7 +199,7 @@ class MixtureOrder:
 
     ``counts`` holds every stream's item counts, stream after stream; ``stream_items[s]`` is how many
     items stream ``s`` has; ``draws`` the samples per epoch of each stream (:func:`plan_draws`);
-    ``composition`` and ``batch_size`` place the draws in the epoch (:mod:`~lightning_sharding.composition`).
+    ``composition`` and ``batch_size`` place the draws in the epoch (:mod:`~lightning_sharding.mixture.composition`).
     """
 
     def __init__(

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.plan import RankPlan
-from lightning_sharding.rangeset import RangeSet
-from lightning_sharding.sources import Source
-from lightning_sharding.world import ShardContext
+from lightning_sharding.core.plan import RankPlan
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import ShardContext
+from lightning_sharding.readers.sources import Source
 
 POLL_SECONDS = 0.1  # how often a blocked dispatcher looks for a newer generation or a dead parent
 

@@ -1,4 +1,4 @@
-"""Streams: several readers mixed into one epoch at chosen shares (see :mod:`lightning_sharding.mixture`).
+"""Streams: several readers mixed into one epoch at chosen shares (see :mod:`lightning_sharding.mixture.order`).
 
 ``ShardedDataModule(streams=[Stream("web", web, weight=3), Stream("code", code, weight=1)])`` reads
 them as one :class:`MixtureReader`: its items are every stream's items, stream after stream (keys
@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.composition import COMPOSITIONS
-from lightning_sharding.manifest import Item, Manifest
-from lightning_sharding.mixture import Mixture, StreamSpec, plan_draws
+from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.world import ShardContext
+from lightning_sharding.mixture.composition import COMPOSITIONS
+from lightning_sharding.mixture.order import Mixture, StreamSpec, plan_draws
 from lightning_sharding.readers.base import Columns, Reader
-from lightning_sharding.world import ShardContext
 
 
 @dataclass(frozen=True)
