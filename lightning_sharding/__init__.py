@@ -169,7 +169,7 @@ _MOVED = {
     "progress_bar": "lightning.progress_bar",
     "summary": "lightning.summary",
     "release": "lightning.release",
-    "restart": "lightning.restart",
+    "restart": "lightning.datamodule",
     "audit": "lightning.audit",
     "dali": "lightning.dali",
     "_distributed": "distributed.collectives",

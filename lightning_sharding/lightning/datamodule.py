@@ -1,8 +1,10 @@
 """``ShardedDataModule``: the LightningDataModule users subclass or configure.
 
 It takes the topology from the trainer at ``setup()``, owns the manifest and the ledger, builds
-the sharded loaders, and adds the :class:`~lightning_sharding.lightning.callbacks.ShardingCallback` that
-keeps the ledger in step with training and in the checkpoint.
+the sharded loaders (on a restart, for the epoch Lightning's loops are about to run:
+:func:`epoch_lightning_runs_next`), and adds the
+:class:`~lightning_sharding.lightning.callbacks.ShardingCallback` that keeps the ledger in step with
+training and in the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from lightning_sharding.core.world import DataParallel, World, check_data_parall
 from lightning_sharding.distributed.agreement import agree
 from lightning_sharding.lightning.callbacks import ShardingCallback
 from lightning_sharding.lightning.keeper import LedgerKeeper
-from lightning_sharding.lightning.restart import epoch_lightning_runs_next
 from lightning_sharding.mixture.streams import Stream, reader_of
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.shared_index import collective
@@ -280,3 +281,25 @@ def _ensure_callback(trainer: pl.Trainer) -> None:
         return
     first_checkpoint = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
     callbacks.insert(first_checkpoint, ShardingCallback())
+
+
+def epoch_lightning_runs_next(trainer: pl.Trainer) -> int:
+    """The epoch the iterator created now will serve.
+
+    Lightning creates (and prefetches from) the train iterator in ``setup_data``, before its loops'
+    ``reset()`` decides how a restart goes and before it calls ``set_epoch``. A checkpoint written
+    in ``on_train_batch_end`` of an epoch's last batch restarts into the next epoch without another
+    iterator, so the ledger must already be on that epoch; one written later on the same batch (at
+    validation end, say) finishes the saved epoch first, with this iterator. The restart stage is
+    computed here from the restored counters exactly as ``FitLoop.reset()`` will compute it.
+    """
+    fit_loop = trainer.fit_loop
+    epoch = int(getattr(fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
+    if not fit_loop.restarting:
+        return epoch
+    fit_loop.update_restart_stage()  # reads the counters only; FitLoop.reset() computes it again
+    epoch_loop = fit_loop.epoch_loop
+    on_last_batch_end = epoch_loop.restarted_on_train_batch_end and epoch_loop.batch_progress.is_last_batch
+    if on_last_batch_end and fit_loop.restarted_mid_epoch:
+        epoch += 1  # FitLoop.reset() counts the saved epoch as processed
+    return epoch
