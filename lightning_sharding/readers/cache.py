@@ -92,6 +92,15 @@ class ShardCache:
                         continue  # its writer is at work
                     os.unlink(entry.path)
 
+    def touch(self, url: str, fingerprint: str) -> bool:
+        """Mark the copy of ``url`` most recently used, without opening or locking it; whether it is
+        there (a copy evicted meanwhile is not, and a later :meth:`open` fetches it again)."""
+        try:
+            os.utime(self.path(url, fingerprint))
+        except FileNotFoundError:
+            return False
+        return True
+
     @contextlib.contextmanager
     def open(self, url: str, fingerprint: str, size: int, fetch: Callable[[str], None]) -> Iterator[str | None]:
         """The local copy of ``url`` (fetched with ``fetch(partial_path)`` when missing), read-locked

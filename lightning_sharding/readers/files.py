@@ -295,5 +295,10 @@ class FileReader(Reader):
             self._prefetcher.want(wanted)
 
     def _have_copy(self, item: Item) -> None:
+        """Make sure the file of ``item`` is in the shard cache (what a prefetch thread does). The
+        worker asks at every batch for its current and next files, which are mostly there already:
+        such a copy costs one ``utime`` (it stays most recently used), not a locked open of it."""
+        if self._shards is not None and self._shards.touch(self.split_key(item)[0], self.file_fingerprint(item)):
+            return
         with self.local_copy(item, count=False):
             pass

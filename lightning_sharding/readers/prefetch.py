@@ -4,9 +4,10 @@ shard cache, in the order the plan gives, while the worker reads the current one
 The worker tells them, at every batch, which items come next (:meth:`Prefetcher.want`); ``depth``
 threads take them in that order, so up to ``depth`` files download at once (a store's latency is
 paid once per round, not once per file), and an older wish is forgotten when a newer one arrives.
-A file already cached costs a ``stat``; one that another process or thread is fetching is waited
-for on the cache's lock, never fetched twice. A failed prefetch is dropped: the worker's own read
-fetches the file again and raises what it finds, so an error is never lost nor raised twice.
+A file already cached costs one ``utime`` (it stays the most recently used); one that another
+process or thread is fetching is waited for on the cache's lock, never fetched twice. A failed
+prefetch is dropped: the worker's own read fetches the file again and raises what it finds, so an
+error is never lost nor raised twice.
 """
 
 from __future__ import annotations

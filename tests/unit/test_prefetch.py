@@ -1,16 +1,22 @@
 """What a worker fetches ahead (``files_ahead``): the files of its batch, then the next files of its
 plan, at most ``prefetch_files`` of them and, with ``prefetch_bytes``, only while they fit; and the
-errors for bad prefetch arguments, each naming the argument. Fetching ahead from a real bucket is
-in tests/process/test_shard_cache.py."""
+errors for bad prefetch arguments, each naming the argument; and what asking for a file already
+cached costs. Fetching ahead from a real bucket is in tests/process/test_shard_cache.py."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.readers import NpyReader
+from lightning_sharding.readers import NpyReader, TarReader
+from lightning_sharding.readers.cache import ShardCache
 from lightning_sharding.readers.prefetch import check_prefetch, files_ahead
+from lightning_sharding.recipes.synthetic_files import write_regression
 
 SIZES = {"a": 100, "b": 300, "c": 200, "d": 50, "e": 400}
 
@@ -83,3 +89,29 @@ def test_bad_prefetch_arguments_are_named(kwargs: dict[str, object], message: st
 def test_numpy_integers_are_taken() -> None:
     assert check_prefetch("R", 10**9, np.int64(2), np.int64(2**20)) == (2, 2**20)
     assert check_prefetch("R", None, 0, None) == (0, None)
+
+
+def test_asking_ahead_for_a_file_already_cached_costs_a_touch_not_a_locked_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker asks at every batch for its current and next files, most of them cached by then.
+    write_regression("memory://prefetch-touch/d", "tar", [10, 10])
+    reader = TarReader("memory://prefetch-touch/d/*.tar", cache_dir=tmp_path, cache_limit=10**9, prefetch_files=1)
+    first, second = reader.items()
+    reader.read_batch(first, np.arange(3), None)  # the worker's read fetches the first file
+    (copy,) = [p for p in (tmp_path / "shards").iterdir() if not p.name.startswith(".")]
+    os.utime(copy, (1, 1))
+    opened: list[str] = []
+    real_open = ShardCache.open
+
+    def counting_open(cache: ShardCache, url: str, *args: Any) -> Any:
+        opened.append(url)
+        return real_open(cache, url, *args)
+
+    monkeypatch.setattr(ShardCache, "open", counting_open)
+    reader._have_copy(first)
+    assert opened == [], "a cached copy was opened and read-locked to learn that it is there"
+    assert copy.stat().st_mtime > 1, "the copy asked for stays the most recently used"
+    reader._have_copy(second)  # not there yet: fetched under the cache's lock
+    assert opened == [reader.split_key(second)[0]]
+    assert len([p for p in (tmp_path / "shards").iterdir() if not p.name.startswith(".")]) == 2
