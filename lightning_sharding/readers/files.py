@@ -257,9 +257,12 @@ class FileReader(Reader):
         """The path of a whole local copy of the file of ``item``, kept from eviction while the block
         runs; ``None`` without ``cache_limit``, for a local file, or for a file larger than the budget.
         ``count``: a read of the worker's (counted in :meth:`take_stats`), not a prefetch."""
+        if self.cache_limit is None:  # every read by range asks for this: resolve no filesystem for it
+            yield None
+            return
         url, _ = self.split_key(item)
         fs, path = filesystem(url, self.storage_options)
-        if self.cache_limit is None or "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
             yield None
             return
         if self._shards is None:

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
+import lightning_sharding.readers.files as files_module
+import lightning_sharding.readers.storage as storage_module
 from lightning_sharding import Ledger, Manifest, ShardedLoader, World
 from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.readers import FILE_READERS, JsonlReader, NpyReader, ParquetReader, TarReader
@@ -117,6 +119,20 @@ def test_workers_rebuild_an_index_whose_cache_was_cleared(tmp_path: Path) -> Non
     for f in (tmp_path / "cache").rglob("*.npz"):
         f.unlink()
     assert sorted(ids_served(serve_epoch(reader))) == list(range(manifest.total))
+
+
+def test_a_read_without_the_shard_cache_resolves_its_filesystem_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_regression(str(tmp_path / "d"), "tar", [9])
+    reader = TarReader(str(tmp_path / "d" / "*.tar"), cache_dir=tmp_path / "cache")
+    (item,) = reader.items()
+    resolved: list[str] = []
+    for module in (files_module, storage_module):
+        real = module.filesystem
+        monkeypatch.setattr(module, "filesystem", lambda url, *a, real=real: resolved.append(url) or real(url, *a))
+    reader.read_batch(item, np.arange(3), None)
+    assert resolved == [reader.split_key(item)[0]], "only the ranged read itself resolves the file's filesystem"
 
 
 # -- resuming inside an item reads from the nearest offset -------------------------------------
