@@ -70,13 +70,11 @@ def mixture_planning_seconds(repeats: int, composition: str = "mixed") -> dict[s
         start = time.perf_counter()
         order = mixture.order(counts, 0, epoch)
         plan = plan_epoch(
-            total,
+            order,
             consumed,
-            epoch=epoch,
             world_size=RANKS,
             num_workers=WORKERS,
             batch_size=PLAN_BATCH,
-            blocks=order.blocks,
         )
         tasks = list(plan.rank(RANKS - 1).tasks())
         positions = np.concatenate([t.positions for t in tasks])

@@ -50,7 +50,7 @@ _EXPORTS = {
     "Source": "readers.sources",
     "Strategy": "strategies",
     "SqliteSource": "readers.sources",
-    "Stream": "mixture.streams",
+    "Stream": "mixture",
     "ShardContext": "core.world",
     "ShardedDataModule": "lightning.datamodule",
     "ShardedLoader": "strategies.shard",
@@ -115,7 +115,7 @@ if TYPE_CHECKING:
     from lightning_sharding.lightning.keeper import ReplicaMismatchError
     from lightning_sharding.lightning.release import ReleaseProcessGroup
     from lightning_sharding.lightning.summary import EpochReport
-    from lightning_sharding.mixture.streams import Stream
+    from lightning_sharding.mixture import Stream
     from lightning_sharding.readers import (
         FileReader,
         JsonlReader,
@@ -161,7 +161,7 @@ _MOVED = {
     "interleave": "mixture.interleave",
     "composition": "mixture.composition",
     "mixture_change": "mixture.change",
-    "lookahead": "mixture.lookahead",
+    "lookahead": "mixture.order",
     "datamodule": "lightning.datamodule",
     "callbacks": "lightning.callbacks",
     "keeper": "lightning.keeper",

@@ -90,13 +90,13 @@ def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:
     """A mixture's streams: each one's share, and how many of its draws this epoch are consumed."""
     if not streams:
         return []
-    from lightning_sharding.mixture.composition import layout_of_summary
+    from lightning_sharding.mixture import layout_of_summary
 
     composition, size = manifest.get("composition", "mixed"), manifest.get("batch_size")
     blocked = f" of {size} (resume with batch_size={size})" if composition != "mixed" else ""
     lines = [f"mixture      {len(streams)} streams in {composition} batches{blocked}"]
     if ledger.change is not None:  # resumed with allow_mixture_change: the epoch's counts span both mixtures
-        from lightning_sharding.mixture.change import changed_counts
+        from lightning_sharding.mixture import changed_counts
 
         before = len(RangeSet.from_state(np.asarray(ledger.change["before"]["consumed"])))
         counts = changed_counts(ledger)

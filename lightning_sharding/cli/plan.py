@@ -14,6 +14,7 @@ from lightning_sharding.config import CONF_DIR
 from lightning_sharding.core.plan import EVEN_BATCH_POLICIES
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import check_data_parallel
+from lightning_sharding.mixture import mixture_of
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from lightning_sharding.core.manifest import Manifest
     from lightning_sharding.core.order import EpochOrder
     from lightning_sharding.core.plan import EvenBatches
-    from lightning_sharding.mixture.order import MixtureOrder
+    from lightning_sharding.mixture import MixtureOrder
 
 
 def register(sub: Any) -> None:
@@ -187,16 +188,16 @@ def _plan(args: argparse.Namespace) -> int:
     order = cast(
         "EpochOrder | MixtureOrder", manifest.order(seed, args.epoch, shuffle=data.shuffle and strategy.shuffles)
     )
+    spec = mixture_of(manifest)
+    mixture = cast("MixtureOrder", order) if spec is not None else None
     plan = plan_epoch(
-        manifest.total,
+        order,
         RangeSet(),
-        epoch=args.epoch,
         world_size=data_size,  # the data-parallel ranks split the data; a replica's ranks share it
         num_workers=args.workers if args.workers is not None else data.num_workers,
         batch_size=batch_size,
         even_batches=cast("EvenBatches", even_batches),
         worker_layout=strategy.worker_layout,  # as the strategy's sampler plans
-        blocks=manifest.blocks,  # a stratified or per_stream mixture: one batch per block
     )
     text = format_plan(
         plan,
@@ -204,13 +205,14 @@ def _plan(args: argparse.Namespace) -> int:
         fingerprint=manifest.fingerprint,
         strategy=strategy.name,
         replica_size=world_size // data_size,
-        shares=manifest.mixture.shares if manifest.mixture is not None else (),
+        shares=spec.shares if spec is not None else (),
+        mixture=mixture,
     )
     print(text)
     if plot is not None:
         import lightning_sharding.cli.plots as plots
 
-        _draw(plots.plot_plan, plot, plan, order)
+        _draw(plots.plot_plan, plot, plan, order, mixture)
         print(f"plot written to {plot}")
     return 0
 

@@ -14,7 +14,7 @@ from lightning_sharding.core.rangeset import RangeSet
 if TYPE_CHECKING:
     from lightning_sharding.core.order import EpochOrder
     from lightning_sharding.core.plan import EpochPlan, RankPlan
-    from lightning_sharding.mixture.order import MixtureOrder
+    from lightning_sharding.mixture import MixtureOrder
 
 # World sizes above this print the first and last RANKS_SHOWN // 2 ranks only; likewise workers.
 MAX_RANKS = 16
@@ -82,12 +82,11 @@ def _stream_counts(order: MixtureOrder, positions: RangeSet) -> tuple[int, ...]:
     return tuple(counts.tolist())
 
 
-def _plan_rows(plan: EpochPlan, order: EpochOrder | MixtureOrder) -> tuple[list[_Row | None], list[RangeSet]]:
+def _plan_rows(
+    plan: EpochPlan, order: EpochOrder | MixtureOrder, mixture: MixtureOrder | None
+) -> tuple[list[_Row | None], list[RangeSet]]:
     """Printed rows (``None`` for ``...``) and what every rank covers, for the totals: the slots of
-    its items, or for a mixture its served positions."""
-    from lightning_sharding.mixture.order import MixtureOrder
-
-    mixture = order if isinstance(order, MixtureOrder) else None
+    its items, or for a ``mixture`` (the order itself, when it is one) its served positions."""
     items_order = cast("EpochOrder", order)
     nonempty = _nonempty_slots(items_order) if mixture is None else RangeSet()
 
@@ -146,9 +145,7 @@ def _mixture_lines(order: MixtureOrder, shares: Sequence[str], width: int = 64) 
         picture = "".join(letters[s] for s in stream.tolist())
         lines.append(f"interleave of positions 0..{len(picture) - 1}: {picture}")
         return lines
-    from lightning_sharding.mixture.composition import PerStream
-
-    if isinstance(order.interleave, PerStream):
+    if order.composition == "per_stream":
         starts, _ = blocks.bounds(np.arange(min(width, blocks.count)))
         picture = "".join(letters[s] for s in order.streams(starts)[0].tolist())
         lines.append(f"per_stream batches of {blocks.size}: the stream of batches 0..{len(picture) - 1}: {picture}")
@@ -168,19 +165,17 @@ def format_plan(
     strategy: str = "shard",
     replica_size: int = 1,
     shares: Sequence[str] = (),
+    mixture: MixtureOrder | None = None,
 ) -> str:
     """The ``plan`` table: a header, one row per rank and per (rank, worker), and a totals line.
 
     With ``replica_size`` > 1 the plan's ranks are data-parallel ranks, each a model replica of
     ``replica_size`` global ranks that read the same batches; a ``ranks`` column names them in
     Lightning's ``ModelParallelStrategy`` layout (replica ``d`` is ranks ``d*T .. d*T+T-1``).
-    For a mixture (a :class:`MixtureOrder`, each stream's share in ``shares``) the ``items``
+    For a mixture (``mixture``, the order itself, each stream's share in ``shares``) the ``items``
     column gives way to one column of samples per stream.
     """
-    from lightning_sharding.mixture.order import MixtureOrder
-
-    mixture = order if isinstance(order, MixtureOrder) else None
-    rows, rank_slots = _plan_rows(plan, order)
+    rows, rank_slots = _plan_rows(plan, order, mixture)
     workers = _plural(plan.num_workers, "worker") if plan.num_workers else "0 workers (loading in the rank's process)"
     shuffle = "shuffled" if order.shuffle else "not shuffled"
     replicated = replica_size > 1

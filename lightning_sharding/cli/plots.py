@@ -7,7 +7,7 @@ picture is drawn, always onto an Agg canvas: no display is needed and pyplot's s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from lightning_sharding.core.order import EpochOrder
     from lightning_sharding.core.plan import EpochPlan
-    from lightning_sharding.mixture.order import MixtureOrder
+    from lightning_sharding.mixture import MixtureOrder
 
 # Above this many (rank, worker) bands the plan is drawn with one band per rank.
 MAX_BANDS = 64
@@ -119,15 +119,16 @@ def _mixture_title(order: MixtureOrder) -> str:
     return f"\na mixture of {len(order.names)} streams in {order.composition} batches"
 
 
-def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder | MixtureOrder) -> None:
+def plot_plan(
+    path: str | Path, plan: EpochPlan, order: EpochOrder | MixtureOrder, mixture: MixtureOrder | None = None
+) -> None:
     """Draw which epoch positions each (rank, worker) reads into the image ``path``.
 
     One horizontal band per (rank, worker) (per rank when there are more than ``MAX_BANDS``), with
     the worker's batches in alternating shades of its rank's colour, above a thin band coloured by
-    item id along the epoch order (by stream, for a mixture). Padding samples are not drawn.
+    item id along the epoch order (by stream, for a ``mixture``: the order itself, when it is one).
+    Padding samples are not drawn.
     """
-    from lightning_sharding.mixture.order import MixtureOrder
-
     fig = _figure(10.0, 2.0)  # fails first when matplotlib is missing; resized below
     from matplotlib.collections import PolyCollection
     from matplotlib.colors import to_rgba
@@ -176,22 +177,24 @@ def plot_plan(path: str | Path, plan: EpochPlan, order: EpochOrder | MixtureOrde
     fig.set_size_inches(10.0, height)
     ax, items_ax = fig.subplots(2, 1, sharex=True, height_ratios=[height - 1.3, 0.3])
     ax.add_collection(PolyCollection(list(verts), facecolors=face, linewidths=0), autolim=False)
-    if not isinstance(order, MixtureOrder) and order.counts.size <= MAX_ITEM_LINES:
-        ax.vlines(order.starts[1:-1], -0.5, bands - 0.5, colors="0.6", linewidth=0.6, linestyles="dotted")
+    if mixture is None and order.counts.size <= MAX_ITEM_LINES:
+        ax.vlines(
+            cast("EpochOrder", order).starts[1:-1], -0.5, bands - 0.5, colors="0.6", linewidth=0.6, linestyles="dotted"
+        )
     step = max(1, -(-bands // 32))
     ax.set_yticks(range(0, bands, step), labels[::step])
     ax.set_ylim(bands - 0.5, -0.5)
     ax.set_title(
         f"epoch {plan.epoch}: {plan.total} samples over {plan.world_size} ranks x {plan.num_workers} workers, "
         f"batch size {plan.batch_size}, {plan.num_batches} batches per rank"
-        + (_mixture_title(order) if isinstance(order, MixtureOrder) else "")
+        + (_mixture_title(mixture) if mixture is not None else "")
         + (" (shades: batches)" if shaded else " (one band per rank)" if per_rank else ""),
         fontsize=10,
     )
-    if isinstance(order, MixtureOrder):
-        _stream_band(items_ax, order)
+    if mixture is not None:
+        _stream_band(items_ax, mixture)
     else:
-        _item_band(items_ax, order)
+        _item_band(items_ax, cast("EpochOrder", order))
     fig.savefig(path, dpi=100)
 
 

@@ -1,16 +1,29 @@
-"""The epoch order: a pure function of (item counts, seed, epoch), never of the topology.
+"""Epoch orders: the :class:`Order` protocol the planner, the strategies and the audit take, and
+:class:`EpochOrder`, the plain order of a manifest's items.
 
-Items are permuted, then samples inside each item. Epoch position ``g`` in ``[0, N)`` maps to
-``(item, index inside the item)`` through prefix sums, so no array of size N is ever built. Ranks
-and workers take contiguous runs of positions, which keeps each reader on one item at a time.
+An order is a pure function of (the data, seed, epoch), never of the topology: it maps the epoch's
+positions ``[0, total)`` to ``(item, index inside the item)``, says which batch boundaries it
+imposes (:class:`~lightning_sharding.core.blocks.Blocks`), which items come from a position on (for
+fetching ahead), and what a checkpoint records of it. The ledger counts positions, so resume and
+rescale work the same for every order. A manifest's epochs are plain :class:`EpochOrder` s unless
+it carries :class:`~lightning_sharding.core.manifest.Epochs` of another kind (a mixture, a changed
+mixture), known to the core only through that protocol.
+
+The plain order permutes items, then samples inside each item. Position ``g`` maps to its item
+through prefix sums, so no array of size N is ever built. Ranks and workers take contiguous runs
+of positions, which keeps each reader on one item at a time.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import cached_property
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+from lightning_sharding.core.blocks import Blocks
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -39,12 +52,51 @@ def derive_seed(seed: int, *words: int) -> int:
     return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
+class Order(Protocol):
+    """One epoch's order: what the planner, the strategies, the look-ahead and the audit need of it.
+
+    ``total`` is the epoch's positions; ``blocks`` the batch boundaries it imposes (``None``: the
+    plan cuts batches anywhere).
+    """
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this order is of."""
+        ...
+
+    @property
+    def total(self) -> int:
+        """Positions of the epoch."""
+        ...
+
+    @property
+    def blocks(self) -> Blocks | None:
+        """The batch boundaries the order imposes (``None``: the plan cuts batches anywhere)."""
+        ...
+
+    def locate(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Item ids (manifest order) and sample indices of ``positions`` (shape ``(n,)``), each ``(n,)``."""
+        ...
+
+    def items_from(self, position: int, count: int) -> Int64Array:
+        """The ids of up to ``count`` items read from ``position`` on, in order (none: no look-ahead)."""
+        ...
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint's audit header records of this epoch's order beyond the manifest's
+        summary (empty for an order that the manifest, seed and epoch describe alone)."""
+        ...
+
+
 class EpochOrder:
-    """Maps epoch positions to ``(item, index)`` for one ``(seed, epoch)``.
+    """Maps epoch positions to ``(item, index)`` for one ``(seed, epoch)``: the plain :class:`Order`.
 
     ``counts`` is the manifest's int64 sample count per item, shape ``(num_items,)``. With
-    ``shuffle=False`` the order is the manifest order.
+    ``shuffle=False`` the order is the manifest order. The item permutation is drawn when first
+    needed, so an order made only to plan (its ``total`` and ``blocks``) costs nothing.
     """
+
+    blocks: Blocks | None = None
 
     def __init__(
         self, counts: npt.ArrayLike, seed: int, epoch: int, *, shuffle: bool = True, cache_items: int = 8
@@ -52,20 +104,33 @@ class EpochOrder:
         self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
         if self.counts.ndim != 1 or self.counts.size == 0:
             raise ValueError(f"EpochOrder needs a non-empty 1-d array of counts, got shape {self.counts.shape}")
-        self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)
-        n = self.counts.size
-        if self.shuffle:
-            # rng.permutation(n) shuffles arange(n): the same swaps on 4-byte integers give the same
-            # order in about half the time (less memory to move), for the 10^6 items of a stream.
-            order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
-            _rng(_ITEM_STREAM, self.seed, self.epoch).shuffle(order)
-            self.item_order: Int64Array = order.astype(np.int64)
-        else:
-            self.item_order = np.arange(n, dtype=np.int64)
-        self.starts: Int64Array = np.concatenate((np.zeros(1, np.int64), np.cumsum(self.counts[self.item_order])))
-        self.total = int(self.starts[-1])
+        self.seed = int(seed)
+        self.epoch = int(epoch)
+        self.shuffle = bool(shuffle)
+        self.total = int(self.counts.sum())
         self._cache: OrderedDict[int, Int64Array] = OrderedDict()
         self._cache_items = cache_items
+
+    @cached_property
+    def item_order(self) -> Int64Array:
+        """The items in epoch order, shape ``(num_items,)``."""
+        n = self.counts.size
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        # rng.permutation(n) shuffles arange(n): the same swaps on 4-byte integers give the same
+        # order in about half the time (less memory to move), for the 10^6 items of a stream.
+        order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+        _rng(_ITEM_STREAM, self.seed, self.epoch).shuffle(order)
+        return order.astype(np.int64)
+
+    @cached_property
+    def starts(self) -> Int64Array:
+        """Where each slot of :attr:`item_order` starts in the epoch, shape ``(num_items + 1,)``."""
+        return np.concatenate((np.zeros(1, np.int64), np.cumsum(self.counts[self.item_order])))
+
+    def record(self) -> dict[str, Any]:
+        """Nothing beyond the manifest, seed and epoch."""
+        return {}
 
     def _inner(self, item: int) -> Int64Array:
         """The permutation of an item's sample indices, shape ``(counts[item],)``."""

@@ -2,8 +2,8 @@
 
 The whole sharding scheme, in four steps, all pure functions of integers:
 
-1. Remaining work is the complement of the ledger's consumed set in ``[0, N)`` (epoch positions,
-   see ``order.py``). It never depends on who consumed what.
+1. Remaining work is the complement of the ledger's consumed set in ``[0, N)``, the positions of
+   the epoch's :class:`~lightning_sharding.core.order.Order`. It never depends on who consumed what.
 2. Ranks take contiguous, near-equal runs of the remaining positions: of ``R`` remaining over
    ``W`` ranks, rank ``r`` gets the elements ranked from ``r*(R//W) + min(r, R%W)``, so counts
    differ by at most one.
@@ -13,11 +13,12 @@ The whole sharding scheme, in four steps, all pure functions of integers:
    rank with fewer samples than batches (batch size 1, or nothing left) adds one padding sample,
    flagged and never counted. Policy ``drop``: the long rank leaves its last sample unserved this
    epoch (reported).
-With ``blocks`` (a mixture's ``stratified`` or ``per_stream`` composition) steps 2 and 3 work on
-*groups* instead: the remaining positions of one block of the epoch order. Ranks take near-equal
-runs of groups and each group is one batch, so a batch holds what its block holds. Under ``pad`` a
-rank one batch short splits its last group in two (or adds a padding sample when that group has
-one sample); under ``drop`` a rank one batch long leaves its last group unserved.
+When the order imposes :class:`~lightning_sharding.core.blocks.Blocks` (a mixture's
+``stratified`` or ``per_stream`` composition does), steps 2 and 3 work on *groups* instead: the
+remaining positions of one block. Ranks take near-equal runs of groups and each group is one
+batch, so a batch holds what its block holds. Under ``pad`` a rank one batch short splits its
+last group in two (or adds a padding sample when that group has one sample); under ``drop`` a rank
+one batch long leaves its last group unserved.
 
 4. Workers take contiguous runs of the rank's batches, so each worker reads its items in
    sequence (layout ``runs``, the ``shard`` strategy). With layout ``interleaved`` (the
@@ -36,8 +37,9 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.blocks import Blocks, fit_edges
+from lightning_sharding.core.order import Order
 from lightning_sharding.core.rangeset import RangeSet
-from lightning_sharding.mixture.composition import Blocks, fit_edges
 
 EvenBatches = Literal["pad", "drop"]
 EVEN_BATCH_POLICIES: tuple[str, ...] = ("pad", "drop")
@@ -229,22 +231,30 @@ class EpochPlan:
 
 
 def plan_epoch(
-    total: int,
+    order: Order | int,
     consumed: RangeSet,
     *,
-    epoch: int,
+    epoch: int | None = None,
     world_size: int,
     num_workers: int,
     batch_size: int,
     even_batches: EvenBatches = "pad",
     worker_layout: WorkerLayout = "runs",
-    blocks: Blocks | None = None,
 ) -> EpochPlan:
-    """Plan the rest of an epoch of ``total`` positions, of which ``consumed`` are done; with
-    ``blocks``, every batch is the remaining part of one block.
+    """Plan the rest of the epoch of ``order``, of whose positions ``consumed`` are done; when the
+    order has blocks, every batch is the remaining part of one block. An ``int`` stands for an
+    order of that many positions without blocks; ``epoch`` defaults to the order's.
 
     Raises ``ValueError`` naming the argument when a size is impossible.
     """
+    if isinstance(order, int):
+        total, blocks = order, None
+        epoch = 0 if epoch is None else epoch
+    else:
+        total, blocks = order.total, order.blocks
+        if epoch is not None and epoch != order.epoch:
+            raise ValueError(f"plan_epoch(epoch={epoch}) was given the order of epoch {order.epoch}")
+        epoch = order.epoch
     if total <= 0:
         raise ValueError(f"plan_epoch(total={total}): the epoch must hold at least one sample")
     if world_size < 1:

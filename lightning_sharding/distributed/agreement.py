@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lightning_sharding.core.manifest import Manifest, describe_change
+from lightning_sharding.core.manifest import Epochs, Manifest, describe_change
 from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
@@ -33,21 +33,23 @@ def agree(world: World, manifest: Manifest, seed: int, options: LoaderOptions) -
         "data_size": world.data_size,
     }
     views = gather_objects(mine, world.world_size)
-    check_views(views)
+    check_views(views, manifest.epochs)
     replica = [rank for rank, view in enumerate(views) if view["data_rank"] == world.data_rank]
     return replace(world, replica_rank=replica.index(world.rank))
 
 
-def check_views(views: list[dict[str, Any]]) -> None:
+def check_views(views: list[dict[str, Any]], epochs: Epochs | None = None) -> None:
     """Raise a ValueError naming the first rank (in rank order) whose view differs from rank 0's,
-    or a data-parallel layout whose replicas are not all the same size."""
+    or a data-parallel layout whose replicas are not all the same size; ``epochs`` (this rank's
+    manifest's) explains a difference in what they add to the manifest's summary (a mixture's streams)."""
     first = views[0]
     for rank, view in enumerate(views):
         if view["manifest"]["fingerprint"] != first["manifest"]["fingerprint"]:
             # A rank whose listing differs (glob order, object-store listing lag) would plan over
             # other positions: shares would overlap or leave gaps.
+            change = describe_change(first["manifest"], view["manifest"], epochs)
             raise ValueError(
-                f"rank {rank} lists other data than rank 0: {describe_change(first['manifest'], view['manifest'])}. "
+                f"rank {rank} lists other data than rank 0: {change}. "
                 "Every rank must list the same items in the same order: sort globbed or listed paths, "
                 "and do not change the data while the job starts."
             )

@@ -251,7 +251,7 @@ def _per_stream(
     their composition)."""
     if not streams:
         return []
-    from lightning_sharding.mixture.composition import layout_of_summary
+    from lightning_sharding.mixture import layout_of_summary
 
     positions = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
     times = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))

@@ -32,6 +32,7 @@ from lightning_sharding.lightning.keeper import LedgerKeeper
 from lightning_sharding.lightning.progress_bar import show_train_total
 from lightning_sharding.lightning.release import ReleaseProcessGroup
 from lightning_sharding.lightning.summary import EpochReport, format_summary
+from lightning_sharding.mixture import mixture_of
 from lightning_sharding.strategies import Provenance
 
 __all__ = ["EpochReport", "ReleaseProcessGroup", "ShardingCallback"]
@@ -104,15 +105,16 @@ class ShardingCallback(pl.Callback):
             "start_step": trainer.global_step,
             "resumed_from": str(trainer.ckpt_path) if trainer.ckpt_path else None,
         }
-        mixture = keeper.manifest.mixture
+        mixture = mixture_of(keeper.manifest)
         if mixture is not None:  # the audit counts each stream's draws
             header["streams"] = [{"name": n, "draws": d} for n, d in zip(mixture.names, mixture.draws, strict=True)]
             header.update(mixture.composition_summary())
         if keeper.mixture_from is not None:  # resumed a checkpoint of another mixture: the audit links the two
             header["mixture_from"] = keeper.mixture_from
-        change = keeper.manifest.change
-        if change is not None and keeper.ledger.change is not None and change.epoch == keeper.ledger.epoch:
-            header["change"] = {**change.summary(), "from": keeper.ledger.change["before"]["manifest"]["fingerprint"]}
+        # What the epoch's order records beyond the manifest: a changed mixture's rest, linked to the mixture before.
+        record = keeper.manifest.order(keeper.ledger.seed, keeper.ledger.epoch).record()
+        if record and keeper.ledger.change is not None:
+            header["change"] = {**record, "from": keeper.ledger.change["before"]["manifest"]["fingerprint"]}
         return AuditWriter(directory, segment, world.data_rank, header)
 
     @override
@@ -120,7 +122,7 @@ class ShardingCallback(pl.Callback):
         keeper = self._keeper(trainer)
         self._epoch_start = time.perf_counter()
         self._served = self._skipped = 0
-        mixture = keeper.manifest.mixture
+        mixture = mixture_of(keeper.manifest)
         ledger = keeper.ledger  # a mixture's order tells each position's stream (also after a change)
         self._interleave = keeper.manifest.order(ledger.seed, ledger.epoch) if mixture else None
         self._stream_served = np.zeros(len(mixture.draws) if mixture is not None else 0, dtype=np.int64)
@@ -255,9 +257,10 @@ class ShardingCallback(pl.Callback):
             sync_dist=True,
             reduce_fx="max",
         )
-        if keeper.manifest.mixture is not None:  # each replica's first rank counts; summed over ranks
+        mixture = mixture_of(keeper.manifest)
+        if mixture is not None:  # each replica's first rank counts; summed over ranks
             share = float(keeper.world.replica_rank == 0)
-            names = [f"data/stream/{n}" for n in keeper.manifest.mixture.names]
+            names = [f"data/stream/{n}" for n in mixture.names]
             per_stream = {name: share * n for name, n in zip(names, self._stream_served.tolist(), strict=True)}
             pl_module.log_dict(per_stream, sync_dist=True, reduce_fx="sum")
 

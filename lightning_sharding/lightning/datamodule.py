@@ -26,7 +26,7 @@ from lightning_sharding.core.world import DataParallel, World, check_data_parall
 from lightning_sharding.distributed.agreement import agree
 from lightning_sharding.lightning.callbacks import ShardingCallback
 from lightning_sharding.lightning.keeper import LedgerKeeper
-from lightning_sharding.mixture.streams import Stream, reader_of
+from lightning_sharding.mixture import Stream, reader_of
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.shared_index import collective
 from lightning_sharding.readers.sources import Source

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from lightning_sharding.core.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
-from lightning_sharding.core.manifest import Manifest, describe_change
+from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
-from lightning_sharding.mixture.change import MixtureChangeError, change_mixture
+from lightning_sharding.mixture import ChangedMixture, MixtureChangeError, change_mixture, change_of, mixture_of
 from lightning_sharding.strategies.base import TrainLoader
 
 
@@ -104,7 +103,8 @@ class LedgerKeeper:
         left = total - consumed
         # "drop" (and "sync") may leave up to one sample per data-parallel rank untrained by design (a
         # batch per rank when a stratified or per_stream mixture's batches are blocks).
-        blocks = self.manifest.blocks
+        mixture = mixture_of(self.manifest)
+        blocks = mixture.blocks if mixture is not None else None
         per_rank = blocks.size if blocks is not None else 1
         if skipped is not None:  # the blocks of the mixture that epoch was planned under
             was = skipped["manifest"]
@@ -120,7 +120,7 @@ class LedgerKeeper:
                 stacklevel=2,
             )
         if self._change_note is not None and self.world.rank == 0:
-            change = self.manifest.change
+            change = change_of(self.manifest)
             print(
                 f"lightning_sharding: {self._change_note};\n"
                 + (
@@ -169,7 +169,7 @@ class LedgerKeeper:
             self.ledger = restored
             self.restored_from = source
             return
-        change = describe_change(restored.manifest, self.manifest.summary())
+        change = self.manifest.explain_mismatch(restored.manifest)
         if self.allow_mixture_change and restored.manifest.get("streams") and self._go_on(restored, source, change):
             return
         composition, size = restored.manifest.get("composition", "mixed"), restored.manifest.get("batch_size")
@@ -185,7 +185,7 @@ class LedgerKeeper:
             mixture = "`allow_mixture_change=True` to go on with the rest of the epoch at the new shares, or "
             raise CheckpointMismatchError(
                 f"{source} was written for other data: {change}. Resume with the same data, or pass "
-                f"{mixture if restored.manifest.get('streams') and self.manifest.mixture else ''}"
+                f"{mixture if restored.manifest.get('streams') and mixture_of(self.manifest) else ''}"
                 f"`allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
             )
         warnings.warn(
@@ -237,7 +237,9 @@ class LedgerKeeper:
                 f"{source}: its epoch {changed.epoch} changed its mixture to {total} samples, but the same change "
                 f"gives {changed.total} now: the data or lightning_sharding differs from the run that wrote it"
             )
-        self.manifest = replace(self.manifest, change=changed)
+        mixture = mixture_of(self.manifest)
+        assert mixture is not None  # change_mixture refuses a manifest without one
+        self.manifest = self.manifest.with_epochs(ChangedMixture(mixture, changed))
         return changed
 
 

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "COMPOSITIONS": "composition",
+    "ChangedMixture": "change",
+    "change_of": "order",
+    "mixture_of": "order",
     "Mixture": "order",
     "MixtureChange": "change",
     "MixtureChangeError": "change",
@@ -33,6 +36,9 @@ _EXPORTS = {
 
 __all__ = [
     "COMPOSITIONS",
+    "ChangedMixture",
+    "change_of",
+    "mixture_of",
     "Mixture",
     "MixtureChange",
     "MixtureChangeError",
@@ -51,9 +57,23 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lightning_sharding.mixture.change import MixtureChange, MixtureChangeError, change_mixture, changed_counts
+    from lightning_sharding.mixture.change import (
+        ChangedMixture,
+        MixtureChange,
+        MixtureChangeError,
+        change_mixture,
+        changed_counts,
+    )
     from lightning_sharding.mixture.composition import COMPOSITIONS, check_blocks, layout, layout_of_summary
-    from lightning_sharding.mixture.order import SHARES, Mixture, MixtureOrder, StreamSpec, plan_draws
+    from lightning_sharding.mixture.order import (
+        SHARES,
+        Mixture,
+        MixtureOrder,
+        StreamSpec,
+        change_of,
+        mixture_of,
+        plan_draws,
+    )
     from lightning_sharding.mixture.streams import MixtureReader, Stream, reader_of
 
 

@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.blocks import Blocks
 from lightning_sharding.core.order import EpochOrder, derive_seed
 from lightning_sharding.core.rangeset import RangeSet
-from lightning_sharding.mixture.composition import Blocks, Layout, apportion, blocks_of, layout, layout_of_summary
-from lightning_sharding.mixture.order import StreamOrder, locate_streams, stream_seed
+from lightning_sharding.mixture.composition import Layout, apportion, blocks_of, layout, layout_of_summary
+from lightning_sharding.mixture.order import Mixture, MixtureOrder, StreamOrder, locate_streams, mixture_of, stream_seed
 
 Int64Array = npt.NDArray[np.int64]
 _REST_SEEDS = 0x4E57
@@ -150,6 +151,14 @@ class MixtureChange:
         """Item ids (over all streams) and sample indices of rest positions, shape ``(n,)`` each."""
         return locate_streams(self.streams(positions), self.rest_streams, self.item_offsets)
 
+    def items_from(self, position: int, count: int) -> Int64Array:
+        """None: the rest of a changed epoch has no look-ahead, its workers fetch what they read."""
+        return np.empty(0, dtype=np.int64)
+
+    def record(self) -> dict[str, Any]:
+        """The change: its epoch, the positions consumed before it, each stream's rest draws."""
+        return self.summary()
+
     def describe(self) -> str:
         """The change and what it did, per stream, for the log of rank 0."""
         rows = [
@@ -171,12 +180,51 @@ class MixtureChange:
         }
 
 
+@dataclass(frozen=True)
+class ChangedMixture:
+    """The epochs of a manifest whose checkpoint's mixture changed in epoch ``change.epoch``: that
+    epoch is the :class:`MixtureChange`, every other one an epoch of ``mixture``."""
+
+    mixture: Mixture
+    change: MixtureChange
+
+    @property
+    def total(self) -> int:
+        """Positions of an ordinary epoch of the new mixture."""
+        return self.mixture.total
+
+    def order(
+        self, counts: npt.NDArray[np.int64], seed: int, epoch: int, *, shuffle: bool = True
+    ) -> MixtureOrder | MixtureChange:
+        """The changed epoch's order, or an ordinary epoch's."""
+        if epoch == self.change.epoch:
+            return self.change
+        return self.mixture.order(counts, seed, epoch, shuffle=shuffle)
+
+    def blocks_at(self, epoch: int) -> Blocks | None:
+        """The changed epoch's blocks, or the mixture's."""
+        return self.change.blocks if epoch == self.change.epoch else self.mixture.blocks
+
+    def identity(self, counts: npt.NDArray[np.int64]) -> list[Any]:
+        """The new mixture's: the data and the mixture are the new ones."""
+        return self.mixture.identity(counts)
+
+    def summary(self, items: Sequence[Any], counts: npt.NDArray[np.int64]) -> dict[str, Any]:
+        """The new mixture's."""
+        return self.mixture.summary(items, counts)
+
+    def explain(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+        """The new mixture's."""
+        return self.mixture.explain(before, after)
+
+
 def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -> MixtureChange:
     """The changed epoch from ``before`` (the state of a checkpoint's ledger, written under another
     mixture) onto the mixture of ``manifest`` (a :class:`~lightning_sharding.core.manifest.Manifest`);
     raises :class:`MixtureChangeError` naming the stream."""
     saved = before["manifest"]
-    mixture, old = manifest.mixture, saved.get("streams")
+    mixture = mixture_of(manifest)
+    old = saved.get("streams")
     if mixture is None or not old:
         raise MixtureChangeError(
             "allow_mixture_change continues a mixture under new streams or shares, but "

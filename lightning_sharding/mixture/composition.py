@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.blocks import Blocks
 from lightning_sharding.mixture.interleave import Interleave
 
 Int64Array = npt.NDArray[np.int64]
@@ -52,51 +51,6 @@ class Layout(Protocol):
     def prefix(self, position: int) -> list[int]:
         """Each stream's draws among the first ``position`` positions."""
         ...
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """The batches of a blocked layout: positions ``[0, aligned)`` are blocks of ``size``; after
-    them come blocks ending at each of ``tail`` (the last is the epoch's end)."""
-
-    size: int
-    aligned: int
-    tail: tuple[int, ...] = ()
-
-    @property
-    def count(self) -> int:
-        """Blocks in the epoch."""
-        return self.aligned // self.size + len(self.tail)
-
-    def ids(self, positions: npt.ArrayLike) -> Int64Array:
-        """The block of each position, shape ``(n,)``."""
-        pos = np.asarray(positions, dtype=np.int64)
-        tail = np.searchsorted(np.asarray(self.tail, dtype=np.int64), pos, side="right")
-        return np.where(pos < self.aligned, pos // self.size, self.aligned // self.size + tail).astype(np.int64)
-
-    def bounds(self, ids: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
-        """Where each block starts and ends (its last position + 1), shape ``(n,)`` each."""
-        ids = np.asarray(ids, dtype=np.int64)
-        full = self.aligned // self.size
-        edges = np.concatenate(([self.aligned], np.asarray(self.tail, dtype=np.int64)))
-        in_tail = np.clip(ids - full, 0, len(edges) - 1)
-        starts = np.where(ids < full, ids * self.size, edges[np.minimum(in_tail, len(edges) - 1)])
-        ends = np.where(ids < full, (ids + 1) * self.size, edges[np.minimum(in_tail + 1, len(edges) - 1)])
-        return starts.astype(np.int64), ends.astype(np.int64)
-
-    def groups(self, remaining: RangeSet) -> Int64Array:
-        """Samples of each non-empty intersection of ``remaining`` with a block, in order, shape ``(G,)``."""
-        starts, ends = remaining.starts, remaining.ends
-        if starts.size == 0:
-            return np.empty(0, np.int64)
-        first, last = self.ids(starts), self.ids(ends - 1)
-        spans = last - first + 1
-        which = np.repeat(np.arange(starts.size), spans)
-        block = np.repeat(first, spans) + np.arange(which.size) - np.repeat(np.cumsum(spans) - spans, spans)
-        block_starts, block_ends = self.bounds(block)
-        sizes = np.minimum(ends[which], block_ends) - np.maximum(starts[which], block_starts)
-        new = np.concatenate(([True], block[1:] != block[:-1]))
-        return np.add.reduceat(sizes, np.flatnonzero(new)).astype(np.int64)
 
 
 class Stratified:
@@ -231,27 +185,14 @@ def layout_of_summary(streams: Sequence[Mapping[str, Any]], summary: Mapping[str
     return layout([int(s["draws"]) for s in streams], summary.get("composition", "mixed"), summary.get("batch_size"))
 
 
-def fit_edges(edges: Int64Array, num_batches: int) -> Int64Array:
-    """A blocked rank's batch edges from its groups' edges (one batch per group), fitted to
-    ``num_batches``: a rank short of a batch splits its last group, a long one leaves it unserved."""
-    groups = edges.size - 1
-    if groups > num_batches:
-        return edges[: num_batches + 1]
-    if groups < num_batches:
-        if groups and edges[-1] - edges[-2] >= 2:
-            middle = edges[-2] + (edges[-1] - edges[-2] + 1) // 2
-            return np.concatenate((edges[:-1], [middle], edges[-1:])).astype(np.int64)
-        return np.concatenate((edges, edges[-1:])).astype(np.int64)  # an empty batch: one padding sample
-    return edges
-
-
 def check_blocks(manifest: Any, batch_size: int) -> None:
     """Raise when a stratified or per_stream mixture's blocks are not ``batch_size`` (the batch size
     changed after ``setup``, as Lightning's batch-size finder does)."""
-    blocks = manifest.blocks
-    if blocks is not None and blocks.size != batch_size:
+    mixture = getattr(manifest.epochs, "mixture", None)  # mixture.order.mixture_of, which imports this module
+    blocks = mixture.blocks if mixture is not None else None
+    if mixture is not None and blocks is not None and blocks.size != batch_size:
         raise ValueError(
-            f"batch_composition={manifest.mixture.composition!r} cut the epoch into batches of {blocks.size} at "
+            f"batch_composition={mixture.composition!r} cut the epoch into batches of {blocks.size} at "
             f"setup, but batch_size is now {batch_size}: set batch_size before fit() (the batch-size finder "
             "cannot change it for a stratified or per_stream mixture)"
         )

@@ -22,6 +22,7 @@ Streams are seeded by their names, so adding a stream leaves the others' orders 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,8 +32,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.blocks import Blocks
 from lightning_sharding.core.order import EpochOrder, derive_seed
-from lightning_sharding.mixture.composition import Blocks, apportion, blocks_of, layout
+from lightning_sharding.mixture.composition import apportion, blocks_of, layout
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -182,6 +184,23 @@ class StreamOrder:
                 self._orders.popitem(last=False)
         return order
 
+    def items_from(self, draw: int, count: int) -> Int64Array:
+        """The stream's items (0-based in the stream) from the one holding ``draw`` on, in draw order,
+        at most ``count``: an item recurs when a later pass draws it again; none past the epoch's end."""
+        found: list[Int64Array] = []
+        left = count
+        g = int(np.searchsorted(self.starts, draw, side="right")) - 1
+        while 0 <= g < len(self.segments) and left > 0:
+            segment = self.segments[g]
+            order = self.segment_order(segment)
+            lo = segment.lo + max(draw - int(self.starts[g]), 0)
+            first = int(np.searchsorted(order.starts, lo, side="right")) - 1
+            end = int(np.searchsorted(order.starts, segment.hi, side="left"))
+            found.append(order.item_order[first : min(end, first + left)])
+            left -= found[-1].size
+            g += 1
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
     def locate(self, draws: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """The stream's item (0-based in the stream) and sample index of each draw, shape ``(n,)`` each."""
         draw = np.asarray(draws, dtype=np.int64)
@@ -236,6 +255,16 @@ class MixtureOrder:
         """Item ids (over all streams) and sample indices of epoch positions, shape ``(n,)`` each."""
         return locate_streams(self.streams(positions), self.stream_orders, self.item_offsets)
 
+    def items_from(self, position: int, count: int) -> Int64Array:
+        """Each stream's next items from its draw at ``position`` on, at most ``count`` of each,
+        stream after stream: a worker reading on from ``position`` reads them next."""
+        streams = zip(self.stream_orders, self.prefix(position), self.item_offsets[:-1].tolist(), strict=True)
+        return np.concatenate([s.items_from(draw, count) + offset for s, draw, offset in streams])
+
+    def record(self) -> dict[str, Any]:
+        """Nothing beyond the manifest's summary (its streams and composition), seed and epoch."""
+        return {}
+
 
 def locate_streams(
     stream_draw: tuple[Int64Array, Int64Array], orders: Sequence[Any], item_offsets: Int64Array
@@ -273,9 +302,23 @@ class Mixture:
         return MixtureOrder(self.names, counts, self.stream_items, self.draws, seed, epoch, **mix)
 
     @property
+    def total(self) -> int:
+        """Positions of an epoch: the streams' draws."""
+        return sum(self.draws)
+
+    @property
+    def mixture(self) -> Mixture:
+        """Itself: epochs that follow a mixture name it as ``mixture`` (see :func:`mixture_of`)."""
+        return self
+
+    @property
     def blocks(self) -> Blocks | None:
         """The blocks every batch must follow (``None`` for ``mixed``)."""
         return blocks_of(layout(self.draws, self.composition, self.batch_size))
+
+    def blocks_at(self, epoch: int) -> Blocks | None:
+        """The blocks of any epoch's batches: :attr:`blocks`."""
+        return self.blocks
 
     def composition_summary(self) -> dict[str, object]:
         """The composition as a checkpoint keeps it (empty for ``mixed``, as before compositions)."""
@@ -283,7 +326,7 @@ class Mixture:
             return {}
         return {"composition": self.composition, "batch_size": self.batch_size}
 
-    def summary(self, counts: npt.ArrayLike) -> list[dict[str, object]]:
+    def stream_summary(self, counts: npt.ArrayLike) -> list[dict[str, object]]:
         """Per stream: name, share, samples and draws per epoch (what a checkpoint keeps of the spec)."""
         counts = np.asarray(counts, dtype=np.int64)
         offsets = np.concatenate(([0], np.cumsum(self.stream_items))).astype(np.int64)
@@ -293,3 +336,71 @@ class Mixture:
                 self.names, self.shares, offsets[:-1], offsets[1:], self.draws, strict=True
             )
         ]
+
+    def identity(self, counts: npt.NDArray[np.int64]) -> list[Any]:
+        """What the manifest's fingerprint hashes of the mixture: its streams, then a blocked composition."""
+        composition = self.composition_summary()
+        return [self.stream_summary(counts), *([composition] if composition else [])]
+
+    def stream_fingerprints(self, items: Sequence[Any]) -> list[str]:
+        """A SHA-256 of each stream's items (keys without the ``"<stream>/"`` prefix, counts,
+        fingerprints), in stream order: the same data under another stream name has the same one."""
+        found, start = [], 0
+        for name, size in zip(self.names, self.stream_items, strict=True):
+            digest = hashlib.sha256()
+            for it in items[start : start + size]:
+                # JSON-encoded, so a tab or newline inside a key or an ETag cannot forge another item list.
+                digest.update(json.dumps([it.key[len(name) + 1 :], int(it.num_samples), it.fingerprint]).encode())
+                digest.update(b"\n")
+            found.append(digest.hexdigest())
+            start += size
+        return found
+
+    def summary(self, items: Sequence[Any], counts: npt.NDArray[np.int64]) -> dict[str, Any]:
+        """The streams with their data's fingerprint (outside the manifest's fingerprint, which
+        predates it: a mixture change checks that a kept stream's data is the same), and a blocked
+        composition."""
+        streams = self.stream_summary(counts)
+        data = self.stream_fingerprints(items)
+        return {
+            "streams": [{**s, "data": f} for s, f in zip(streams, data, strict=True)],
+            **self.composition_summary(),
+        }
+
+    def explain(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+        """How the streams and the composition of two manifest summaries differ, one phrase each."""
+        diffs = _stream_changes(before.get("streams") or [], after.get("streams") or [])
+        for name in ("composition", "batch_size"):  # a stratified or per_stream mixture's blocks
+            default = "mixed" if name == "composition" else None
+            was, now = before.get(name, default), after.get(name, default)
+            if before.get("streams") and after.get("streams") and was != now:
+                diffs.append(f"the mixture's {name} was {was!r}, now {now!r}")
+        return diffs
+
+
+def _stream_changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str]:
+    """How a mixture's streams changed, one phrase per stream: added, removed, or its share or size."""
+    old = {s["name"]: s for s in before}
+    new = {s["name"]: s for s in after}
+    changes = [f"stream {name!r} was removed" for name in old if name not in new]
+    changes += [f"stream {name!r} was added" for name in new if name not in old]
+    for name in (n for n in new if n in old):
+        if old[name].get("data", new[name].get("data")) != new[name].get("data"):
+            changes.append(f"stream {name!r} holds other data (its items or their fingerprints changed)")
+        for key in ("share", "samples", "draws"):
+            if old[name][key] != new[name][key]:
+                changes.append(f"stream {name!r} {key} was {old[name][key]!r}, now {new[name][key]!r}")
+    return changes
+
+
+def mixture_of(manifest: Any) -> Mixture | None:
+    """The mixture a manifest's epochs follow (``None``: not a mixture). A mixture's epochs, changed
+    or not, name it as their ``mixture``."""
+    mixture: Mixture | None = getattr(manifest.epochs, "mixture", None)
+    return mixture
+
+
+def change_of(manifest: Any) -> Any:
+    """The :class:`~lightning_sharding.mixture.change.MixtureChange` of a manifest resumed under
+    another mixture in the middle of an epoch (``None``: none)."""
+    return getattr(manifest.epochs, "change", None)

@@ -113,7 +113,7 @@ class MixtureReader(Reader):
             composition=self.composition,
             batch_size=None if self.composition == "mixed" else batch_size or self.batch_size,
         )
-        return Manifest(tuple(self.items()), mixture=mixture)
+        return Manifest(tuple(self.items()), mixture)
 
     def _source(self, item: Item) -> tuple[Reader, Item]:
         s, original = self._origin_of(item)

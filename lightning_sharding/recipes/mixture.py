@@ -24,7 +24,7 @@ def mixture(
     **options: Any,
 ) -> ShardedDataModule:
     """A :class:`ShardedDataModule` over ``streams`` (see ``config.data.StreamOptions``)."""
-    from lightning_sharding.mixture.streams import Stream
+    from lightning_sharding.mixture import Stream
     from lightning_sharding.recipes.synthetic_files import to_regression
 
     if not streams:

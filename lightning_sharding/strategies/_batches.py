@@ -12,12 +12,9 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.options import LoaderOptions
-from lightning_sharding.core.order import EpochOrder
+from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
-from lightning_sharding.mixture.change import MixtureChange
-from lightning_sharding.mixture.lookahead import items_from
-from lightning_sharding.mixture.order import MixtureOrder
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import is_transient
 from lightning_sharding.strategies._delivery import NO_POSITIONS, Delivery
@@ -55,14 +52,14 @@ class PlannedBatches(Dataset[Delivery]):
         self.slot_states: SlotStates | None = None
         self._slots: WorkerSlots | None = None
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
-        self._order: EpochOrder | MixtureOrder | MixtureChange | None = None
+        self._order: Order | None = None
         # Columns straight into the batch when nothing per sample runs: no transform, default collate.
         self.columnar = reader.columnar and self.transform is None and self.collate_fn is default_collate
 
     def __len__(self) -> int:
         raise TypeError("PlannedBatches is indexed by BatchTask and has no length")
 
-    def _epoch_order(self, epoch: int) -> EpochOrder | MixtureOrder | MixtureChange:
+    def _epoch_order(self, epoch: int) -> Order:
         if self._order is None or self._order.epoch != epoch:
             self._order = self.manifest.order(self.seed, epoch, shuffle=self.shuffle)
         return self._order
@@ -120,9 +117,10 @@ class PlannedBatches(Dataset[Delivery]):
     def _tell_ahead(self, task: BatchTask, item_ids: npt.NDArray[np.int64]) -> None:
         """Tell the reader this batch's items, then those the epoch order lays out after its last
         position: this worker's next ones, 8 x fetch_ahead + 1 of them (enough files when several
-        items share one) (:func:`~lightning_sharding.mixture.lookahead.items_from`)."""
+        items share one) (:meth:`~lightning_sharding.core.order.Order.items_from`)."""
         real = task.positions[: len(task.positions) - task.num_padding]
-        upcoming = items_from(self._epoch_order(task.epoch), real, 8 * self.reader.fetch_ahead + 1).tolist()
+        count = 8 * self.reader.fetch_ahead + 1
+        upcoming = self._epoch_order(task.epoch).items_from(int(real.max()), count).tolist() if len(real) else []
         self.reader.ahead([self.items[i] for i in dict.fromkeys(item_ids.tolist())], [self.items[i] for i in upcoming])
 
     def _misfits(

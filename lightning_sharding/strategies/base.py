@@ -153,7 +153,7 @@ class Strategy(ABC):
         from lightning_sharding.readers.windows import WindowedReader
 
         wanted: type = {"reader": Reader, "windows": WindowedReader, "source": Source}[self.takes]
-        from lightning_sharding.mixture.streams import MixtureReader
+        from lightning_sharding.mixture import MixtureReader
 
         if isinstance(data, MixtureReader) and not self.mixes:
             raise ValueError(
@@ -177,7 +177,7 @@ class Strategy(ABC):
     def manifest(self, data: Any, batch_size: int | None = None) -> Manifest:
         """The manifest of the training data (a reader's items and mixture, whose blocks take
         ``batch_size``; or a source's length)."""
-        from lightning_sharding.mixture.streams import MixtureReader
+        from lightning_sharding.mixture import MixtureReader
         from lightning_sharding.readers.base import Reader
 
         if isinstance(data, MixtureReader):

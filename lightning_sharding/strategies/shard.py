@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader, Sampler
@@ -27,9 +28,10 @@ from typing_extensions import Self, override
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.options import DEFAULT_OPTIONS, LoaderOptions
+from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
 from lightning_sharding.core.world import World
-from lightning_sharding.mixture.composition import COMPOSITIONS, Blocks, check_blocks
+from lightning_sharding.mixture import COMPOSITIONS, check_blocks
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
@@ -55,12 +57,15 @@ class PlanSampler(Sampler[BatchTask]):
         batch_size: int,
         even_batches: EvenBatches,
         worker_layout: WorkerLayout = "runs",
-        blocks: Blocks | Callable[[int], Blocks | None] | None = None,
+        orders: Callable[[int, int], Order] | None = None,
     ) -> None:
         self.ledger = ledger
-        self.world, self.num_workers = world, num_workers
-        self.batch_size, self.even_batches, self.worker_layout = batch_size, even_batches, worker_layout
-        self.blocks = blocks  # a stratified or per_stream mixture: one batch per block
+        self.world = world
+        self.num_workers = num_workers
+        self.batch_size = batch_size
+        self.even_batches = even_batches
+        self.worker_layout = worker_layout
+        self.orders = orders  # (seed, epoch) -> the epoch's order; None: plain orders of the ledger's total
         self.epoch_plan: EpochPlan | None = None
         self.rank_plan: RankPlan | None = None
 
@@ -71,9 +76,10 @@ class PlanSampler(Sampler[BatchTask]):
         world: World,
         options: LoaderOptions,
         worker_layout: WorkerLayout = "runs",
-        blocks: Blocks | Callable[[int], Blocks | None] | None = None,
+        orders: Callable[[int, int], Order] | None = None,
     ) -> Any:
-        """The sampler of ``world.rank`` with ``options``' batching (and a mixture's ``blocks``)."""
+        """The sampler of ``world.rank`` with ``options``' batching, planning the orders ``orders``
+        makes of ``(seed, epoch)`` (default: plain orders of the ledger's total)."""
         return cls(
             ledger,
             world=world,
@@ -81,7 +87,7 @@ class PlanSampler(Sampler[BatchTask]):
             batch_size=options.batch_size,
             even_batches=options.even_batches,  # type: ignore[arg-type]  # a strategy's check allowed it
             worker_layout=worker_layout,
-            blocks=blocks,
+            orders=orders,
         )
 
     @property
@@ -95,16 +101,22 @@ class PlanSampler(Sampler[BatchTask]):
 
     def plan(self) -> EpochPlan:
         """Plan what is left of the current epoch (every rank computes the same plan)."""
+        ledger = self.ledger
+        order = ledger.total if self.orders is None else self.orders(ledger.seed, ledger.epoch)
+        if not isinstance(order, int) and order.total != ledger.total:
+            raise RuntimeError(
+                f"epoch {ledger.epoch}'s order has {order.total} positions but the ledger counts {ledger.total}: "
+                "the loader was built for other data than the ledger's"
+            )
         return plan_epoch(
-            self.ledger.total,
-            self.ledger.done,
-            epoch=self.ledger.epoch,
+            order,
+            ledger.done,
+            epoch=ledger.epoch,
             world_size=self.world.data_size,
             num_workers=self.num_workers,
             batch_size=self.batch_size,
             even_batches=self.even_batches,
             worker_layout=self.worker_layout,
-            blocks=self.blocks(self.ledger.epoch) if callable(self.blocks) else self.blocks,
         )
 
     def __iter__(self) -> Iterator[BatchTask]:
@@ -185,7 +197,9 @@ class ShardedLoader(TrainLoader):
         r = request
         check_blocks(r.manifest, r.options.batch_size)
         dataset = PlannedBatches(r.reader, r.manifest, seed=r.ledger.seed, world=r.world, options=r.options)
-        return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout, r.manifest.blocks_at)
+        shuffle = r.options.shuffle
+        orders = partial(r.manifest.order, shuffle=shuffle)
+        return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout, orders)
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()

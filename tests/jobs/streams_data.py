@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from lightning_sharding import Item, SyntheticReader
-from lightning_sharding.mixture.streams import MixtureReader, Stream
+from lightning_sharding.mixture import MixtureReader, Stream
 
 
 class OffsetReader(SyntheticReader):
@@ -77,5 +77,6 @@ def _ids(
     positions = np.arange(manifest.total)
     items, index = manifest.order(seed, epoch).locate(positions)
     starts = np.concatenate(([0], np.cumsum(manifest.counts)))
-    blocks = manifest.blocks.ids(positions) if manifest.blocks is not None else np.zeros_like(positions)
+    edges = manifest.blocks_at(epoch)
+    blocks = edges.ids(positions) if edges is not None else np.zeros_like(positions)
     return starts[items] + index, blocks

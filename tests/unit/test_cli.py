@@ -15,6 +15,7 @@ from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.order import EpochOrder
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.mixture import mixture_of
 from lightning_sharding.readers.synthetic import SyntheticReader
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -227,18 +228,11 @@ def test_plan_of_a_mixture_counts_each_streams_samples_per_rank_and_worker(
     code, out, err = run(capsys, "plan", *overrides, *args)
     assert code == 0, err
     manifest = _manifest(_compose(overrides), 16)
-    assert manifest.mixture is not None and manifest.mixture.names == ("web", "code", "books")
+    mixture = mixture_of(manifest)
+    assert mixture is not None and mixture.names == ("web", "code", "books")
     order = manifest.order(4, 0)
-    plan = plan_epoch(
-        1000,
-        RangeSet(),
-        epoch=0,
-        world_size=3,
-        num_workers=2,
-        batch_size=16,
-        even_batches="drop",
-        blocks=manifest.blocks,
-    )
+    assert order.total == 1000
+    plan = plan_epoch(order, RangeSet(), world_size=3, num_workers=2, batch_size=16, even_batches="drop")
     row = re.compile(r"^\s+(\d+)\s+(all|\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)\s+(\d+)\s+(\d+)$")
     rows = {m[1] + "/" + m[2]: [int(m[i]) for i in (7, 8, 9)] for m in map(row.match, out.splitlines()) if m}
     for r in range(3):
@@ -254,7 +248,7 @@ def test_plan_of_a_mixture_counts_each_streams_samples_per_rank_and_worker(
         picture = "".join("WCB"[s] for s in order.streams(np.arange(64))[0].tolist())
         assert f"interleave of positions 0..63: {picture}" in out
     elif composition == "per_stream":  # web 654 = 40 batches of 16 + 14, code 218 = 13 + 10, books 8 x 16
-        blocks = manifest.blocks
+        blocks = order.blocks
         assert blocks is not None and blocks.count == 63
         picture = "".join("WCB"[s] for s in order.streams(blocks.bounds(np.arange(63))[0])[0].tolist())
         assert f"per_stream batches of 16: the stream of batches 0..62: {picture}" in out

@@ -1,4 +1,4 @@
-"""What a worker reads next (``lightning_sharding.mixture.lookahead.items_from``), checked against where
+"""What a worker reads next (``Order.items_from``), checked against where
 the epoch order puts every later position (``locate``): for a plain epoch and for a mixture under
 every composition, with streams drawn more than once (passes) and less than once (cycle chunks),
 the items told are the start of the sequence of items the positions after the last one read, run
@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_sharding.core.order import EpochOrder
-from lightning_sharding.mixture.lookahead import items_from
 from lightning_sharding.mixture.order import MixtureOrder
 from tests.unit.test_mixture import drawn, mixtures
 
@@ -36,7 +35,7 @@ def told_is_a_prefix_of_what_is_read(told: np.ndarray, read: np.ndarray, count: 
 def test_a_plain_epoch_tells_the_items_from_the_last_position_on(counts, seed, count, data) -> None:
     order = EpochOrder(np.array(counts), seed, 2)
     last = data.draw(st.integers(0, order.total - 1))
-    told = items_from(order, np.array([0, last]), count)
+    told = order.items_from(last, count)
     told_is_a_prefix_of_what_is_read(told, order.locate(np.arange(last, order.total))[0], count)
 
 
@@ -64,7 +63,7 @@ def test_a_mixture_tells_each_stream_its_items_from_its_next_draw_on(
         batch_size=None if composition == "mixed" else 4,
     )
     last = data.draw(st.integers(0, order.total - 1))
-    told = items_from(order, np.array([last]), count)
+    told = order.items_from(last, count)
     later = np.arange(last, order.total)
     streams, _ = order.streams(later)
     items, _ = order.locate(later)
@@ -72,4 +71,3 @@ def test_a_mixture_tells_each_stream_its_items_from_its_next_draw_on(
         lo, hi = int(order.item_offsets[s]), int(order.item_offsets[s + 1])
         mine = told[(told >= lo) & (told < hi)]
         told_is_a_prefix_of_what_is_read(mine, items[streams == s], count)
-    assert items_from(order, np.array([], dtype=np.int64), count).size == 0

@@ -20,7 +20,7 @@ from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
 from lightning_sharding.lightning.keeper import LedgerKeeper
-from lightning_sharding.mixture.streams import MixtureReader, Stream
+from lightning_sharding.mixture import MixtureReader, Stream, change_of, mixture_of
 
 SIZES = {"web": [37, 41, 29], "code": [23, 17], "books": [11], "news": [19, 6]}
 SEED = 77
@@ -99,19 +99,23 @@ def test_the_rest_of_a_changed_epoch_serves_nothing_consumed_at_the_new_shares(
     after = mixture(new, n_new, composition=composition, batch_size=8)
     consumed = scattered(before.total, rng)
     keeper = resume(checkpoint(before, consumed), after, allow_mixture_change=True)
-    ledger, change = keeper.ledger, keeper.manifest.change
+    ledger, change = keeper.ledger, change_of(keeper.manifest)
     assert change is not None and change.epoch == 0
     rest = n_new - len(consumed)
     assert (ledger.total, len(ledger.consumed), change.rest) == (rest + len(consumed), len(consumed), rest)
     # What the plan serves: every position not consumed, i.e. the rest.
+    order = keeper.manifest.order(ledger.seed, 0)
     blocks = keeper.manifest.blocks_at(0)
-    plan = plan_epoch(ledger.total, ledger.done, epoch=0, world_size=2, num_workers=2, batch_size=8, blocks=blocks)
+    assert order is change and order.blocks == blocks
+    plan = plan_epoch(order, ledger.done, world_size=2, num_workers=2, batch_size=8)
     served = np.sort(np.concatenate([t.positions[t.num_padding :] for r in range(2) for t in plan.rank(r).tasks()]))
     assert np.array_equal(np.unique(served), np.arange(rest))
     old_samples = set(samples(before, 0, consumed.to_array()))
     rest_samples = samples(keeper.manifest, 0, np.arange(rest))
     per_stream = Counter(key.split("/")[0] for key, _ in rest_samples)
-    for name, draws in zip(after.mixture.names, after.mixture.draws, strict=True):  # type: ignore[union-attr]
+    new = mixture_of(after)
+    assert new is not None
+    for name, draws in zip(new.names, new.draws, strict=True):
         assert abs(per_stream[name] - rest * draws / n_new) < 1, (name, per_stream, rest)
     # Each stream serves samples it had left; only one asking for more than that repeats any.
     for report in change.report:
@@ -206,7 +210,7 @@ def test_a_change_that_cannot_go_on_restarts_the_epoch_under_allow_data_change_a
     after = MixtureReader(other, 100).manifest()
     with pytest.warns(UserWarning, match="allow_data_change=True restarts the epoch instead"):
         keeper = resume(state, after, allow_mixture_change=True, allow_data_change=True)
-    assert (len(keeper.ledger.consumed), keeper.ledger.total, keeper.manifest.change) == (0, 100, None)
+    assert (len(keeper.ledger.consumed), keeper.ledger.total, change_of(keeper.manifest)) == (0, 100, None)
     for stream in state["manifest"]["streams"]:  # as an earlier release wrote it
         del stream["data"]
     with pytest.raises(CheckpointMismatchError, match="earlier lightning_sharding that kept no fingerprint of stream"):
@@ -237,7 +241,7 @@ def test_a_renamed_stream_is_refused_by_both_names_and_the_hidden_data_stream_is
     kept = [Stream("data", SyntheticReader(sizes=SIZES["web"])), Stream("code", SyntheticReader(sizes=SIZES["code"]))]
     keeper = resume(checkpoint(one, RangeSet.interval(0, 20)), MixtureReader(kept, 100).manifest(),
                     allow_mixture_change=True)  # fmt: skip
-    assert keeper.manifest.change is not None and keeper.manifest.change.rest == 80
+    assert change_of(keeper.manifest) is not None and change_of(keeper.manifest).rest == 80
 
 
 def test_a_second_change_names_what_differs_and_a_changed_batch_size_names_the_opt_in() -> None:
@@ -259,8 +263,9 @@ def test_a_second_change_names_what_differs_and_a_changed_batch_size_names_the_o
     after = mixture({"web": {"weight": 1}, "code": {"weight": 1}}, 96, composition="stratified", batch_size=12)
     keeper = resume(state, after, batch_size=12, allow_mixture_change=True)
     blocks = keeper.manifest.blocks_at(0)
-    assert blocks is not None and blocks.size == 12 and keeper.manifest.change is not None
-    rest = set(samples(keeper.manifest, 0, np.arange(keeper.manifest.change.rest)))
+    change = change_of(keeper.manifest)
+    assert blocks is not None and blocks.size == 12 and change is not None
+    rest = set(samples(keeper.manifest, 0, np.arange(change.rest)))
     assert not rest & set(samples(strat, 0, np.arange(32)))
 
 
@@ -271,7 +276,7 @@ def test_a_repeated_stream_serves_each_sample_within_one_of_the_others_over_a_ch
     after = mixture({"books": {"repeat": 3.0}, "web": {"weight": 1}}, 73)
     consumed = RangeSet.interval(0, consumed_to)
     keeper = resume(checkpoint(before, consumed), after, allow_mixture_change=True)
-    change = keeper.manifest.change
+    change = change_of(keeper.manifest)
     assert change is not None
     served = Counter(s for s in samples(before, 0, consumed.to_array()) if s[0].startswith("books/"))
     served.update(s for s in samples(keeper.manifest, 0, np.arange(change.rest)) if s[0].startswith("books/"))
