@@ -10,8 +10,8 @@ the proportional set size (PSS, ``/proc/<pid>/smaps_rollup``) of the main proces
 DataLoader workers every few milliseconds, keeping the peak. What PSS does and does not count:
 
 - a page mapped by k processes counts 1/k in each, so the sum over processes counts it once;
-- a ``/dev/shm`` page that nobody maps (a prefetched segment no worker has opened yet: the main
-  process writes segments with ``write()`` and never maps them) is in no PSS at all. So the
+- a ``/dev/shm`` page that nobody maps (a prefetched shared array no worker has opened yet: the main
+  process writes them with ``write()`` and never maps them) is in no PSS at all. So the
   ``/dev/shm`` bytes are reported too, and ``footprint`` = sum of PSS without its tmpfs part
   (``Pss_Anon + Pss_File``) + all ``/dev/shm`` bytes of the run, which counts every page once;
 - the interpreter, torch and NumPy of 5 processes cost memory whatever the data; it is measured
@@ -251,7 +251,7 @@ def main() -> None:
         table(tmp, 2, args.item_mb, idle)
     print(
         "\npeak PSS: peak of the sum over main + workers; data: peak PSS - idle; footprint: peak of "
-        "(PSS without its tmpfs part + every /dev/shm byte of the run), which also counts segments no "
+        "(PSS without its tmpfs part + every /dev/shm byte of the run), which also counts shared arrays no "
         "process maps yet (PSS cannot see those)"
     )
 

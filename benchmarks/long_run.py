@@ -6,7 +6,7 @@ process and each helper process (DataLoader workers, the dispatch process):
 
 - resident memory (``VmRSS`` of ``/proc/<pid>/status``);
 - open file descriptors (``/proc/<pid>/fd``);
-- ``/dev/shm`` entries of the run: the ``lsh-*`` segments its training process owns, plus every
+- ``/dev/shm`` entries of the run: the ``lsh-*`` files its training process owns, plus every
   ``/dev/shm`` file any of its processes holds open or mapped (other jobs on the machine are not
   counted); and, apart, files unlinked but still open or mapped (PyTorch's shared tensors).
 

@@ -152,8 +152,9 @@ class WindowedReader(Reader):
         """Manifest-order id of every item's first window, shape ``(num_items,)``."""
         return np.concatenate(([0], np.cumsum(self.window_counts())[:-1])).astype(np.int64)
 
-    def segment_pieces(self, item: int) -> list[Piece]:
-        """What item ``item``'s segment holds: the item, then (with a halo) the next ``T - 1`` steps."""
+    def pieces_with_halo(self, item: int) -> list[Piece]:
+        """The steps the windows of item ``item`` need: the item, then (with a halo) the next ``T - 1``
+        steps (what strategy ``broadcast`` loads into one shared array)."""
         lengths = self._require_listing()
         pieces: list[Piece] = [(self._keys[item], 0, int(lengths[item]))]
         need = self.window - 1 if self.halo else 0

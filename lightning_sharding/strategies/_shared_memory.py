@@ -1,4 +1,4 @@
-"""Shared-memory segments: plain files under ``/dev/shm`` that workers map read-only, zero copy.
+"""Shared arrays: arrays in plain files under ``/dev/shm`` that workers map read-only, zero copy.
 
 Why plain files and not ``multiprocessing.shared_memory``: on Python 3.11 attaching to a
 ``SharedMemory`` registers it with the attaching process's resource tracker, which may unlink it
@@ -37,8 +37,8 @@ def process_token(pid: int | None = None) -> str | None:
 
 
 @dataclass(frozen=True)
-class SegmentInfo:
-    """Where a worker finds an item's data: a file name, the array's shape and dtype."""
+class SharedArray:
+    """Where a worker finds an array in shared memory: a file name, the array's shape and dtype."""
 
     name: str
     shape: tuple[int, ...]
@@ -50,11 +50,11 @@ class SegmentInfo:
         return SHM_DIR / self.name
 
 
-def write_segment(name: str, chunks: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> SegmentInfo:
+def write_shared_array(name: str, chunks: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> SharedArray:
     """Write the arrays of iterable ``chunks`` back to back into ``/dev/shm/<name>``.
 
     The data is written with ``write`` (never mapped here), so the writer's memory holds one chunk
-    at a time and none of the segment. The file is fully written before its info is returned.
+    at a time and none of the array. The file is fully written before its description is returned.
     """
     path = SHM_DIR / name
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -66,12 +66,12 @@ def write_segment(name: str, chunks: Any, shape: tuple[int, ...], dtype: np.dtyp
             written += data.nbytes
     if written != expected:
         path.unlink(missing_ok=True)
-        raise ValueError(f"segment {name}: wrote {written} bytes, expected {expected} for shape {shape}")
-    return SegmentInfo(name, shape, dtype.str)
+        raise ValueError(f"shared array {name}: wrote {written} bytes, expected {expected} for shape {shape}")
+    return SharedArray(name, shape, dtype.str)
 
 
-def open_segment(info: SegmentInfo) -> npt.NDArray[Any]:
-    """A read-only array over the segment's pages, shared with every other process mapping it."""
+def open_shared_array(info: SharedArray) -> npt.NDArray[Any]:
+    """A read-only array over the file's pages, shared with every other process mapping it."""
     with open(info.path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:  # mmap refuses empty files; an empty array needs no pages
@@ -83,12 +83,13 @@ def open_segment(info: SegmentInfo) -> npt.NDArray[Any]:
 
 
 def unlink(name: str) -> None:
-    """Remove a segment; its pages are freed once the last process mapping it lets go."""
+    """Remove a shared-memory file; its pages are freed once the last process mapping it lets go."""
     (SHM_DIR / name).unlink(missing_ok=True)
 
 
 def sweep_dead() -> list[str]:
-    """Remove segments whose owner process is gone (a run killed by SIGKILL); returns their names."""
+    """Remove the ``/dev/shm`` files (shared arrays, batch slots) whose owner process is gone (a run
+    killed by SIGKILL); returns their names."""
     removed = []
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         parts = path.name.split("-")

@@ -5,10 +5,10 @@ provenance, so resume and rescale work unchanged. What differs:
 
 - workers take batches interleaved (batch ``i`` to worker ``i % W``), so all of them crop windows
   from the same item at the same time, each from its own batches (disjoint window indices);
-- the main process loads the rank's current item into a ``/dev/shm`` segment in a background
-  thread, ``prefetch_items`` items ahead (:class:`SegmentPool`), and every task carries the
-  segments its batch needs;
-- a segment is unlinked once every batch touching it has come back (the loader sees every batch,
+- the main process loads the rank's current item into a shared array (a ``/dev/shm`` file) in a
+  background thread, ``prefetch_items`` items ahead (:class:`SharedItems`), and every task carries
+  the shared arrays its batch needs;
+- a shared array is unlinked once every batch touching it has come back (the loader sees every batch,
   in order), at the end or abandonment of an epoch, and at process exit.
 """
 
@@ -32,8 +32,8 @@ from lightning_sharding.core.world import SampleContext, World
 from lightning_sharding.readers.windows import WindowedReader
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import Delivery
-from lightning_sharding.strategies._segment_pool import SegmentPool
-from lightning_sharding.strategies._shared_memory import SegmentInfo
+from lightning_sharding.strategies._shared_items import SharedItems
+from lightning_sharding.strategies._shared_memory import SharedArray
 from lightning_sharding.strategies.base import Strategy, register_strategy
 from lightning_sharding.strategies.shard import LoaderRequest, PlanSampler, ShardedLoader
 
@@ -42,14 +42,14 @@ Int64Array = npt.NDArray[np.int64]
 
 @dataclass(frozen=True)
 class BroadcastTask:
-    """A :class:`BatchTask` plus the shared-memory segment of every item its positions fall in."""
+    """A :class:`BatchTask` plus the shared array of every item its positions fall in."""
 
     task: BatchTask
-    segments: dict[int, SegmentInfo]
+    arrays: dict[int, SharedArray]
 
 
 class BroadcastSampler(PlanSampler):
-    """The rank's plan with interleaved workers; attaches each batch's segments from a :class:`SegmentPool`."""
+    """The rank's plan with interleaved workers; attaches each batch's shared arrays from :class:`SharedItems`."""
 
     def __init__(
         self, ledger: Ledger, reader: WindowedReader, items: Sequence[Item], world: World, options: LoaderOptions
@@ -64,10 +64,10 @@ class BroadcastSampler(PlanSampler):
         )
         self.reader, self.shuffle, self.depth = reader, options.shuffle, options.prefetch_items
         self.counts = np.array([it.num_samples for it in items], dtype=np.int64)
-        self.pool: SegmentPool | None = None
+        self.pool: SharedItems | None = None
 
-    def close_pool(self, pool: SegmentPool | None = None) -> None:
-        """Unlink the segments of ``pool`` (default: the current one)."""
+    def close_pool(self, pool: SharedItems | None = None) -> None:
+        """Unlink the shared arrays of ``pool`` (default: the current one)."""
         pool = pool or self.pool
         if pool is not None:
             pool.close()
@@ -77,14 +77,14 @@ class BroadcastSampler(PlanSampler):
     def __iter__(self) -> Iterator[BroadcastTask]:  # type: ignore[override]
         tasks = super().__iter__()
         self.close_pool()  # a new pass: the previous one is over or abandoned
-        self.pool = SegmentPool(self.reader, self.world.rank, self.depth)
+        self.pool = SharedItems(self.reader, self.world.rank, self.depth)
         assert self.rank_plan is not None
         order = EpochOrder(self.counts, self.ledger.seed, self.ledger.epoch, shuffle=self.shuffle)
         return self._attach(tasks, order, self.pool, _item_sequence(order, self.rank_plan.positions))
 
     @staticmethod
     def _attach(
-        tasks: Iterator[BatchTask], order: EpochOrder, pool: SegmentPool, sequence: list[int]
+        tasks: Iterator[BatchTask], order: EpochOrder, pool: SharedItems, sequence: list[int]
     ) -> Iterator[BroadcastTask]:
         where = {item: i for i, item in enumerate(sequence)}
         current: list[int] = []
@@ -117,9 +117,9 @@ def _item_sequence(order: EpochOrder, positions: Any) -> list[int]:
 
 
 class BroadcastBatches(PlannedBatches):
-    """Runs in workers: crops a batch of windows from zero-copy views of the rank's shared_memory.
+    """Runs in workers: crops a batch of windows from zero-copy views of the rank's shared arrays.
 
-    Its :class:`Delivery` names in ``used`` the items whose segments the batch used, so that the
+    Its :class:`Delivery` names in ``used`` the items whose shared arrays the batch used, so that the
     main process can release them.
     """
 
@@ -131,10 +131,10 @@ class BroadcastBatches(PlannedBatches):
         self.bases, self.first_ids, self.offsets = reader.bases(), reader.first_ids(), reader.offsets()
         self._maps: dict[str, npt.NDArray[Any]] = {}
 
-    def _segment(self, info: SegmentInfo, keep: dict[str, npt.NDArray[Any]]) -> npt.NDArray[Any]:
+    def _shared_array(self, info: SharedArray, keep: dict[str, npt.NDArray[Any]]) -> npt.NDArray[Any]:
         array = self._maps.get(info.name)
         if array is None:
-            array = shared_memory.open_segment(info)
+            array = shared_memory.open_shared_array(info)
         keep[info.name] = array
         return array
 
@@ -148,9 +148,9 @@ class BroadcastBatches(PlannedBatches):
         parts = []
         for item in dict.fromkeys(item_ids.tolist()):
             mask = item_ids == item
-            data = self._segment(btask.segments[item], keep)
+            data = self._shared_array(btask.arrays[item], keep)
             parts.append((mask, data[starts[mask][:, None] + steps]))  # a copy: (n, T, *shape)
-        # Only the segments of this batch stay mapped: a worker never goes back to an earlier item.
+        # Only the shared arrays of this batch stay mapped: a worker never goes back to an earlier item.
         self._maps = keep
         windows = parts[0][1] if len(parts) == 1 else _merge(parts, len(item_ids))
         ids = self.first_ids[item_ids] + indices
@@ -167,7 +167,7 @@ class BroadcastBatches(PlannedBatches):
                 for i in range(len(ids))
             ]
             batch = self.collate_fn(samples)
-        used = np.fromiter(btask.segments, dtype=np.int64, count=len(btask.segments))
+        used = np.fromiter(btask.arrays, dtype=np.int64, count=len(btask.arrays))
         return Delivery(batch, task.epoch, task.positions, task.num_padding, used=used)
 
 
@@ -180,13 +180,13 @@ def _merge(parts: list[tuple[npt.NDArray[np.bool_], npt.NDArray[Any]]], n: int) 
 
 
 class BroadcastLoader(ShardedLoader):
-    """The ``broadcast`` strategy's loader of one rank: releases segments as batches come back."""
+    """The ``broadcast`` strategy's loader of one rank: releases shared arrays as batches come back."""
 
     sampler: BroadcastSampler
 
     @classmethod
     def _parts(cls, request: LoaderRequest) -> tuple[Any, Any]:
-        """Checked windows, cropped by workers from the segments the sampler attaches to each task."""
+        """Checked windows, cropped by workers from the shared arrays the sampler attaches to each task."""
         reader, manifest, ledger, world, options, _ = request
         items = manifest.items
         BroadcastStrategy().check(options, reader, owner="BroadcastLoader")
@@ -216,7 +216,7 @@ class BroadcastLoader(ShardedLoader):
             self.sampler.close_pool(pool)
 
     def close(self) -> None:
-        """Stop the workers and unlink every segment now (teardown, exceptions)."""
+        """Stop the workers and unlink every shared array now (teardown, exceptions)."""
         super().close()
         self.sampler.close_pool()
 

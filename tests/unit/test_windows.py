@@ -124,7 +124,7 @@ def test_the_interleaved_layout_deals_batch_i_to_worker_i_mod_w() -> None:
         plan_epoch(10, RangeSet(), epoch=0, world_size=1, num_workers=1, batch_size=2, worker_layout="diagonal")  # type: ignore[arg-type]
 
 
-def test_the_sweep_removes_segments_of_dead_owners_only(tmp_path: Path) -> None:
+def test_the_sweep_removes_shared_memory_files_of_dead_owners_only(tmp_path: Path) -> None:
     dead = shared_memory.SHM_DIR / f"{shared_memory.PREFIX}test-999999999.1-r0-g0-n0-i0"
     live = shared_memory.SHM_DIR / f"{shared_memory.PREFIX}test-{shared_memory.process_token()}-r0-g0-n0-i0"
     reused = shared_memory.SHM_DIR / f"{shared_memory.PREFIX}test-{os.getpid()}.1-r0-g0-n0-i0"  # same pid, other start
@@ -139,12 +139,12 @@ def test_the_sweep_removes_segments_of_dead_owners_only(tmp_path: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def test_a_segment_is_a_read_only_zero_copy_view() -> None:
+def test_a_shared_array_is_a_read_only_zero_copy_view() -> None:
     name = f"{shared_memory.PREFIX}test-{shared_memory.process_token()}-r0-g0-n0-i7"
     data = np.arange(24, dtype=np.float32).reshape(6, 4)
-    info = shared_memory.write_segment(name, [data[:4], data[4:]], data.shape, data.dtype)
+    info = shared_memory.write_shared_array(name, [data[:4], data[4:]], data.shape, data.dtype)
     try:
-        view = shared_memory.open_segment(info)
+        view = shared_memory.open_shared_array(info)
         assert np.array_equal(view, data) and not view.flags.writeable and not view.flags.owndata
         with pytest.raises(ValueError):
             view[0, 0] = 1

@@ -1,7 +1,7 @@
-"""``SegmentPool``: one rank's shared-memory segments of the items its batches need, loaded ahead.
+"""``SharedItems``: the items one rank's batches need, each loaded ahead into a shared array.
 
 Every name is registered before its file exists, so exit-time cleanup never misses one; a run
-killed by SIGKILL leaves segments that the next run's first pool sweeps away.
+killed by SIGKILL leaves files that the next run's first pool sweeps away.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import numpy.typing as npt
 
 import lightning_sharding.strategies._shared_memory as shared_memory
 from lightning_sharding.readers.windows import WindowedReader
-from lightning_sharding.strategies._shared_memory import SegmentInfo
+from lightning_sharding.strategies._shared_memory import SharedArray
 
-# Bytes read from storage per call while filling a segment: bounds the loader's own memory.
+# Bytes read from storage per call while filling a shared array: bounds the loader's own memory.
 CHUNK_BYTES = 64 << 20
 _RUN = secrets.token_hex(3)
 _generations = itertools.count()
@@ -35,12 +35,12 @@ def _unlink_all(names: set[str]) -> None:
     names.clear()
 
 
-class SegmentPool:
-    """One rank's segments for one pass over an epoch plan (main process only).
+class SharedItems:
+    """One rank's items in shared arrays for one pass over an epoch plan (main process only).
 
-    ``issue`` hands out an item's segment (loading it now if the prefetch has not) and counts the
-    batch; ``release`` counts it back; ``done_issuing`` says no later batch will need the item. A
-    segment is unlinked when both hold. At most ``1 + depth`` segments are loading or live unless
+    ``issue`` hands out an item's shared array (loading it now if the prefetch has not) and counts
+    the batch; ``release`` counts it back; ``done_issuing`` says no later batch will need the item.
+    An array is unlinked when both hold. At most ``1 + depth`` arrays are loading or live unless
     the current batch needs another.
     """
 
@@ -54,7 +54,7 @@ class SegmentPool:
         self._prefix = f"{shared_memory.PREFIX}{_RUN}-{token}-r{rank}-g{next(_generations)}"
         self._loads = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lsh-broadcast")
-        self._futures: dict[int, Future[SegmentInfo]] = {}
+        self._futures: dict[int, Future[SharedArray]] = {}
         self._names: dict[int, str] = {}
         self._refs: dict[int, int] = {}
         self._issuing: set[int] = set()
@@ -63,7 +63,7 @@ class SegmentPool:
         self.created: set[str] = set()
         self._finalizer = weakref.finalize(self, _unlink_all, self.created)
 
-    def _start(self, item: int) -> Future[SegmentInfo]:
+    def _start(self, item: int) -> Future[SharedArray]:
         future = self._futures.get(item)
         if future is None:
             name = f"{self._prefix}-n{next(self._loads)}-i{item}"
@@ -72,9 +72,9 @@ class SegmentPool:
             future = self._futures[item] = self._executor.submit(self._load, item, name)
         return future
 
-    def _load(self, item: int, name: str) -> SegmentInfo:
+    def _load(self, item: int, name: str) -> SharedArray:
         reader = self.reader
-        pieces = reader.segment_pieces(item)
+        pieces = reader.pieces_with_halo(item)
         shape, dtype = reader.signature(pieces[0][0])
         steps = sum(stop - start for _, start, stop in pieces)
         step_bytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
@@ -92,7 +92,7 @@ class SegmentPool:
                         )
                     yield data
 
-        return shared_memory.write_segment(name, chunks(), (steps, *shape), dtype)
+        return shared_memory.write_shared_array(name, chunks(), (steps, *shape), dtype)
 
     def upcoming(self, items: Sequence[int]) -> None:
         """The items the following batches will need, in order: the prefetch queue."""
@@ -103,9 +103,9 @@ class SegmentPool:
         while self._upcoming and len(self._futures) < 1 + self.depth:
             self._start(self._upcoming.pop(0))
 
-    def issue(self, items: Iterable[int]) -> dict[int, SegmentInfo]:
-        """The segments of ``items`` for one batch (blocks while one is loading); counts the batch."""
-        got: dict[int, SegmentInfo] = {}
+    def issue(self, items: Iterable[int]) -> dict[int, SharedArray]:
+        """The shared arrays of ``items`` for one batch (waits while one is loading); counts the batch."""
+        got: dict[int, SharedArray] = {}
         for item in items:
             if item in self._upcoming:
                 self._upcoming.remove(item)
@@ -113,7 +113,7 @@ class SegmentPool:
                 got[item] = self._start(item).result()
             except Exception as err:
                 raise RuntimeError(
-                    f"loading item {self.reader.segment_pieces(item)[0][0]!r} into shared memory failed: {err}"
+                    f"loading item {self.reader.pieces_with_halo(item)[0][0]!r} into shared memory failed: {err}"
                 ) from err
             self._refs[item] = self._refs.get(item, 0) + 1
             self._issuing.add(item)
@@ -142,11 +142,11 @@ class SegmentPool:
 
     @property
     def live(self) -> list[str]:
-        """Names of the segments loading or alive now."""
+        """Names of the shared arrays loading or alive now."""
         return sorted(self._names.values())
 
     def close(self) -> None:
-        """Stop prefetching and unlink every segment of this pool (idempotent)."""
+        """Stop prefetching and unlink every shared array of this pool (idempotent)."""
         for future in self._futures.values():
             future.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
