@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -236,5 +237,5 @@ class DaliStrategy(Strategy):
         def batches(source: int) -> PlannedBatches:
             return PlannedBatches(data, manifest, seed=ledger.seed, world=world, options=per_sample, worker_id=source)
 
-        sampler = PlanSampler.of(ledger, world, options)
+        sampler = PlanSampler.of(ledger, world, options, orders=partial(manifest.order, shuffle=options.shuffle))
         return DaliLoader(batches, sampler, pipeline=self.pipeline, padding_key=options.padding_key, track=track)
