@@ -80,7 +80,8 @@ class Ledger:
         """Move to ``epoch`` with nothing consumed (no-op when already there)."""
         if epoch != self.epoch:
             if self.change is not None:  # the changed epoch is over: ordinary epochs of the new mixture
-                self.total, self.change = int(self.change["next_total"]), None
+                self.total = int(self.change["next_total"])
+                self.change = None
             self.epoch = int(epoch)
             self.consumed = RangeSet()
             self.pending = RangeSet()

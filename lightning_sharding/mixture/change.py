@@ -62,7 +62,10 @@ class RestStream:
         *,
         shuffle: bool,
     ) -> None:
-        self.counts, self.size, self.epoch, self.shuffle = counts, int(counts.sum()), int(epoch), shuffle
+        self.counts = counts
+        self.size = int(counts.sum())
+        self.epoch = int(epoch)
+        self.shuffle = shuffle
         self.seed = stream_seed(seed, name, _REST_SEEDS)
         self.fresh = EpochOrder(counts, self.seed, self.epoch, shuffle=shuffle)
         # Level p serves, in the fresh order, the samples consumed at most p times; its k-th draw is
@@ -122,10 +125,15 @@ class MixtureChange:
         batch_size: int | None,
         report: Sequence[StreamReport],
     ) -> None:
-        self.epoch, self.names, self.draws = int(epoch), tuple(names), tuple(int(d) for d in rest_draws)
-        self.rest, self.before = sum(self.draws), int(before)
-        self.total, self.report = self.rest + self.before, tuple(report)
-        self.rest_streams, self.item_offsets = list(streams), item_offsets
+        self.epoch = int(epoch)
+        self.names = tuple(names)
+        self.draws = tuple(int(d) for d in rest_draws)
+        self.rest = sum(self.draws)
+        self.before = int(before)
+        self.total = self.rest + self.before
+        self.report = tuple(report)
+        self.rest_streams = list(streams)
+        self.item_offsets = item_offsets
         self.layout: Layout | None = layout(self.draws, composition, batch_size) if self.rest else None
         blocks = blocks_of(self.layout) if self.layout is not None else None
         if composition != "mixed" and batch_size is not None and blocks is None:  # nothing left to plan

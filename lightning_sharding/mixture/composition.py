@@ -58,7 +58,8 @@ class Stratified:
 
     def __init__(self, draws: Sequence[int], batch_size: int) -> None:
         self.draws = tuple(int(d) for d in draws)
-        self.total, self.batch_size = sum(self.draws), int(batch_size)
+        self.total = sum(self.draws)
+        self.batch_size = int(batch_size)
         full, short = divmod(self.total, self.batch_size)
         self.full = full
         # The short last block takes each stream's share of it; the full blocks share the rest.
@@ -121,7 +122,8 @@ class PerStream:
 
     def __init__(self, draws: Sequence[int], batch_size: int) -> None:
         self.draws = tuple(int(d) for d in draws)
-        self.total, self.batch_size = sum(self.draws), int(batch_size)
+        self.total = sum(self.draws)
+        self.batch_size = int(batch_size)
         self.full_blocks = [d // self.batch_size for d in self.draws]
         self.rest = [d % self.batch_size for d in self.draws]
         self.full = sum(self.full_blocks)

@@ -134,8 +134,9 @@ def stream_seed(seed: int, name: str, kind: int) -> int:
 
 
 @dataclass(frozen=True)
-class Segment:
-    """``[lo, hi)`` of one order of a stream: a pass (``kind`` _PASS_SEEDS) or a cycle's order."""
+class Portion:
+    """``[lo, hi)`` of one order of a stream that an epoch draws from: a whole pass (``kind``
+    _PASS_SEEDS) or a chunk of a cycle's order (_CYCLE_SEEDS); ``key`` numbers the pass or cycle."""
 
     kind: int
     key: int
@@ -143,43 +144,45 @@ class Segment:
     hi: int
 
 
-def stream_segments(size: int, draws: int, epoch: int) -> list[Segment]:
+def stream_portions(size: int, draws: int, epoch: int) -> list[Portion]:
     """The orders and ranges a stream of ``size`` samples serves its ``draws`` of ``epoch`` from."""
     passes, rest = divmod(draws, size)
-    segments = [Segment(_PASS_SEEDS, epoch * passes + i, 0, size) for i in range(passes)]
+    portions = [Portion(_PASS_SEEDS, epoch * passes + i, 0, size) for i in range(passes)]
     if rest:
         per_cycle = -(-size // rest)  # epochs per cycle; at least 2, since rest < size
         cycle, turn = divmod(epoch, per_cycle)
         lo = turn * rest
         if turn < per_cycle - 1:
-            segments.append(Segment(_CYCLE_SEEDS, cycle, lo, lo + rest))
+            portions.append(Portion(_CYCLE_SEEDS, cycle, lo, lo + rest))
         else:  # the cycle's last chunk is short: topped up with the cycle's first samples
-            segments.append(Segment(_CYCLE_SEEDS, cycle, lo, size))
-            segments.append(Segment(_CYCLE_SEEDS, cycle, 0, rest - (size - lo)))
-    return segments
+            portions.append(Portion(_CYCLE_SEEDS, cycle, lo, size))
+            portions.append(Portion(_CYCLE_SEEDS, cycle, 0, rest - (size - lo)))
+    return portions
 
 
 class StreamOrder:
     """One stream's ``draws`` of one epoch, mapped to ``(item, index)`` of the stream's own items
-    (``counts``, its items' sample counts): its passes and its cycle chunk (:func:`stream_segments`)."""
+    (``counts``, its items' sample counts): its passes and its cycle chunk (:func:`stream_portions`)."""
 
     def __init__(
         self, counts: npt.ArrayLike, name: str, draws: int, seed: int, epoch: int, *, shuffle: bool = True
     ) -> None:
         self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
-        self.name, self.seed, self.shuffle = name, int(seed), bool(shuffle)
+        self.name = name
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
         self.size = int(self.counts.sum())
-        self.segments = stream_segments(self.size, int(draws), int(epoch)) if draws else []
-        self.starts = np.cumsum([0] + [g.hi - g.lo for g in self.segments]).astype(np.int64)
+        self.portions = stream_portions(self.size, int(draws), int(epoch)) if draws else []
+        self.starts = np.cumsum([0] + [g.hi - g.lo for g in self.portions]).astype(np.int64)
         self._orders: OrderedDict[tuple[int, int], EpochOrder] = OrderedDict()
 
-    def segment_order(self, segment: Segment) -> EpochOrder:
-        """The order of the pass or cycle chunk ``segment`` draws from (the newest few are kept)."""
-        key = (segment.kind, segment.key)
+    def portion_order(self, portion: Portion) -> EpochOrder:
+        """The order of the pass or cycle chunk ``portion`` draws from (the newest few are kept)."""
+        key = (portion.kind, portion.key)
         order = self._orders.get(key)
         if order is None:
-            seed = stream_seed(self.seed, self.name, segment.kind)
-            order = self._orders[key] = EpochOrder(self.counts, seed, segment.key, shuffle=self.shuffle)
+            seed = stream_seed(self.seed, self.name, portion.kind)
+            order = self._orders[key] = EpochOrder(self.counts, seed, portion.key, shuffle=self.shuffle)
             if len(self._orders) > 4:
                 self._orders.popitem(last=False)
         return order
@@ -190,12 +193,12 @@ class StreamOrder:
         found: list[Int64Array] = []
         left = count
         g = int(np.searchsorted(self.starts, draw, side="right")) - 1
-        while 0 <= g < len(self.segments) and left > 0:
-            segment = self.segments[g]
-            order = self.segment_order(segment)
-            lo = segment.lo + max(draw - int(self.starts[g]), 0)
+        while 0 <= g < len(self.portions) and left > 0:
+            portion = self.portions[g]
+            order = self.portion_order(portion)
+            lo = portion.lo + max(draw - int(self.starts[g]), 0)
             first = int(np.searchsorted(order.starts, lo, side="right")) - 1
-            end = int(np.searchsorted(order.starts, segment.hi, side="left"))
+            end = int(np.searchsorted(order.starts, portion.hi, side="left"))
             found.append(order.item_order[first : min(end, first + left)])
             left -= found[-1].size
             g += 1
@@ -208,8 +211,8 @@ class StreamOrder:
         items, index = np.empty_like(draw), np.empty_like(draw)
         for g in np.unique(which).tolist():
             at = which == g
-            segment = self.segments[g]
-            items[at], index[at] = self.segment_order(segment).locate(draw[at] - self.starts[g] + segment.lo)
+            portion = self.portions[g]
+            items[at], index[at] = self.portion_order(portion).locate(draw[at] - self.starts[g] + portion.lo)
         return items, index
 
 
@@ -234,10 +237,13 @@ class MixtureOrder:
         composition: str = "mixed",
         batch_size: int | None = None,
     ) -> None:
-        self.names, self.composition = tuple(names), composition
+        self.names = tuple(names)
+        self.composition = composition
         self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
         self.draws = tuple(int(d) for d in draws)
-        self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)
+        self.seed = int(seed)
+        self.epoch = int(epoch)
+        self.shuffle = bool(shuffle)
         self.total = sum(self.draws)
         self.item_offsets = np.concatenate(([0], np.cumsum(stream_items))).astype(np.int64)
         if int(self.item_offsets[-1]) != self.counts.size or len(self.names) != len(self.draws):
@@ -248,7 +254,8 @@ class MixtureOrder:
         ]
         self.sizes = [s.size for s in self.stream_orders]
         self.interleave = layout(self.draws, composition, batch_size)
-        self.prefix, self.streams = self.interleave.prefix, self.interleave.streams
+        self.prefix = self.interleave.prefix
+        self.streams = self.interleave.streams
         self.blocks: Blocks | None = blocks_of(self.interleave)
 
     def locate(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:

@@ -72,8 +72,10 @@ class MixtureReader(Reader):
             raise ValueError(f"batch_composition={composition!r} is not one of {list(COMPOSITIONS)}")
         if composition != "mixed" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_composition={composition!r} needs a batch_size of 1 or more, got {batch_size!r}")
-        self.streams, self.samples_per_epoch = streams, samples_per_epoch
-        self.composition, self.batch_size = composition, batch_size if composition != "mixed" else None
+        self.streams = streams
+        self.samples_per_epoch = samples_per_epoch
+        self.composition = composition
+        self.batch_size = batch_size if composition != "mixed" else None
         self._listed: list[tuple[Item, ...]] | None = None
         self._origin: dict[str, tuple[int, Item]] = {}
         self.fetch_ahead = max(s.reader.fetch_ahead for s in streams)  # a stream that fetches ahead is told

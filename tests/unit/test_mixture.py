@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.mixture.order import MixtureOrder, StreamSpec, apportion, plan_draws, stream_segments
+from lightning_sharding.mixture.order import MixtureOrder, StreamSpec, apportion, plan_draws, stream_portions
 
 
 def build(item_counts: list[list[int]], draws: list[int], seed: int = 3, epoch: int = 0) -> MixtureOrder:
@@ -92,9 +92,9 @@ def test_a_down_sampled_stream_covers_itself_before_any_sample_repeats(size: int
     assert all(len(set(ids)) == draws for ids in served), "never twice in one epoch"
 
 
-def test_the_segments_of_a_cycle_tile_it() -> None:
+def test_the_portions_of_a_cycle_tile_it() -> None:
     # 11 samples, 3 an epoch: epochs 0..3 take [0,3) [3,6) [6,9) and [9,11)+[0,1) of cycle 0.
-    assert [(g.key, g.lo, g.hi) for e in range(5) for g in stream_segments(11, 3, e)] == [
+    assert [(g.key, g.lo, g.hi) for e in range(5) for g in stream_portions(11, 3, e)] == [
         (0, 0, 3),
         (0, 3, 6),
         (0, 6, 9),
