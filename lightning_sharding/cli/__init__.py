@@ -1,4 +1,4 @@
-"""The ``lightning-sharding`` command line, one module per subcommand (``audit`` lives with the audit)."""
+"""The ``lightning-sharding`` command line, one module per subcommand (``plan``, ``inspect``, ``audit``)."""
 
 from lightning_sharding.cli._common import PROG, CliError
 from lightning_sharding.cli.checkpoint import format_inspect

@@ -1,6 +1,8 @@
-"""``lightning-sharding audit DIR...``: exactly-once over a run's audit trail.
+"""``lightning-sharding audit DIR...``: the ``audit`` subcommand, exactly-once over a run's audit trail.
 
-The trail itself is written and read by :mod:`lightning_sharding.lightning.audit`.
+One module per subcommand, like ``plan`` and ``inspect``: its arguments, the table it prints and
+its exit status. The trail's format, what training writes and what the audit reads, belongs to
+:mod:`lightning_sharding.lightning.audit` alone, which knows nothing of the command line.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""The audit trail: every rank writes the epoch positions its completed steps consumed, and
-``lightning-sharding audit`` proves (or refutes) exactly-once over a run and its resumptions.
+"""The audit trail, its one format: every rank writes the epoch positions its completed steps
+consumed, and ``lightning-sharding audit`` proves (or refutes) exactly-once over a run and its
+resumptions. This module writes the files (:class:`AuditWriter`, :func:`run_header`) and reads them
+(:func:`audit`).
 
 Files are JSON lines, one per data-parallel rank and run segment, in the run's audit directory
 (the ranks of one model replica train on the same batches; the first of them writes for all):
@@ -24,17 +26,55 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
 from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.mixture import mixture_of
+
+if TYPE_CHECKING:
+    from lightning_sharding.lightning.keeper import LedgerKeeper
 
 AUDIT_VERSION = 1
 
 
+def run_header(keeper: LedgerKeeper, *, started: float, start_step: int, resumed_from: str | None) -> dict[str, Any]:
+    """What the ``segment`` header of a run segment's audit file says besides its id and rank (see
+    the module): ``started`` is the segment's start time (rank 0's), ``start_step`` the global step
+    it starts at."""
+    world = keeper.world
+    header: dict[str, Any] = {
+        "started": started,
+        "world_size": world.data_size,  # the audit counts data-parallel ranks: one file per replica
+        "global_world_size": world.world_size,
+        "global_rank": world.rank,
+        "num_workers": keeper.options.num_workers,
+        "seed": keeper.ledger.seed,
+        "total": keeper.ledger.total,
+        "fingerprint": keeper.manifest.fingerprint,
+        "start_step": start_step,
+        "resumed_from": resumed_from,
+    }
+    mixture = mixture_of(keeper.manifest)
+    if mixture is not None:  # the audit counts each stream's draws
+        header["streams"] = [{"name": n, "draws": d} for n, d in zip(mixture.names, mixture.draws, strict=True)]
+        header.update(mixture.composition_summary())
+    if keeper.mixture_from is not None:  # resumed a checkpoint of another mixture: the audit links the two
+        header["mixture_from"] = keeper.mixture_from
+    # What the epoch's order records beyond the manifest: a changed mixture's rest, linked to the mixture before.
+    record = keeper.manifest.order(keeper.ledger.seed, keeper.ledger.epoch).record()
+    if record and keeper.ledger.change is not None:
+        header["change"] = {**record, "from": keeper.ledger.change["before"]["manifest"]["fingerprint"]}
+    return header
+
+
 class AuditWriter:
-    """Appends this rank's audit lines for one run segment; flushes every line (a crash loses none)."""
+    """Appends this rank's audit lines for one run segment; flushes every line (a crash loses none).
+
+    ``header`` is what :func:`run_header` gives; the file starts with it, the segment's id and this
+    data-parallel ``rank``.
+    """
 
     def __init__(self, directory: str | Path, segment: str, rank: int, header: dict[str, Any]) -> None:
         self.path = Path(directory) / f"{segment}-rank{rank}.jsonl"

@@ -27,7 +27,7 @@ from lightning_sharding.core.ledger import CHECKPOINT_KEY
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.lightning.accounting import StepAccounting, TrainerProgress
-from lightning_sharding.lightning.audit import AuditWriter
+from lightning_sharding.lightning.audit import AuditWriter, run_header
 from lightning_sharding.lightning.keeper import LedgerKeeper
 from lightning_sharding.lightning.progress_bar import show_train_total
 from lightning_sharding.lightning.release import ReleaseProcessGroup
@@ -90,32 +90,11 @@ class ShardingCallback(pl.Callback):
         # One id and start time per run segment, from rank 0, so all ranks' files belong together.
         started = trainer.strategy.broadcast(time.time(), src=0)
         segment = trainer.strategy.broadcast(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", src=0)
-        world = keeper.world
-        if world.replica_rank != 0:  # the first rank of each model replica writes for all of its ranks
+        if keeper.world.replica_rank != 0:  # the first rank of each model replica writes for all of its ranks
             return None
-        header = {
-            "started": started,
-            "world_size": world.data_size,  # the audit counts data-parallel ranks: one file per replica
-            "global_world_size": world.world_size,
-            "global_rank": world.rank,
-            "num_workers": keeper.options.num_workers,
-            "seed": keeper.ledger.seed,
-            "total": keeper.ledger.total,
-            "fingerprint": keeper.manifest.fingerprint,
-            "start_step": trainer.global_step,
-            "resumed_from": str(trainer.ckpt_path) if trainer.ckpt_path else None,
-        }
-        mixture = mixture_of(keeper.manifest)
-        if mixture is not None:  # the audit counts each stream's draws
-            header["streams"] = [{"name": n, "draws": d} for n, d in zip(mixture.names, mixture.draws, strict=True)]
-            header.update(mixture.composition_summary())
-        if keeper.mixture_from is not None:  # resumed a checkpoint of another mixture: the audit links the two
-            header["mixture_from"] = keeper.mixture_from
-        # What the epoch's order records beyond the manifest: a changed mixture's rest, linked to the mixture before.
-        record = keeper.manifest.order(keeper.ledger.seed, keeper.ledger.epoch).record()
-        if record and keeper.ledger.change is not None:
-            header["change"] = {**record, "from": keeper.ledger.change["before"]["manifest"]["fingerprint"]}
-        return AuditWriter(directory, segment, world.data_rank, header)
+        resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path else None
+        header = run_header(keeper, started=started, start_step=trainer.global_step, resumed_from=resumed_from)
+        return AuditWriter(directory, segment, keeper.world.data_rank, header)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
