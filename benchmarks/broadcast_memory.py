@@ -37,10 +37,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from lightning_sharding import Ledger, Manifest, World
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.readers.windows import NpyWindows
 from lightning_sharding.strategies._shared_memory import SHM_DIR
 from lightning_sharding.strategies.broadcast import BroadcastLoader
+from lightning_sharding.strategies.options import LoaderOptions
 
 MB = 1 << 20
 FEATURES = 1024  # float32: 4 KiB per time step

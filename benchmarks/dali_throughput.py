@@ -11,8 +11,8 @@ import argparse
 import time
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.lightning.dali import DaliStrategy
+from lightning_sharding.strategies.options import LoaderOptions
 
 
 def epoch_rate(loader: object) -> tuple[float, int]:

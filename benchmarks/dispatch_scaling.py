@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sharding.core.ledger import Ledger
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.world import SampleContext, World
 from lightning_sharding.readers.sources import SqliteSource, source_manifest
 from lightning_sharding.strategies.dispatch import DispatchLoader
+from lightning_sharding.strategies.options import LoaderOptions
 
 WORK = int(os.environ.get("DISPATCH_BENCH_WORK", "20000"))
 

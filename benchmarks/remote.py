@@ -32,9 +32,9 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from lightning_sharding import Ledger, Manifest, World  # noqa: E402
-from lightning_sharding.core.options import LoaderOptions  # noqa: E402
 from lightning_sharding.readers import TarReader  # noqa: E402
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression  # noqa: E402
+from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
 from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402
 from tests.fault_proxy import FaultProxy  # noqa: E402
 from tests.s3 import S3Server  # noqa: E402

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_sharding import Ledger, Manifest, SyntheticReader, World
-from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import PlanSampler, ShardedLoader
 
 TOTAL, ITEMS, BATCH, WORLD = 1_000_000, 100, 256, 2

@@ -33,7 +33,7 @@ _EXPORTS = {
     "Item": "core.manifest",
     "JsonlReader": "readers",
     "Ledger": "core.ledger",
-    "LoaderOptions": "core.options",
+    "LoaderOptions": "strategies.options",
     "Manifest": "core.manifest",
     "NpyReader": "readers",
     "NpyWindows": "readers",
@@ -105,7 +105,6 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_sharding.core.ledger import CheckpointMismatchError, Ledger
     from lightning_sharding.core.manifest import Item, Manifest
-    from lightning_sharding.core.options import LoaderOptions
     from lightning_sharding.core.order import EpochOrder
     from lightning_sharding.core.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
     from lightning_sharding.core.rangeset import RangeSet
@@ -130,6 +129,7 @@ if TYPE_CHECKING:
     from lightning_sharding.readers.sources import Source, SqliteSource
     from lightning_sharding.strategies import SampleError, Strategy, register_strategy
     from lightning_sharding.strategies.dispatch import DispatchLoader
+    from lightning_sharding.strategies.options import LoaderOptions
     from lightning_sharding.strategies.shard import ShardedLoader
 
 
@@ -156,7 +156,7 @@ _MOVED = {
     "rangeset": "core.rangeset",
     "ledger": "core.ledger",
     "world": "core.world",
-    "options": "core.options",
+    "options": "strategies.options",
     "streams": "mixture.streams",
     "interleave": "mixture.interleave",
     "composition": "mixture.composition",

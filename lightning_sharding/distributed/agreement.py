@@ -12,9 +12,9 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_sharding.core.manifest import Epochs, Manifest, describe_change
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
+from lightning_sharding.strategies.options import LoaderOptions
 
 # The inputs of the plan every rank computes; a rank with another value would plan other shares.
 PLAN_INPUTS = ("seed", "batch_size", "even_batches", "shuffle", "data_size")

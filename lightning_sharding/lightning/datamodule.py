@@ -20,7 +20,6 @@ from typing_extensions import override
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
 from lightning_sharding.core.plan import EvenBatches
 from lightning_sharding.core.world import DataParallel, World, check_data_parallel
 from lightning_sharding.distributed.agreement import agree
@@ -32,6 +31,7 @@ from lightning_sharding.readers.shared_index import collective
 from lightning_sharding.readers.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies.base import strategies_where
+from lightning_sharding.strategies.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
 
 
 class ShardedDataModule(pl.LightningDataModule):

@@ -16,12 +16,12 @@ import torch
 
 from lightning_sharding.core.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.mixture import ChangedMixture, MixtureChangeError, change_mixture, change_of, mixture_of
 from lightning_sharding.strategies.base import TrainLoader
+from lightning_sharding.strategies.options import LoaderOptions
 
 
 class LedgerKeeper:

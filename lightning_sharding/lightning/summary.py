@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.world import World
+from lightning_sharding.strategies.options import LoaderOptions
 
 
 @dataclass

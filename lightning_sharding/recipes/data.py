@@ -9,11 +9,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_sharding.core.options import Transform
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.sources import Source
 from lightning_sharding.readers.storage import scheme_of
+from lightning_sharding.strategies.options import Transform
 
 # The loader options of config.DataOptions that go to ShardedDataModule unchanged.
 _PASSED = (

@@ -11,7 +11,6 @@ import torch
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from lightning_sharding.core.manifest import Item, Manifest
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
@@ -21,6 +20,7 @@ from lightning_sharding.strategies._delivery import NO_POSITIONS, Delivery
 from lightning_sharding.strategies._samples import Failed, SampleError, difference, structure
 from lightning_sharding.strategies._slots import SlotStates, WorkerSlots
 from lightning_sharding.strategies._worker import WorkerContexts
+from lightning_sharding.strategies.options import LoaderOptions
 
 
 class PlannedBatches(Dataset[Delivery]):

@@ -19,13 +19,13 @@ import numpy.typing as npt
 from torch.utils.data import Dataset, Sampler
 
 from lightning_sharding.core.ledger import Ledger
-from lightning_sharding.core.options import LoaderOptions, Transform
 from lightning_sharding.core.plan import EpochPlan
 from lightning_sharding.core.world import SampleContext, ShardContext, World
 from lightning_sharding.strategies._delivery import NO_POSITIONS, Delivery
 from lightning_sharding.strategies._dispatch_process import POLL_SECONDS, Chunk, End, Failure, SourceError
 from lightning_sharding.strategies._samples import SampleError
 from lightning_sharding.strategies._worker import WorkerContexts
+from lightning_sharding.strategies.options import LoaderOptions, Transform
 
 
 class DispatchError(RuntimeError):

@@ -16,10 +16,10 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.plan import WorkerLayout
 from lightning_sharding.core.world import World
 from lightning_sharding.strategies._delivery import DeliveredLog, Provenance
+from lightning_sharding.strategies.options import LoaderOptions
 
 Takes = Literal["reader", "windows", "source"]
 

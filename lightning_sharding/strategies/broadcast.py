@@ -25,7 +25,6 @@ from typing_extensions import override
 import lightning_sharding.strategies._shared_memory as shared_memory
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Item, Manifest
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.order import EpochOrder
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.world import SampleContext, World
@@ -35,6 +34,7 @@ from lightning_sharding.strategies._delivery import Delivery
 from lightning_sharding.strategies._shared_items import SharedItems
 from lightning_sharding.strategies._shared_memory import SharedArray
 from lightning_sharding.strategies.base import Strategy, register_strategy
+from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import LoaderRequest, PlanSampler, ShardedLoader
 
 Int64Array = npt.NDArray[np.int64]

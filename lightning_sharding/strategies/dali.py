@@ -19,7 +19,6 @@ from typing_extensions import override
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.order import derive_seed
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.world import World
@@ -28,6 +27,7 @@ from lightning_sharding.strategies._dali_layout import Field, fields_of, require
 from lightning_sharding.strategies._dali_source import ShardedSource, SourcePlan, sharded_sources
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
+from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import PlanSampler
 
 PROVENANCE = "_provenance"

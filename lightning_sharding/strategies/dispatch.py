@@ -26,7 +26,6 @@ from typing_extensions import override
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.options import DEFAULT_OPTIONS, LoaderOptions
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.distributed.collectives import all_true, cpu_group, gather_counts
@@ -44,6 +43,7 @@ from lightning_sharding.strategies._dispatch_worker import (
 from lightning_sharding.strategies._helper_deaths import how_it_ended, reraise_if_dead, watch, worker_processes
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
+from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
 from lightning_sharding.strategies.shard import ShardStrategy
 
 

@@ -27,7 +27,6 @@ from typing_extensions import Self, override
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Item, Manifest
-from lightning_sharding.core.options import DEFAULT_OPTIONS, LoaderOptions
 from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
 from lightning_sharding.core.world import World
@@ -39,6 +38,7 @@ from lightning_sharding.strategies._helper_deaths import reraise_if_dead, stop_w
 from lightning_sharding.strategies._slots import SlotPool
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
+from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
 
 
 class PlanSampler(Sampler[BatchTask]):

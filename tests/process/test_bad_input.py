@@ -31,12 +31,12 @@ import pytest
 from lightning_sharding import CheckpointMismatchError, SampleError, ShardedDataModule, ShardingCallback, World
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.readers import FILE_READERS, NpyReader, SyntheticReader, TarReader
 from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.readers.storage import RetryPolicy
 from lightning_sharding.recipes.synthetic_files import FORMATS, to_regression, write_regression
 from lightning_sharding.strategies.broadcast import BroadcastLoader
+from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import cpu_trainer
 from tests.jobs.parts import RecordingModel
 from tests.jobs.sources import ROTATING_QUERY, make_db, row_to_sample

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from lightning_sharding import Ledger, Manifest, World
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.strategies._shared_memory import SHM_DIR
 from lightning_sharding.strategies.broadcast import BroadcastLoader
+from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
     Job,
     Segment,

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from lightning_sharding import EpochOrder, Ledger, Manifest, RangeSet, SyntheticReader, World, plan_epoch
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.lightning.dali import DaliStrategy, merge_layout
+from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import ROOT, Job, assert_exactly_once, check_resume, free_port
 from tests.jobs.dali_parts import RecordingReader, add_image
 

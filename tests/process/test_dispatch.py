@@ -20,13 +20,13 @@ import torch
 
 from lightning_sharding import ShardedDataModule
 from lightning_sharding.core.ledger import Ledger
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.readers.sources import SqliteSource, source_manifest
 from lightning_sharding.strategies._dispatch_process import Chunk, SourceError, Spec, deal
 from lightning_sharding.strategies.dispatch import DispatchLoader
+from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
     ROOT,
     Job,

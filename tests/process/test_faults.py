@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.lightning.audit import audit, format_audit
 from lightning_sharding.recipes.synthetic_files import write_regression
 from lightning_sharding.strategies._helper_deaths import HelperProcessError
+from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
     ROOT,
     Job,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_sharding import Item, Ledger, Manifest, Reader, ShardContext, SyntheticReader, World
-from lightning_sharding.core.options import LoaderOptions
+from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
 
 

@@ -19,13 +19,13 @@ import pytest
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.world import World
 from lightning_sharding.mixture.order import MixtureOrder
 from lightning_sharding.mixture.streams import MixtureReader, Stream
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.cache import ShardCache
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
+from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
 from tests.fault_proxy import FaultProxy
 from tests.s3 import S3Server

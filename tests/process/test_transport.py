@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World, segments
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.readers.synthetic import regression_arrays
 from lightning_sharding.strategies._slots import SlotBatch
+from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import Job, assert_weights_count_once, check_resume, weights_of_run
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]

@@ -1,5 +1,8 @@
 """The layout docs/architecture.md promises: every module says what it is about, no import cycles,
-a strategy's rules only in its strategy, and no Lightning in what workers import."""
+the layers (the core imports no torch, Lightning or feature; strategies no Lightning; only
+mixture/ reaches inside mixture/; no order's type tested outside its module), a strategy's rules
+only in its strategy, and no Lightning in what workers import. Each layering rule is also run on a
+planted package that breaks it, so a rule that cannot fail is caught."""
 
 from __future__ import annotations
 
@@ -26,6 +29,13 @@ def modules() -> dict[str, Path]:
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The package modules ``name`` imports anywhere in its body (inside functions too)."""
+    # The package root only re-exports names lazily (its __getattr__).
+    return {m for m in all_imports(name, path) if m in known and m not in (name, "lightning_sharding")}
+
+
+def all_imports(name: str, path: Path) -> set[str]:
+    """Every module name ``name`` imports anywhere (inside functions and ``TYPE_CHECKING`` too),
+    absolute, with each ``from X import y`` counted as both ``X`` and ``X.y``."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -38,8 +48,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
                 base = ".".join([*parts, *([base] if base else [])])
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
-    # The package root only re-exports names lazily (its __getattr__).
-    return {m for m in found if m in known and m not in (name, "lightning_sharding")}
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -104,10 +113,96 @@ def test_strategy_rules_live_only_in_the_strategies() -> None:
 def test_what_workers_import_imports_no_lightning() -> None:
     code = (
         "import sys, lightning_sharding.strategies as s, lightning_sharding.lightning.keeper;"
-        "import lightning_sharding.core.options;"
+        "import lightning_sharding.strategies.options;"
         "assert len(s.strategy_names()) >= 4;"  # loads every built-in strategy module
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# The core's only imports outside the standard library and itself.
+CORE_MAY_IMPORT = {"numpy", "typing_extensions"}
+ORDER_TYPES = r"EpochOrder|MixtureOrder|MixtureChange|ChangedMixture|Mixture|StreamOrder|RestStream"
+# Where each order type is defined: the only place that may test for it.
+ORDER_HOMES = ("lightning_sharding.core.order", "lightning_sharding.mixture.")
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules ``name`` imports anywhere (inside functions and ``TYPE_CHECKING`` too): ``X`` of
+    ``import X`` and of ``from X import y``, and ``X.y`` where that is a module of the package (``known``)."""
+    found = all_imports(name, path)
+    return {m for m in found if m in known or m.rpartition(".")[0] not in found}
+
+
+def layering_violations(found: dict[str, Path]) -> list[str]:
+    """Every import or type test of the package ``found`` (module name -> file) that breaks a layer."""
+    out = []
+    known = set(found) | set(modules())
+    for name, path in found.items():
+        imported = sorted(imported_modules(name, path, known))
+        inside = name.split(".")[1] if "." in name else ""
+        for module in imported:
+            top = module.split(".")[0]
+            core = module == "lightning_sharding.core" or module.startswith("lightning_sharding.core.")
+            if inside == "core" and top == "lightning_sharding" and not core:
+                out.append(f"{name} (core) imports {module}: the core knows no feature, strategy or glue")
+            elif inside == "core" and top != "lightning_sharding":
+                if top not in CORE_MAY_IMPORT and top not in sys.stdlib_module_names:
+                    out.append(f"{name} (core) imports {module}: the core is pure (stdlib and numpy)")
+            glue = top in ("lightning", "pytorch_lightning") or module.startswith("lightning_sharding.lightning")
+            if inside == "strategies" and glue:
+                out.append(f"{name} (strategies) imports {module}: workers must not import Lightning")
+            internal = module.startswith("lightning_sharding.mixture.")
+            if inside != "mixture" and internal:
+                out.append(f"{name} imports {module}: outside mixture/, import from lightning_sharding.mixture")
+        if not name.startswith(ORDER_HOMES):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(rf"isinstance\([^)]*\b({ORDER_TYPES})\b", line):
+                    out.append(f"{name}:{number} tests an order's type: {line.strip()}")
+    return out
+
+
+def test_the_layers_hold() -> None:
+    assert layering_violations(modules()) == []
+
+
+def test_the_layering_check_finds_a_planted_violation_of_each_rule(tmp_path: Path) -> None:
+    planted = {
+        "core/order.py": "import torch\n",
+        "core/plan.py": "from lightning_sharding.mixture import Mixture\n",
+        "core/ledger.py": "def f():\n    from lightning_sharding.strategies.shard import PlanSampler\n",
+        "strategies/shard.py": "import lightning.pytorch as pl\n",
+        "strategies/broadcast.py": "from lightning_sharding.lightning.keeper import LedgerKeeper\n",
+        "cli/plan.py": "from lightning_sharding.mixture.order import MixtureOrder\n",
+        "lightning/keeper.py": "ok = isinstance(order, MixtureOrder)\n",
+        "mixture/change.py": "from lightning_sharding.mixture.order import Mixture\nok = isinstance(o, Mixture)\n",
+        "core/manifest.py": "import numpy as np\nimport json\nfrom lightning_sharding.core.order import EpochOrder\n",
+    }
+    found = {}
+    for relative, code in planted.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(code)
+        found["lightning_sharding." + relative.removesuffix(".py").replace("/", ".")] = path
+    violations = layering_violations(found)
+    for culprit in ["core.order (core) imports torch", "core.plan (core) imports lightning_sharding.mixture"]:
+        assert any(culprit in v for v in violations), culprit
+    assert any("core.ledger (core) imports lightning_sharding.strategies.shard" in v for v in violations)
+    assert any("strategies.shard (strategies) imports lightning.pytorch" in v for v in violations)
+    assert any("strategies.broadcast (strategies) imports lightning_sharding.lightning.keeper" in v for v in violations)
+    assert any("cli.plan imports lightning_sharding.mixture.order" in v for v in violations)
+    assert any("lightning.keeper:1 tests an order's type" in v for v in violations)
+    # What the rules allow: mixture/ reaching inside itself, the core importing the core, numpy, stdlib.
+    assert not any("mixture.change" in v or "core.manifest" in v for v in violations), violations
+    assert len(violations) == 7, violations
+
+
+def test_the_top_level_holds_only_folders_the_root_the_entry_and_the_version() -> None:
+    loose = sorted(
+        p.name
+        for p in PACKAGE.iterdir()
+        if p.is_file() and p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py", "_version.py", "train.py")
+    )
+    assert loose == [], f"modules at the package's top level, not in a folder: {loose}"

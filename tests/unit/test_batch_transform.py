@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lightning_sharding import BatchContext, ShardedDataModule, SyntheticReader
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._samples import SampleError
+from lightning_sharding.strategies.options import LoaderOptions
 
 
 def scale(batch: dict[str, torch.Tensor], ctx: BatchContext) -> dict[str, torch.Tensor]:

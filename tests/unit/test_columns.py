@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from lightning_sharding import SyntheticReader
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.world import World
 from lightning_sharding.mixture.streams import MixtureReader, Stream
@@ -23,6 +22,7 @@ from lightning_sharding.readers.base import Reader
 from lightning_sharding.recipes.synthetic_files import write_regression
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._samples import SampleError
+from lightning_sharding.strategies.options import LoaderOptions
 
 
 def batches(reader: Reader, **options: Any) -> PlannedBatches:

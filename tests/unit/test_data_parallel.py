@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from lightning_sharding import ShardedDataModule, SyntheticReader, World
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.distributed.agreement import check_views
 from lightning_sharding.lightning.keeper import ReplicaMismatchError, one_ledger_per_replica
 from lightning_sharding.lightning.summary import format_summary
 from lightning_sharding.recipes.models import Regressor
+from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import cpu_trainer
 
 

@@ -15,12 +15,12 @@ import pytest
 from lightning_sharding import CheckpointMismatchError, SyntheticReader
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
 from lightning_sharding.lightning.keeper import LedgerKeeper
 from lightning_sharding.mixture import MixtureReader, Stream, change_of, mixture_of
+from lightning_sharding.strategies.options import LoaderOptions
 
 SIZES = {"web": [37, 41, 29], "code": [23, 17], "books": [11], "news": [19, 6]}
 SEED = 77

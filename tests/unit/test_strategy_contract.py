@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from lightning_sharding import Ledger, SyntheticReader, World
-from lightning_sharding.core.options import LoaderOptions
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.strategies import Strategy, get_strategy, strategy_names
+from lightning_sharding.strategies.options import LoaderOptions
 from tests.extras import require
 from tests.jobs.sources import make_db, row_to_sample
 from tests.jobs.windows_data import MonthWindows, write_months
