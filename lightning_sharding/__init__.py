@@ -37,6 +37,7 @@ _EXPORTS = {
     "Manifest": "core.manifest",
     "NpyReader": "readers",
     "NpyWindows": "readers",
+    "Order": "core.order",
     "ParquetReader": "readers",
     "plan_epoch": "core.plan",
     "register_strategy": "strategies",
@@ -78,6 +79,7 @@ __all__ = [
     "Manifest",
     "NpyReader",
     "NpyWindows",
+    "Order",
     "ParquetReader",
     "plan_epoch",
     "register_strategy",
@@ -105,7 +107,7 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_sharding.core.ledger import CheckpointMismatchError, Ledger
     from lightning_sharding.core.manifest import Item, Manifest
-    from lightning_sharding.core.order import EpochOrder
+    from lightning_sharding.core.order import EpochOrder, Order
     from lightning_sharding.core.plan import BatchTask, EpochPlan, RankPlan, plan_epoch
     from lightning_sharding.core.rangeset import RangeSet
     from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
@@ -146,7 +148,7 @@ def __dir__() -> list[str]:
     return __all__
 
 
-# Modules that moved into folders in 0.9 (issue 33): their old paths still import, for one release,
+# Modules that moved into folders in 0.2 (issue 33): their old paths still import, for one release,
 # as the new module itself, with a DeprecationWarning naming the new path. (``lightning_sharding.mixture``
 # is now the mixture package, which exports what the old module did.)
 _MOVED = {
@@ -198,7 +200,7 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """The new module itself, so classes and functions are the same objects under both paths."""
         new = f"{__name__}.{_MOVED[spec.name.partition('.')[2]]}"
         warnings.warn(
-            f"{spec.name} moved to {new} in lightning_sharding 0.9; import it from there "
+            f"{spec.name} moved to {new} in lightning_sharding 0.2; import it from there "
             "(the old path goes away in the next release)",
             DeprecationWarning,
             stacklevel=2,

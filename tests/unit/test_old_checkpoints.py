@@ -1,6 +1,6 @@
-"""Checkpoints written by the release before the package was regrouped into folders (0.8) resume
+"""Checkpoints written by the release before the package was regrouped into folders (0.1.0) resume
 with today's code, exactly once: the samples trained before the save and after the resume make one
-uninterrupted epoch. The files were written by ``tests/fixtures/v0_checkpoints/make.py`` at 0.8."""
+uninterrupted epoch. The files were written by ``tests/fixtures/v0_checkpoints/make.py`` with 0.1.0."""
 
 from __future__ import annotations
 
