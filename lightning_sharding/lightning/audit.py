@@ -1,22 +1,25 @@
 """The audit trail, its one format: every rank writes the epoch positions its completed steps
-consumed, and ``lightning-sharding audit`` proves (or refutes) exactly-once over a run and its
-resumptions. This module writes the files (:class:`AuditWriter`, :func:`run_header`) and reads them
-(:func:`audit`).
+consumed, and ``lightning-sharding audit`` proves (or refutes) exactly-once over a run and the runs
+that resumed it. This module writes the files (:class:`AuditWriter`, :func:`run_header`) and reads
+them (:func:`audit`).
 
-Files are JSON lines, one per data-parallel rank and run segment, in the run's audit directory
-(the ranks of one model replica train on the same batches; the first of them writes for all):
+A run is one ``fit``, from its start or from the checkpoint it resumed. Its files are JSON lines,
+one per data-parallel rank, in the run's audit directory (the ranks of one model replica train on
+the same batches; the first of them writes for all):
 
-- a ``segment`` header: segment id, data-parallel rank and size (``rank``, ``world_size``), the
-  global rank that wrote it, workers, seed, total, manifest fingerprint, the global step it
-  started at and the checkpoint it resumed from;
+- a run header: the run's id, data-parallel rank and size (``rank``, ``world_size``), the global
+  rank that wrote it, workers, seed, total, manifest fingerprint, the global step it started at
+  and the checkpoint it resumed from; a mixture's streams and composition, and what links it to
+  the run of another mixture it went on from. Its ``kind`` and the key of its id say
+  ``"segment"``, the name audit trails have had from the first release, so every trail reads;
 - one ``step`` line per completed training step: epoch, global step after the step, the
   positions as ``[start, end)`` ranges, and the number of padding samples;
 - one ``epoch_end`` line per finished epoch (every sample served or dropped), with the samples
   the plan dropped; an epoch stopped early has none and is reported in progress.
 
-A segment killed after its last checkpoint trained steps that the checkpoint does not hold. The
-audit keeps a segment's lines only up to the step the next segment resumed from (up to and
-including the first line at that step), exactly as the resumed run's ledger does.
+A run killed after its last checkpoint trained steps that the checkpoint does not hold. The
+audit keeps a run's lines only up to the step the next run resumed from (up to and including the
+first line at that step), exactly as the resumed run's ledger does.
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ if TYPE_CHECKING:
     from lightning_sharding.lightning.keeper import LedgerKeeper
 
 AUDIT_VERSION = 1
+# The header line's ``kind``, and its key for the run's id: on disk a run has always been a "segment".
+_RUN = "segment"
 
 
 def run_header(keeper: LedgerKeeper, *, started: float, start_step: int, resumed_from: str | None) -> dict[str, Any]:
-    """What the ``segment`` header of a run segment's audit file says besides its id and rank (see
-    the module): ``started`` is the segment's start time (rank 0's), ``start_step`` the global step
-    it starts at."""
+    """What the header of a run's audit file says besides its id and rank (see the module):
+    ``started`` is the run's start time (rank 0's), ``start_step`` the global step it starts at."""
     world = keeper.world
     header: dict[str, Any] = {
         "started": started,
@@ -70,17 +74,17 @@ def run_header(keeper: LedgerKeeper, *, started: float, start_step: int, resumed
 
 
 class AuditWriter:
-    """Appends this rank's audit lines for one run segment; flushes every line (a crash loses none).
+    """Appends this rank's audit lines for one run; flushes every line (a crash loses none).
 
-    ``header`` is what :func:`run_header` gives; the file starts with it, the segment's id and this
-    data-parallel ``rank``.
+    ``header`` is what :func:`run_header` gives; the file starts with it, the run's id ``run`` and
+    this data-parallel ``rank``.
     """
 
-    def __init__(self, directory: str | Path, segment: str, rank: int, header: dict[str, Any]) -> None:
-        self.path = Path(directory) / f"{segment}-rank{rank}.jsonl"
+    def __init__(self, directory: str | Path, run: str, rank: int, header: dict[str, Any]) -> None:
+        self.path = Path(directory) / f"{run}-rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] | None = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-        self._write({"kind": "segment", "version": AUDIT_VERSION, "segment": segment, "rank": rank, **header})
+        self._write({"kind": _RUN, "version": AUDIT_VERSION, _RUN: run, "rank": rank, **header})
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -107,8 +111,8 @@ class AuditWriter:
 
 
 @dataclass
-class _Segment:
-    segment: str
+class _Run:
+    run: str
     header: dict[str, Any]
     lines: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> lines in order
 
@@ -145,18 +149,19 @@ class EpochAudit:
         return self.duplicates == 0 and (self.missing == 0 or not self.complete)
 
 
-def _load(paths: Iterable[Path]) -> list[_Segment]:
-    segments: dict[str, _Segment] = {}
+def _load(paths: Iterable[Path]) -> list[_Run]:
+    """The runs of the audit files ``paths``, in the order they started."""
+    runs: dict[str, _Run] = {}
     for path in sorted(paths):
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if not lines or lines[0].get("kind") != "segment":
-            raise ValueError(f"{path} is not a lightning_sharding audit file (no segment header)")
+        if not lines or lines[0].get("kind") != _RUN:
+            raise ValueError(f"{path} is not a lightning_sharding audit file (no run header)")
         header = lines[0]
         if header.get("version") != AUDIT_VERSION:
             raise ValueError(f"{path} has audit version {header.get('version')!r}; this reads {AUDIT_VERSION}")
-        seg = segments.setdefault(header["segment"], _Segment(header["segment"], header))
-        seg.lines[int(header["rank"])] = lines[1:]
-    return sorted(segments.values(), key=lambda s: (s.header["started"], s.segment))
+        run = runs.setdefault(header[_RUN], _Run(header[_RUN], header))
+        run.lines[int(header["rank"])] = lines[1:]
+    return sorted(runs.values(), key=lambda r: (r.header["started"], r.run))
 
 
 def _audit_files(directories: Sequence[str | Path]) -> list[Path]:
@@ -176,25 +181,25 @@ def _audit_files(directories: Sequence[str | Path]) -> list[Path]:
 
 
 def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
-    """Audit the union of one or more run directories (a run and its resumed continuations)."""
-    segments = _load(_audit_files(directories))
-    _check_chain(segments)
-    changes = {int(s.header["change"]["epoch"]): s.header for s in segments if s.header.get("change")}
+    """Audit the union of one or more run directories (a run and the runs that resumed it)."""
+    runs = _load(_audit_files(directories))
+    _check_chain(runs)
+    changes = {int(r.header["change"]["epoch"]): r.header for r in runs if r.header.get("change")}
     served: dict[int, Counter[int]] = {}
     before: dict[int, Counter[int]] = {}  # a changed epoch's positions served under the mixture before
     headers: dict[int, dict[str, Any]] = {}
     padding: Counter[int] = Counter()
     dropped: Counter[int] = Counter()
     finished: set[int] = set()
-    for i, seg in enumerate(segments):
-        cut = segments[i + 1].header["start_step"] if i + 1 < len(segments) else None
-        for rank, lines in seg.lines.items():
+    for i, run in enumerate(runs):
+        cut = runs[i + 1].header["start_step"] if i + 1 < len(runs) else None
+        for rank, lines in run.lines.items():
             for line in _kept(lines, cut):
                 epoch = int(line["epoch"])
                 changed = changes.get(epoch)
-                old = changed is not None and seg.header["fingerprint"] != changed["fingerprint"]
+                old = changed is not None and run.header["fingerprint"] != changed["fingerprint"]
                 if not old:
-                    headers[epoch] = seg.header
+                    headers[epoch] = run.header
                 if line["kind"] == "step":
                     counts = (before if old else served).setdefault(epoch, Counter())
                     for start, end in line["pos"]:
@@ -207,11 +212,11 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
     results = []
     for epoch in sorted(set(served) | set(before) | finished):
         counts, old_counts = served.get(epoch, Counter()), before.get(epoch, Counter())
-        header = headers.get(epoch, segments[0].header)
+        header = headers.get(epoch, runs[0].header)
         if epoch in changes:  # the rest at the new shares, after what the old mixture consumed
             change = changes[epoch]["change"]
             expected = int(change["before"]) + sum(int(s["draws"]) for s in change["streams"])
-            old_header = next(s.header for s in segments if s.header["fingerprint"] == change["from"])
+            old_header = next(r.header for r in runs if r.header["fingerprint"] == change["from"])
             streams = _merge(
                 _per_stream(old_header.get("streams"), old_counts, old_header),
                 _per_stream(change["streams"], counts, changes[epoch]),
@@ -238,32 +243,32 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
     return results
 
 
-def _check_chain(segments: list[_Segment]) -> None:
-    """Every segment trains the seed, data and order of the one before it, or changed its mixture
-    from an earlier segment's (``allow_mixture_change``: its header's ``mixture_from``, or its
+def _check_chain(runs: list[_Run]) -> None:
+    """Every run trains the seed, data and order of the one before it, or changed its mixture
+    from an earlier run's (``allow_mixture_change``: its header's ``mixture_from``, or its
     ``change``'s ``from``, names that fingerprint; a change retried from the same checkpoint links to
-    the same segment)."""
-    for i, seg in enumerate(segments):
-        change = seg.header.get("change")
-        origin = seg.header.get("mixture_from") or (change or {}).get("from")
-        if origin is not None and all(s.header["fingerprint"] != origin for s in segments[:i]):
+    the same run)."""
+    for i, run in enumerate(runs):
+        change = run.header.get("change")
+        origin = run.header.get("mixture_from") or (change or {}).get("from")
+        if origin is not None and all(r.header["fingerprint"] != origin for r in runs[:i]):
             raise ValueError(
-                f"audit: segment {seg.segment} resumed a checkpoint of another mixture (fingerprint "
+                f"audit: run {run.run} resumed a checkpoint of another mixture (fingerprint "
                 f"{str(origin)[:16]}), but no audit file of that mixture is here: audit the run directories "
-                "of the segments before the change too (lightning-sharding audit DIR_BEFORE DIR_AFTER)"
+                "of the runs before the change too (lightning-sharding audit DIR_BEFORE DIR_AFTER)"
             )
         if i == 0:
             continue
-        prev = segments[i - 1]
-        linked = origin is not None and seg.header["fingerprint"] != prev.header["fingerprint"]
+        prev = runs[i - 1]
+        linked = origin is not None and run.header["fingerprint"] != prev.header["fingerprint"]
         keys = (
             ["seed"]
             + ([] if linked else ["fingerprint"])
             + ([] if origin or change or prev.header.get("change") else ["total"])
         )
-        for key in (k for k in keys if seg.header[k] != prev.header[k]):
+        for key in (k for k in keys if run.header[k] != prev.header[k]):
             raise ValueError(
-                f"audit: segment {seg.segment} has {key}={seg.header[key]!r} but segment {prev.segment} "
+                f"audit: run {run.run} has {key}={run.header[key]!r} but run {prev.run} "
                 f"has {prev.header[key]!r}; these runs did not train on the same data and order"
             )
 

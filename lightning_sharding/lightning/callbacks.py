@@ -87,14 +87,14 @@ class ShardingCallback(pl.Callback):
 
     @staticmethod
     def _open_audit(trainer: pl.Trainer, keeper: LedgerKeeper, directory: str) -> AuditWriter | None:
-        # One id and start time per run segment, from rank 0, so all ranks' files belong together.
+        # One id and start time per run, from rank 0, so all ranks' files belong together.
         started = trainer.strategy.broadcast(time.time(), src=0)
-        segment = trainer.strategy.broadcast(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", src=0)
+        run = trainer.strategy.broadcast(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", src=0)
         if keeper.world.replica_rank != 0:  # the first rank of each model replica writes for all of its ranks
             return None
         resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path else None
         header = run_header(keeper, started=started, start_step=trainer.global_step, resumed_from=resumed_from)
-        return AuditWriter(directory, segment, keeper.world.data_rank, header)
+        return AuditWriter(directory, run, keeper.world.data_rank, header)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -94,5 +94,5 @@ def test_a_change_retried_from_the_same_checkpoint_under_another_mixture_audits_
         (0, PER_EPOCH, PER_EPOCH, 0, True, True)
     ], table
     # Only the directory after the change: the audit says which directory it lacks.
-    with pytest.raises(ValueError, match="audit the run directories of the segments before the change too"):
+    with pytest.raises(ValueError, match="audit the run directories of the runs before the change too"):
         audit([after])
