@@ -7,11 +7,12 @@ come from their registry (:mod:`lightning_sharding.strategies`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_sharding.config.schemas import SCHEMAS
 
@@ -36,6 +37,7 @@ def check_config(cfg: DictConfig) -> None:
     """Refuse what the groups cannot do together, naming both keys; runs before any data is read."""
     from lightning_sharding.strategies import get_strategy, strategy_names  # imports torch: not at import time
 
+    check_keys(cfg)
     name = cfg.sharding.strategy
     if name not in strategy_names():
         raise ConfigError(f"sharding.strategy={name!r} is not a strategy; choose sharding={'|'.join(strategy_names())}")
@@ -78,6 +80,67 @@ def check_config(cfg: DictConfig) -> None:
     total = OmegaConf.to_object(data).known_total() if feeds is not None else None  # type: ignore[union-attr]
     if total is not None:
         check_batch_size(cfg, total)
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Refuse a key that no schema knows, naming it and its group.
+
+    Hydra refuses a misspelt ``data.batch_sise=8`` when it composes, but a key appended with ``+``
+    (``+data.bogus_key=1``) joins even a typed group, where the builder would then ignore it. Every
+    node typed by a schema may hold only its schema's fields. The one exception is the ``trainer``
+    group: a key that names a ``lightning.pytorch.Trainer`` argument goes to the Trainer as it is
+    (``+trainer.deterministic=true``). Untyped nodes (``data.storage_options``, a group of your own
+    without a schema) take any key.
+    """
+    _check_node_keys(cfg, "", cfg)
+
+
+def _check_node_keys(cfg: DictConfig, path: str, node: Any) -> None:
+    """Check ``node`` (at ``path``, a dotted key of ``cfg``; "" for the root) and everything below it."""
+    if node._is_none() or node._is_missing():
+        return
+    if isinstance(node, ListConfig):
+        for index in range(len(node)):
+            _check_node_keys(cfg, f"{path}.{index}", node._get_node(index))
+        return
+    if not isinstance(node, DictConfig):
+        return
+    kind = node._metadata.object_type
+    if kind is not None and dataclasses.is_dataclass(kind):
+        known = {f.name for f in dataclasses.fields(kind)}
+        for key in map(str, node.keys()):
+            if key in known or (path == "trainer" and key in _trainer_arguments()):
+                continue
+            full_key = f"{path}.{key}".lstrip(".")
+            trainer = " and the arguments of lightning.pytorch.Trainer" if path == "trainer" else ""
+            raise ConfigError(
+                f"Key {key!r} not in {kind.__name__!r} ({_where(cfg, path)}), full_key: {full_key}: "
+                "no schema knows it (a key appended with '+' passes Hydra's own check). The keys of "
+                f"{path or 'the train config'} are {', '.join(sorted(k for k in known if not k.startswith('_')))}"
+                f"{trainer}: fix the spelling (a key the schema knows needs no '+'), or register a schema "
+                "that has it for an option of your own"
+            )
+    for key in map(str, node.keys()):
+        _check_node_keys(cfg, f"{path}.{key}".lstrip("."), node._get_node(key))
+
+
+def _where(cfg: DictConfig, path: str) -> str:
+    """The option or group a key at ``path`` belongs to: ``data=synthetic``, ``group 'trainer'``."""
+    group = path.split(".")[0]
+    if not group:
+        return "the train config"
+    if len(SCHEMAS.get(group, {})) > 1:
+        return _choice(cfg, group)
+    return f"group {group!r}"
+
+
+def _trainer_arguments() -> set[str]:
+    """The keyword arguments of ``lightning.pytorch.Trainer``, which the trainer group passes on."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    return set(inspect.signature(Trainer.__init__).parameters) - {"self"}
 
 
 def _names(which: Callable[[Strategy], bool]) -> list[str]:

@@ -120,6 +120,51 @@ def test_a_misspelt_key_or_wrong_type_fails_at_compose_time(tmp_path: Path, over
 
 
 @pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+data.bogus_key=1", "Key 'bogus_key' not in 'SyntheticData' (data=synthetic), full_key: data.bogus_key"),
+        ("+data.streams.0.wieght=2 data=mixture", "Key 'wieght' not in 'StreamOptions' (data=mixture)"),
+        ("+sharding.prefetch_itmes=2 recipe=climate",
+         "Key 'prefetch_itmes' not in 'BroadcastSharding' (sharding=broadcast), full_key: sharding.prefetch_itmes"),
+        ("+trainer.max_epoch=3",
+         "Key 'max_epoch' not in 'TrainerConfig' (group 'trainer'), full_key: trainer.max_epoch"),
+        ("+model.hiden=3", "Key 'hiden' not in 'RegressorModel' (model=regressor), full_key: model.hiden"),
+        ("+callbacks.checkpont=false", "Key 'checkpont' not in 'CallbacksConfig' (group 'callbacks')"),
+        ("+audit.enable=true", "Key 'enable' not in 'AuditConfig' (group 'audit'), full_key: audit.enable"),
+        ("+out_dri=x", "Key 'out_dri' not in 'TrainConfig' (the train config), full_key: out_dri"),
+    ],
+)  # fmt: skip
+def test_a_key_appended_with_plus_that_no_schema_knows_is_refused_by_name(
+    tmp_path: Path, override: str, message: str
+) -> None:
+    """Hydra lets ``+group.key=value`` into a typed group; the builder would then ignore the key."""
+    cfg = make(tmp_path, *override.split())  # composes: Hydra's own check lets the key in
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert message in str(err.value)
+    assert "no schema knows it" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["+data.storage_options={key: KEY, secret: SECRET}", "recipe=webdataset_s3"],  # an untyped dict: any key
+        ["data.streams.1.weight=null", "+data.streams.1.choose=500", "recipe=mixture"],  # a known key, with '+'
+        ["+trainer.deterministic=true"],  # a Trainer argument the schema leaves out goes to the Trainer
+    ],
+)
+def test_a_key_appended_with_plus_that_a_schema_or_the_trainer_knows_passes(
+    tmp_path: Path, overrides: list[str]
+) -> None:
+    from lightning_sharding.train import trainer_options
+
+    cfg = make(tmp_path, *overrides)
+    check_config(cfg)
+    if overrides[0].startswith("+trainer"):
+        assert trainer_options(cfg)["deterministic"] is True
+
+
+@pytest.mark.parametrize(
     ("overrides", "named"),
     [
         (["sharding=broadcast"], ["sharding.strategy='broadcast'", "data=synthetic", "window"]),
