@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.identity import item_table
 from lightning_sharding.core.order import EpochOrder
 
 if TYPE_CHECKING:
@@ -32,11 +33,22 @@ class Item:
 
     ``key`` names it (a path or URL), ``num_samples`` is how many samples it holds, and
     ``fingerprint`` is anything that changes when its content changes (size and mtime, an ETag).
+    A reader may also say what identifies it wherever its bytes live
+    (:mod:`~lightning_sharding.core.identity`): ``name``, its key relative to the data set's root,
+    and ``content``, an id of its bytes (``size=N;etag=...`` or ``size=N;digest=...``), which a
+    touch or a copy does not change. Without them an item is known by its key and fingerprint.
     """
 
     key: str
     num_samples: int
     fingerprint: str = ""
+    name: str = ""
+    content: str = ""
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        """``(name, content id)``: what a checkpoint knows the item by (key and fingerprint without them)."""
+        return (self.name or self.key, self.content or self.fingerprint)
 
 
 class Epochs(Protocol):
@@ -141,14 +153,46 @@ class Manifest:
 
     @cached_property
     def fingerprint(self) -> str:
-        """A SHA-256 over every item's key, count and fingerprint, in order, then what :attr:`epochs` adds."""
+        """A SHA-256 over every item's identity (name, count, content id), in order, then what
+        :attr:`epochs` adds: the same for the same data under another root, or touched."""
+        return self._digest([(*it.identity, it.num_samples) for it in self.items])
+
+    def fingerprint_by_path(self, root_map: Mapping[str, str] | None = None) -> str:
+        """The fingerprint of 0.1 releases: over every item's key (where it lives) and fingerprint
+        (size and mtime or ETag); a checkpoint they wrote resumes when this one matches. With
+        ``root_map`` (``{old prefix: new prefix}``), of the keys the items had under the old prefixes."""
+        if not root_map:
+            return self._by_path
+        back = sorted(((new, old) for old, new in root_map.items()), key=lambda m: -len(m[0]))
+
+        def old_key(key: str) -> str:
+            return next((old + key[len(new) :] for new, old in back if key.startswith(new)), key)
+
+        return self._digest([(old_key(it.key), it.fingerprint, it.num_samples) for it in self.items])
+
+    @cached_property
+    def _by_path(self) -> str:
+        return self._digest([(it.key, it.fingerprint, it.num_samples) for it in self.items])
+
+    def _digest(self, rows: list[tuple[str, str, int]]) -> str:
         whole = hashlib.sha256()
-        for it in self.items:
+        for key, content, count in rows:
             # JSON-encoded, so a tab or newline inside a key or an ETag cannot forge another item list.
-            whole.update(json.dumps([it.key, int(it.num_samples), it.fingerprint]).encode() + b"\n")
+            whole.update(json.dumps([key, int(count), content]).encode() + b"\n")
         for value in self.epochs.identity(self.counts) if self.epochs is not None else []:
             whole.update(json.dumps(value).encode())
         return whole.hexdigest()
+
+    @property
+    def root(self) -> str:
+        """Where the data set lives: the first item's key without its name (``""``: items have no name)."""
+        key, name = self.items[0].key, self.items[0].identity[0]
+        return key[: len(key) - len(name)] if name != key and key.endswith(name) else ""
+
+    @cached_property
+    def table(self) -> dict[str, npt.NDArray[Any]]:
+        """One row per item for a checkpoint (:func:`~lightning_sharding.core.identity.item_table`)."""
+        return item_table(self.items)
 
     def summary(self) -> dict[str, Any]:
         """What a checkpoint keeps of the manifest to explain a later mismatch."""
@@ -158,6 +202,7 @@ class Manifest:
             "total": self.total,
             "first_key": self.items[0].key,
             "last_key": self.items[-1].key,
+            **({"root": self.root} if self.root else {}),
             **(self.epochs.summary(self.items, self.counts) if self.epochs is not None else {}),
         }
 

@@ -9,7 +9,7 @@ training and in the checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -67,6 +67,9 @@ class ShardedDataModule(pl.LightningDataModule):
         allow_data_change: resume when the data changed (the epoch restarts, warned) instead of failing.
         allow_mixture_change: resume a checkpoint of other shares or streams: what it consumed
             stays consumed, the rest of its epoch is drawn at the new shares.
+        data_root_map: ``{old prefix: new prefix}`` for a checkpoint of lightning_sharding 0.1, which
+            knew items by path, resumed on data that moved (later checkpoints know items by their
+            name under the data's root and their content, and resume on moved data without it).
         audit_dir: when set, every rank writes the positions its completed steps consumed there,
             for ``lightning-sharding audit`` to check exactly-once across runs and resumes.
         on_error: ``"raise"`` stops at the first sample that cannot be read or transformed, naming
@@ -111,6 +114,7 @@ class ShardedDataModule(pl.LightningDataModule):
         padding_key: str | None = "is_padding",
         allow_data_change: bool = False,
         allow_mixture_change: bool = False,
+        data_root_map: Mapping[str, str] | None = None,
         audit_dir: str | None = None,
         on_error: OnError = "raise",
         strategy: str | Strategy = "shard",
@@ -157,9 +161,14 @@ class ShardedDataModule(pl.LightningDataModule):
             self.options = self.options.replace(shuffle=False)
         self.strategy.check(self.options, owner=name)
         self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size)
-        self._val_reader, self._test_reader, self.source = val_reader, test_reader, source
-        self.seed, self._seed_given = seed, seed
-        self.allow_data_change, self.allow_mixture_change = allow_data_change, allow_mixture_change
+        self._val_reader = val_reader
+        self._test_reader = test_reader
+        self.source = source
+        self.seed = seed  # drawn at setup when None
+        self._seed_given = seed
+        self.allow_data_change = allow_data_change
+        self.allow_mixture_change = allow_mixture_change
+        self.data_root_map = dict(data_root_map or {})
         self.audit_dir = audit_dir
         if data_parallel is not None and not callable(data_parallel):
             check_data_parallel(data_parallel, None, f"`{name}(data_parallel={data_parallel!r})`")
@@ -202,6 +211,7 @@ class ShardedDataModule(pl.LightningDataModule):
         ledger = Ledger(seed=seed, total=self.manifest.total, manifest=self.manifest.summary())
         keep: dict[str, Any] = dict(seed_given=self._seed_given, audit_dir=self.audit_dir)
         keep.update(allow_data_change=self.allow_data_change, allow_mixture_change=self.allow_mixture_change)
+        keep.update(root_map=self.data_root_map)
         self.ledger_keeper = LedgerKeeper(ledger, self.manifest, self.world, self.options, **keep)
         if self.trainer is not None:
             _ensure_callback(self.trainer)
@@ -227,7 +237,8 @@ class ShardedDataModule(pl.LightningDataModule):
         if self.trainer is not None:
             keeper.start_epoch(epoch_lightning_runs_next(self.trainer))
         self.seed = keeper.ledger.seed  # a restored checkpoint's seed
-        keeper.options, self.manifest = self.options, keeper.manifest  # batch-size finder; a mixture change
+        keeper.options = self.options  # the batch-size finder may have changed them
+        self.manifest = keeper.manifest  # a mixture change may have changed it
         self.strategy.release(keeper.train_loader)
         keeper.train_loader = self.strategy.build(
             self._train_data, self.manifest, keeper.ledger, self.world, self.options, track=True

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from lightning_sharding.core.identity import item_changes
 from lightning_sharding.core.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.rangeset import RangeSet
@@ -31,7 +33,8 @@ class LedgerKeeper:
     checkpoint of other data restart its epoch instead of failing; ``allow_mixture_change`` lets a
     checkpoint of another mixture of the same streams' data go on with the rest of its epoch at the
     new shares (:mod:`~lightning_sharding.mixture.change`); ``audit_dir`` is where the callback writes
-    the audit trail (``None``: none).
+    the audit trail (``None``: none); ``root_map`` (``{old prefix: new prefix}``) lets a checkpoint
+    of a 0.1 release, which knew items by path, resume on data that moved.
     """
 
     def __init__(
@@ -45,14 +48,21 @@ class LedgerKeeper:
         allow_data_change: bool = False,
         allow_mixture_change: bool = False,
         audit_dir: str | None = None,
+        root_map: Mapping[str, str] | None = None,
     ) -> None:
-        self.ledger, self.manifest, self.world, self.options = ledger, manifest, world, options
-        self.seed_given, self.allow_data_change, self.audit_dir = seed_given, allow_data_change, audit_dir
+        self.ledger = ledger
+        self.manifest = manifest
+        self.world = world
+        self.options = options
+        self.seed_given = seed_given
+        self.allow_data_change = allow_data_change
         self.allow_mixture_change = allow_mixture_change
+        self.audit_dir = audit_dir
+        self.root_map = dict(root_map or {})
         self.train_loader: TrainLoader | None = None
         self.restored_from: str | None = None  # the checkpoint restored, until the first loader after it
         # The manifest fingerprint of a checkpoint of another mixture this run went on from (the audit
-        # links its segments through it), and what rank 0 says of the change once the epoch is known.
+        # links the runs through it), and what rank 0 says of the change once the epoch is known.
         self.mixture_from: str | None = None
         self._change_note: str | None = None
 
@@ -79,6 +89,9 @@ class LedgerKeeper:
             before = dict(self.ledger.change["before"])
             before["consumed"] = torch.as_tensor(before["consumed"], dtype=torch.int64)
             state["change"] = {**self.ledger.change, "before": before}
+        # One row per item (hashes of its name and content, its size and count): a resume on changed
+        # data names the item and what changed (lightning_sharding.core.identity).
+        state["items"] = {key: torch.from_numpy(column) for key, column in self.manifest.table.items()}
         state["writer"] = {
             "world_size": self.world.world_size,
             "data_parallel_size": self.world.data_size,
@@ -92,7 +105,8 @@ class LedgerKeeper:
     def start_epoch(self, epoch: int) -> None:
         """Move the ledger to ``epoch``, the one Lightning trains next. Right after a restore, an
         epoch the checkpoint left part-trained that Lightning skips is warned about, never silent."""
-        ledger, source = self.ledger, self.restored_from
+        ledger = self.ledger
+        source = self.restored_from
         self.restored_from = None
         # A mixture changed in an epoch Lightning does not go on with (a checkpoint written at its end):
         # what counts is what the checkpoint consumed of its own epoch, and no rest is drawn.
@@ -163,13 +177,13 @@ class LedgerKeeper:
                 f"seed={self.seed_given} is not used: {source} continues its epoch with its own seed {restored.seed}",
                 stacklevel=2,
             )
-        if restored.fingerprint == self.manifest.fingerprint:
+        if self._same_data(restored, source):
             if restored.change is not None:  # an epoch whose mixture changed: its order goes on
                 self._change(restored.change["before"], source, restored.total)
             self.ledger = restored
             self.restored_from = source
             return
-        change = self.manifest.explain_mismatch(restored.manifest)
+        change = self._explain(restored, state.get("items"))
         if self.allow_mixture_change and restored.manifest.get("streams") and self._go_on(restored, source, change):
             return
         composition, size = restored.manifest.get("composition", "mixed"), restored.manifest.get("batch_size")
@@ -182,11 +196,8 @@ class LedgerKeeper:
                 f"start it afresh (training its {len(restored.consumed)} consumed samples again)."
             )
         if not self.allow_data_change:
-            mixture = "`allow_mixture_change=True` to go on with the rest of the epoch at the new shares, or "
             raise CheckpointMismatchError(
-                f"{source} was written for other data: {change}. Resume with the same data, or pass "
-                f"{mixture if restored.manifest.get('streams') and mixture_of(self.manifest) else ''}"
-                f"`allow_data_change=True` to start epoch {restored.epoch} afresh on the new data."
+                f"{source} was written for other data: {change}. {self._ways_on(restored, state.get('items'))}"
             )
         warnings.warn(
             f"the data changed since {source} ({change}); epoch {restored.epoch} restarts "
@@ -196,6 +207,67 @@ class LedgerKeeper:
         self.ledger = Ledger(
             seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
         )
+
+    def _same_data(self, restored: Ledger, source: str) -> bool:
+        """Whether ``restored`` was written for this data: the same items by name, count and content
+        wherever they live now, or (a 0.1 checkpoint, which knew items by path and mtime) the same
+        paths, or the same paths under :attr:`root_map`. A move is said in one line on rank 0, and
+        the ledger goes on with this manifest's summary."""
+        saved = restored.manifest
+        if restored.fingerprint == self.manifest.fingerprint:
+            how = ""
+            old_root = saved.get("root", "")
+            if old_root and self.manifest.root and old_root != self.manifest.root:
+                how = f"the data moved: {old_root} -> {self.manifest.root} (the same items, counts and contents)"
+        elif restored.fingerprint == self.manifest.fingerprint_by_path():
+            how = ""
+        elif self.root_map and restored.fingerprint == self.manifest.fingerprint_by_path(self.root_map):
+            moves = ", ".join(f"{old} -> {new}" for old, new in self.root_map.items())
+            how = f"the data moved: {moves} (data_root_map; the same paths under it, counts and fingerprints)"
+        else:
+            return False
+        if how and self.world.rank == 0:
+            print(f"lightning_sharding: {source}: {how}", file=sys.stderr)
+        restored.manifest = self.manifest.summary()  # the next checkpoint knows the data as it is now
+        return True
+
+    def _explain(self, restored: Ledger, items: Any) -> str:
+        """How this data differs from ``restored``'s: the items that changed, by name, when the
+        checkpoint keeps its item table (0.2 and later), else the manifests' summaries."""
+        changes = item_changes(items, self.manifest.items) if items is not None else []
+        streams = [c for c in self.manifest.explain_mismatch(restored.manifest).split("; ") if "stream" in c]
+        if changes or streams:
+            return "; ".join([*changes, *streams])
+        return self.manifest.explain_mismatch(restored.manifest)
+
+    def _ways_on(self, restored: Ledger, items: Any) -> str:
+        """What the user can do about a checkpoint of other data, only the ways that would work."""
+        fresh = f"pass `allow_data_change=True` to start epoch {restored.epoch} afresh on the new data"
+        saved = restored.manifest
+        if (
+            saved.get("streams")
+            and mixture_of(self.manifest)
+            and not (items is not None and self._contents_differ(items))
+        ):
+            return (
+                "If only the mixture's streams or shares changed, pass `allow_mixture_change=True` to go on "
+                f"with the rest of the epoch at the new shares; if the data changed, {fresh}."
+            )
+        if (
+            items is None
+            and saved.get("num_items") == len(self.manifest.items)
+            and saved.get("first_key") != (self.manifest.items[0].key)
+        ):
+            old, new = moved_prefixes(str(saved.get("first_key")), self.manifest.items[0].key)
+            return (
+                f"If the data only moved, give its old and new roots: `data_root_map={{{old!r}: {new!r}}}` "
+                f"(Hydra: `data.root_map`); if it changed, {fresh}."
+            )
+        return f"Resume with the data it was written for, or {fresh}."
+
+    def _contents_differ(self, items: Any) -> bool:
+        """Whether any kept item's content or count differs from the checkpoint's table."""
+        return any("changed" in c or "holds" in c for c in item_changes(items, self.manifest.items))
 
     def _go_on(self, restored: Ledger, source: str, change: str) -> bool:
         """Go on with ``restored``'s epoch under this manifest's changed mixture (``allow_mixture_change``);
@@ -222,7 +294,8 @@ class LedgerKeeper:
             change={"before": before, "next_total": self.manifest.total},
         )
         self.ledger.consumed = RangeSet.interval(changed.rest, changed.total) if changed.before else RangeSet()
-        self.restored_from, self.mixture_from = source, restored.fingerprint
+        self.restored_from = source
+        self.mixture_from = restored.fingerprint
         self._change_note = f"{source}: {change}"
         return True
 
@@ -268,3 +341,14 @@ def one_ledger_per_replica(gathered: list[tuple[int, int, Any]]) -> list[RangeSe
                 "strategy's distributed_sampler_kwargs or ShardedDataModule(data_parallel=...)"
             )
     return [consumed for _, _, consumed in replicas.values()]
+
+
+def moved_prefixes(old: str, new: str) -> tuple[str, str]:
+    """The differing heads of two keys of the same item: ``old`` and ``new`` without their longest
+    common tail of whole path parts (``/a/ds/f0.npy``, ``/b/ds/f0.npy`` -> ``/a/``, ``/b/``)."""
+    n = 0
+    while n < min(len(old), len(new)) and old[len(old) - 1 - n] == new[len(new) - 1 - n]:
+        n += 1
+    tail = old[len(old) - n :]
+    cut = tail.find("/") + 1 if "/" in tail else 0
+    return old[: len(old) - n + cut], new[: len(new) - n + cut]

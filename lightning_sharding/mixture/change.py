@@ -247,7 +247,7 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
                 f"the checkpoint was written by an earlier lightning_sharding that kept no fingerprint of stream "
                 f"{s['name']!r}'s data, so a change cannot prove it unchanged; use allow_data_change=True"
             )
-        if s["name"] in now and s["data"] != now[s["name"]]["data"]:
+        if s["name"] in now and s["data"] not in (now[s["name"]]["data"], now[s["name"]].get("data_by_path")):
             raise MixtureChangeError(
                 f"stream {s['name']!r} holds other data than in the checkpoint (its items or their fingerprints "
                 "changed); a mixture change keeps each kept stream's data. Rename the stream if it is new data."

@@ -349,15 +349,17 @@ class Mixture:
         composition = self.composition_summary()
         return [self.stream_summary(counts), *([composition] if composition else [])]
 
-    def stream_fingerprints(self, items: Sequence[Any]) -> list[str]:
-        """A SHA-256 of each stream's items (keys without the ``"<stream>/"`` prefix, counts,
-        fingerprints), in stream order: the same data under another stream name has the same one."""
+    def stream_fingerprints(self, items: Sequence[Any], *, by_path: bool = False) -> list[str]:
+        """A SHA-256 of each stream's items (names without the ``"<stream>/"`` prefix, counts,
+        content ids), in stream order: the same data under another stream name, root or mount
+        has the same one. ``by_path``: of their keys and fingerprints instead, as 0.1 kept them."""
         found, start = [], 0
         for name, size in zip(self.names, self.stream_items, strict=True):
             digest = hashlib.sha256()
             for it in items[start : start + size]:
+                key, content = (it.key, it.fingerprint) if by_path else it.identity
                 # JSON-encoded, so a tab or newline inside a key or an ETag cannot forge another item list.
-                digest.update(json.dumps([it.key[len(name) + 1 :], int(it.num_samples), it.fingerprint]).encode())
+                digest.update(json.dumps([key[len(name) + 1 :], int(it.num_samples), content]).encode())
                 digest.update(b"\n")
             found.append(digest.hexdigest())
             start += size
@@ -369,8 +371,13 @@ class Mixture:
         composition."""
         streams = self.stream_summary(counts)
         data = self.stream_fingerprints(items)
+        by_path = self.stream_fingerprints(items, by_path=True)
+        rows = [
+            {**s, "data": f, **({"data_by_path": p} if p != f else {})}
+            for s, f, p in zip(streams, data, by_path, strict=True)
+        ]
         return {
-            "streams": [{**s, "data": f} for s, f in zip(streams, data, strict=True)],
+            "streams": rows,
             **self.composition_summary(),
         }
 

@@ -96,7 +96,13 @@ class MixtureReader(Reader):
     def items(self) -> Sequence[Item]:
         """Every stream's items, stream after stream, keys prefixed with ``"<stream>/"``."""
         return [
-            Item(f"{stream.name}/{it.key}", it.num_samples, it.fingerprint)
+            Item(
+                f"{stream.name}/{it.key}",
+                it.num_samples,
+                it.fingerprint,
+                f"{stream.name}/{it.name}" if it.name else "",
+                it.content,
+            )
             for stream, items in zip(self.streams, self._list(), strict=True)
             for it in items
         ]

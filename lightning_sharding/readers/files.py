@@ -31,7 +31,14 @@ from lightning_sharding.readers.cache import ShardCache, resolve_limit
 from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, Progress, default_cache_dir, write_atomically
 from lightning_sharding.readers.prefetch import Prefetcher, check_prefetch, files_ahead
 from lightning_sharding.readers.shared_index import check_index_once_per, shared_items
-from lightning_sharding.readers.storage import FileInfo, RetryPolicy, filesystem, list_files, with_retries
+from lightning_sharding.readers.storage import (
+    FileInfo,
+    RetryPolicy,
+    content_digest,
+    filesystem,
+    list_files,
+    with_retries,
+)
 
 _SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row groups)
 
@@ -101,9 +108,12 @@ class FileReader(Reader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_indexes"], state["_lock"] = OrderedDict(), None  # workers load what they need
+        state["_indexes"] = OrderedDict()  # workers load what they need
+        state["_lock"] = None  # a lock does not pickle: __setstate__ makes a new one
         # Each process opens the shared shard cache, starts its prefetch thread and counts, itself.
-        state["_shards"], state["_prefetcher"], state["_stats"] = None, None, defaultdict(float)
+        state["_shards"] = None
+        state["_prefetcher"] = None
+        state["_stats"] = defaultdict(float)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -139,37 +149,51 @@ class FileReader(Reader):
 
     def _list_and_index(self) -> Sequence[Item]:
         files = list_files(self.urls, self.storage_options, self.retry)
-        listing = self._cache_path("listing", json.dumps([(f.url, f.fingerprint) for f in files]), ".json")
+        # The listing's items with their names and content ids (a version-2 listing: 0.1's had neither).
+        listing = self._cache_path("listing-2", json.dumps([(f.url, f.fingerprint) for f in files]), ".json")
         try:
             cached = json.loads(listing.read_text())
             self.last_scan = {"files": len(files), "scanned": 0, "cached": len(files)}
-            return [Item(key, int(count), tag) for key, count, tag in cached]
-        except (OSError, ValueError):
+            return [Item(key, int(count), tag, name, content) for key, count, tag, name, content in cached]
+        except (OSError, ValueError, TypeError):
             pass  # first start with this listing
         progress = Progress(f"indexing {len(files)} {self.format} file(s)", len(files))
         scanned = 0
 
-        def index(info: FileInfo) -> FileIndex:
+        def index(info: FileInfo) -> tuple[FileIndex, str]:
             nonlocal scanned
             idx = self._cached(info)
             if idx is None:
                 idx = self._scan_and_save(info)
                 scanned += 1
+            content = info.content or self._digest(info)
             progress.step()
-            return idx
+            return idx, content
 
         with ThreadPoolExecutor(max_workers=min(self.scan_threads, len(files))) as pool:
-            indexes = list(pool.map(index, files))
+            indexed = list(pool.map(index, files))
+        indexes = [idx for idx, _ in indexed]
         progress.done()
         self.check_indexes(files, indexes)
         self.last_scan = {"files": len(files), "scanned": scanned, "cached": len(files) - scanned}
         items: list[Item] = []
-        for info, idx in zip(files, indexes, strict=True):
+        for info, (idx, content) in zip(files, indexed, strict=True):
             tag = f"{info.fingerprint};{self.format}:{self.options_key()}"
             for suffix, count in zip(idx.suffixes, idx.counts, strict=True):
-                items.append(Item(info.url + (_SUB + suffix if suffix else ""), int(count), tag))
-        write_atomically(listing, json.dumps([[it.key, it.num_samples, it.fingerprint] for it in items]).encode())
+                sub = _SUB + suffix if suffix else ""
+                items.append(Item(info.url + sub, int(count), tag, info.name + sub, content))
+        rows = [[it.key, it.num_samples, it.fingerprint, it.name, it.content] for it in items]
+        write_atomically(listing, json.dumps(rows).encode())
         return items
+
+    def _digest(self, info: FileInfo) -> str:
+        """The content id of a file whose store gives no ETag: a digest of its bytes (with retries)."""
+        try:
+            return with_retries(
+                lambda: content_digest(info.url, info.size, self.storage_options), f"reading {info.url}", self.retry
+            )
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{info.url}: the file disappeared while indexing it ({err})") from err
 
     def _cache_path(self, url: str, fingerprint: str, suffix: str = ".npz") -> Path:
         name = json.dumps([INDEX_VERSION, self.format, self.options_key(), url, fingerprint])
@@ -273,7 +297,8 @@ class FileReader(Reader):
         def fetch(part: str) -> None:
             with_retries(lambda: fs.get_file(path, part), f"downloading {url}", self.retry)
 
-        present, asked = self._shards.path(url, fingerprint).exists(), time.perf_counter()
+        present = self._shards.path(url, fingerprint).exists()
+        asked = time.perf_counter()
         with self._shards.open(url, fingerprint, size, fetch) as local:
             if count and local is not None:
                 self._stats["cache_hits" if present else "cache_misses"] += 1

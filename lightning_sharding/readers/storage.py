@@ -13,13 +13,16 @@ fail at once with the URL in the message.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
+
+from lightning_sharding.core.identity import common_root
 
 T = TypeVar("T")
 
@@ -140,11 +143,16 @@ def with_retries(call: Callable[[], T], what: str, policy: RetryPolicy) -> T:
 
 @dataclass(frozen=True)
 class FileInfo:
-    """One listed file: its ``url`` as the user spelled its scheme, size in bytes, and fingerprint."""
+    """One listed file: its ``url`` as the user spelled its scheme, size in bytes, and fingerprint
+    (size and ETag or mtime: what keys the index cache). ``name`` is its URL relative to the root
+    of the files listed with it, and ``content`` an id of its bytes from the store (``size=N;etag=...``;
+    empty where the store gives only a time, for :func:`content_digest` to fill)."""
 
     url: str
     size: int
     fingerprint: str
+    name: str = ""
+    content: str = ""
 
 
 def scheme_of(url: str) -> str:
@@ -183,6 +191,38 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
             raise ValueError(f"{url!r}: could not open its storage ({err}); pass {_CREDENTIALS[extra]}") from err
         raise
     return fs, path
+
+
+# What a store's listing gives of a file's bytes, by the key it uses, and the label a content id gives it.
+_CONTENT_TAGS = {"ETag": "etag", "etag": "etag", "blob_id": "blob", "generation": "generation"}
+# A local file up to this size is hashed whole; a larger one in DIGEST_BLOCKS blocks spread over it.
+DIGEST_WHOLE = 4 << 20
+DIGEST_BLOCKS = 16
+DIGEST_BLOCK = 64 << 10
+
+
+def content_of(info: Mapping[str, Any]) -> str:
+    """A listed file's content id from what its store says of its bytes (``""``: the store gives only a time)."""
+    for key, label in _CONTENT_TAGS.items():
+        if info.get(key):
+            return f"size={info.get('size')};{label}={str(info[key]).strip(chr(34))}"
+    return ""
+
+
+def content_digest(url: str, size: int, storage_options: Mapping[str, Any] | None = None) -> str:
+    """A content id of a file whose store gives no ETag (a local file): its size and a BLAKE2 digest
+    of its bytes, whole up to :data:`DIGEST_WHOLE`, else of :data:`DIGEST_BLOCKS` blocks spread over
+    it (first and last included), so a copy or a touch keeps it and a rewrite changes it."""
+    fs, path = filesystem(url, storage_options)
+    digest = hashlib.blake2b(digest_size=16)
+    with fs.open(path, "rb") as f:
+        if size <= DIGEST_WHOLE:
+            digest.update(f.read())
+        else:
+            for k in range(DIGEST_BLOCKS):
+                f.seek((size - DIGEST_BLOCK) * k // (DIGEST_BLOCKS - 1))
+                digest.update(f.read(DIGEST_BLOCK))
+    return f"size={size};digest={digest.hexdigest()}"
 
 
 def fingerprint_of(info: Mapping[str, Any]) -> str:
@@ -240,8 +280,9 @@ def list_files(
                 also = "" if seen[canonical] == display else f" (also as {seen[canonical]!r})"
                 raise ValueError(f"{display!r} is named twice in the URLs{also}: name each file once")
             seen[canonical] = display
-            files.append(FileInfo(display, int(i["size"]), fingerprint_of(i)))
-    return files
+            files.append(FileInfo(display, int(i["size"]), fingerprint_of(i), content=content_of(i)))
+    root = common_root([f.url for f in files])
+    return [replace(f, name=f.url[len(root) :]) for f in files]
 
 
 def _info(fs: Any, path: str, url: str, retry: RetryPolicy) -> Any:

@@ -73,6 +73,7 @@ def datamodule(
     the config's loader options."""
     kwargs = {key: options[key] for key in _PASSED}
     kwargs["persistent_workers"] = bool(options["persistent_workers"]) and options["num_workers"] > 0
+    kwargs["data_root_map"] = dict(options.get("root_map") or {})
     strategy = dict(sharding)
     return ShardedDataModule(
         reader, source=source, transform=transform, audit_dir=audit_dir, **data, **kwargs, **strategy

@@ -1,0 +1,122 @@
+"""Item identity that survives a move (``lightning_sharding.core.identity``), through the ledger
+keeper that restores checkpoints: the same files under another root, or touched, resume; a changed
+byte is refused naming the file and what changed; a 0.1 checkpoint (items known by path and mtime)
+resumes on the same paths, and on moved ones with ``root_map``. The kill-and-resume process tests
+are tests/process/test_moved_data.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_sharding import CheckpointMismatchError, NpyReader
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import World
+from lightning_sharding.lightning.keeper import LedgerKeeper, moved_prefixes
+from lightning_sharding.recipes.synthetic_files import write_regression
+from lightning_sharding.strategies.options import LoaderOptions
+
+SIZES = [30, 20, 25, 15]
+
+
+def manifest_of(directory: Path, tmp_path: Path) -> Manifest:
+    reader = NpyReader(str(directory / "*.npy"), cache_dir=str(tmp_path / "cache"))
+    return Manifest.from_items(reader.items())
+
+
+def checkpoint(manifest: Manifest) -> dict[str, Any]:
+    ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
+    ledger.merge(RangeSet.interval(0, 17))
+    return LedgerKeeper(ledger, manifest, World(), LoaderOptions(8)).state(global_step=2)
+
+
+def resume(state: dict[str, Any], manifest: Manifest, **kw: Any) -> LedgerKeeper:
+    fresh = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
+    keeper = LedgerKeeper(fresh, manifest, World(), LoaderOptions(8), **kw)
+    keeper.restore(state, global_step=2, source="last.ckpt")
+    return keeper
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    write_regression(str(tmp_path / "dataA"), "npy", SIZES)
+    return tmp_path / "dataA"
+
+
+def test_the_same_files_under_another_root_resume_and_say_the_root_moved(
+    data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = checkpoint(manifest_of(data, tmp_path))
+    shutil.copytree(data, tmp_path / "elsewhere" / "dataB", copy_function=shutil.copy)  # new mtimes
+    keeper = resume(state, manifest_of(tmp_path / "elsewhere" / "dataB", tmp_path))
+    assert len(keeper.ledger.consumed) == 17
+    err = capsys.readouterr().err
+    assert f"the data moved: {data}/ -> {tmp_path}/elsewhere/dataB/" in err
+    # The next checkpoint knows the data where it is now.
+    assert keeper.ledger.manifest["root"] == f"{tmp_path}/elsewhere/dataB/"
+
+
+def test_a_touched_file_resumes(data: Path, tmp_path: Path) -> None:
+    state = checkpoint(manifest_of(data, tmp_path))
+    os.utime(data / sorted(os.listdir(data))[2], (1, 1))
+    assert len(resume(state, manifest_of(data, tmp_path)).ledger.consumed) == 17
+
+
+def test_a_changed_byte_is_refused_naming_the_file_and_what_changed(data: Path, tmp_path: Path) -> None:
+    state = checkpoint(manifest_of(data, tmp_path))
+    name = sorted(os.listdir(data))[2]
+    raw = bytearray((data / name).read_bytes())
+    raw[-3] ^= 0xFF  # same size, another value in the last row
+    (data / name).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointMismatchError) as err:
+        resume(state, manifest_of(data, tmp_path))
+    message = str(err.value)
+    assert f"{name!r} changed: same size, other content (its digest differs)" in message
+    assert "allow_data_change=True" in message and "allow_mixture_change" not in message
+    assert "data_root_map" not in message
+
+
+def test_a_file_of_another_size_or_an_added_file_is_named(data: Path, tmp_path: Path) -> None:
+    state = checkpoint(manifest_of(data, tmp_path))
+    write_regression(str(tmp_path / "more"), "npy", [7, 9])
+    shutil.copy(tmp_path / "more" / sorted(os.listdir(tmp_path / "more"))[1], data / "zz-extra.npy")
+    with pytest.raises(CheckpointMismatchError, match=r"'zz-extra.npy' is new"):
+        resume(state, manifest_of(data, tmp_path))
+
+
+def old_checkpoint(manifest: Manifest) -> dict[str, Any]:
+    """A checkpoint as 0.1 wrote it: the fingerprint by path and mtime, no root, no item table."""
+    state = checkpoint(manifest)
+    summary = dict(state["manifest"])
+    summary["fingerprint"] = manifest.fingerprint_by_path()
+    summary.pop("root")
+    state["manifest"] = summary
+    del state["items"]
+    return state
+
+
+def test_a_checkpoint_of_0_1_resumes_on_the_same_paths_and_on_moved_ones_with_a_root_map(
+    data: Path, tmp_path: Path
+) -> None:
+    state = old_checkpoint(manifest_of(data, tmp_path))
+    assert len(resume(state, manifest_of(data, tmp_path)).ledger.consumed) == 17
+    moved = tmp_path / "scratch" / "dataA"
+    moved.parent.mkdir()
+    shutil.copytree(data, moved, copy_function=shutil.copy2)  # keeps mtimes, as rsync -t or cp -p
+    with pytest.raises(CheckpointMismatchError) as err:
+        resume(state, manifest_of(moved, tmp_path))
+    hint = f"data_root_map={{'{tmp_path}/': '{tmp_path}/scratch/'}}"
+    assert hint in str(err.value), str(err.value)
+    keeper = resume(state, manifest_of(moved, tmp_path), root_map={f"{tmp_path}/": f"{tmp_path}/scratch/"})
+    assert len(keeper.ledger.consumed) == 17
+
+
+def test_moved_prefixes_cut_at_a_path_part() -> None:
+    assert moved_prefixes("/lustre/ds/f0.npy", "/scratch/u/ds/f0.npy") == ("/lustre/", "/scratch/u/")
+    assert moved_prefixes("s3://a/x/f.tar", "s3://b/x/f.tar") == ("s3://a/", "s3://b/")
