@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,75 +50,148 @@ def free_port() -> int:
 
 
 @dataclass(frozen=True)
-class Job:
-    """One training segment: data, topology and what to do (checkpoint, die, resume)."""
+class Topology:
+    """Where a segment runs: ranks and DataLoader workers, how the ranks start, and model replicas."""
 
-    sizes: tuple[int, ...] = (37, 41, 29, 53, 40)
-    batch_size: int = 8
     world_size: int = 2
     num_workers: int = 2
-    seed: int | None = 1234
-    epochs: int = 1
-    even_batches: str = "pad"
-    persistent_workers: bool = False
-    accumulate: int = 1
-    checkpoint_every: int | None = None
-    die_at_step: int | None = None
-    resume_from: str | None = None
     launcher: str = "spawn"  # "spawn": Lightning's ddp_spawn; "torchrun": one torchrun per node
     num_nodes: int = 1
-    skew_rank1: bool = False  # rank 1 lists one more item than rank 0
-    audit: bool = False  # write the audit trail to <out>/audit
-    # A file reader instead of the synthetic one: {"format": "tar"|..., "urls": ..., "storage_options": ...};
-    # files written by lightning_sharding.recipes.synthetic_files.write_regression (ids 0..N-1 in file order).
-    data: dict[str, Any] | None = None
-    on_error: str = "raise"
-    loader: str = "dataloader"  # "dataloader": ShardedDataModule; "dali": DaliDataModule (CPU pipeline)
-    strategy: str = "shard"
-    months: str | None = None  # broadcast: a directory of month-NN.npy files (tests/jobs/windows_data.py)
-    window: int = 4
-    stride: int = 1
-    halo: bool = False
-    prefetch_items: int = 1
-    raise_at_step: int | None = None  # raise an exception after this step (instead of dying)
-    source: dict[str, Any] | None = None  # strategy "dispatch": see tests/jobs/sources.py::make_source
-    limit_train_batches: int | None = None
-    # SIGKILL the whole process group: {"step": K, "rank": r, "moment": "before"|"after"} (tests/jobs/parts.py)
-    kill_group: dict[str, Any] | None = None
-    # SIGKILL one helper process of a rank: {"step": K, "rank": r, "process": "DataLoader worker 1"|"dispatch process"}
-    kill_helper: dict[str, Any] | None = None
-    # Note what the job holds at a step, meeting another run there: {"step": K, "other": <its out dir>}
-    snapshot: dict[str, Any] | None = None
-    # Weight-level exactly-once (tests/jobs/parts.py::RecordingModel): one weight per sample id counts
-    # the applied gradients; rank 0 saves it at every epoch's end as <out>/w-<segment>-epoch<E>.npy.
-    count_weights: bool = False
-    progress_bar: bool = False  # show Lightning's TQDM bar; records then note its total ("bar") and k
-    # Checkpoints saved from elsewhere than ModelCheckpoint, into <out>/saves, at batches of the segment
-    # (1-based): [{"name": ..., "batches": [...], "hook": "train_batch_end"|"signal_in_step"|
-    # "signal_between_steps", "after": bool (placed after ShardingCallback)}] (tests/jobs/parts.py::SaveAt).
-    saves: tuple[dict[str, Any], ...] = ()
-    module_saves: tuple[int, ...] = ()  # batches at which LightningModule.on_train_batch_end saves
-    every_n_epochs: int | None = None  # ModelCheckpoint(every_n_epochs=...) at the train epoch's end
-    val_check_interval: int | None = None  # validate every N batches; ModelCheckpoint saves at validation end
-    raise_in_step_at_batch: int | None = None  # raise inside training_step; OnExceptionCheckpoint saves
-    # Instead of one fit: resume from each of these checkpoints in turn, one fresh Trainer each, in
-    # this one process (segment "<segment>-<checkpoint stem>"), each to the end of training.
-    resume_each: tuple[str, ...] = ()
     # Model replicas of this many ranks (tensor parallel): by the strategy's distributed_sampler_kwargs
     # (tests/jobs/parts.py::ReplicatedDDP), or with `data_parallel_override` by ShardedDataModule(data_parallel=)
     tensor_parallel: int = 1
     data_parallel_override: bool = False
-    # A mixture instead of `sizes` (tests/jobs/streams_data.py): [{"name", "sizes", "weight"|...: v}]
+    model_parallel: bool = False  # Lightning's own ModelParallelStrategy (2-D mesh over gloo), no gradient sync
+
+
+@dataclass(frozen=True)
+class Data:
+    """What a segment reads: synthetic items of ``sizes`` unless one of the other kinds is given."""
+
+    sizes: tuple[int, ...] = (37, 41, 29, 53, 40)
+    skew_rank1: bool = False  # rank 1 lists one more item than rank 0
+    # A file reader: {"format": "tar"|..., "urls": ..., "storage_options": ...} (tests/jobs/parts.py::file_reader);
+    # files written by lightning_sharding.recipes.synthetic_files.write_regression (ids 0..N-1 in file order).
+    files: dict[str, Any] | None = None
+    months: str | None = None  # broadcast: a directory of month-NN.npy files (tests/jobs/windows_data.py)
+    window: int = 4
+    stride: int = 1
+    halo: bool = False
+    source: dict[str, Any] | None = None  # strategy "dispatch": see tests/jobs/sources.py::make_source
+    # A mixture (tests/jobs/streams_data.py): [{"name", "sizes", "weight"|...: v}]
     streams: tuple[dict[str, Any], ...] | None = None
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"
     allow_mixture_change: bool = False  # resume a checkpoint of another mixture at the new shares
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How the DataModule loads the data: strategy, batches, order, and the workers' options."""
+
+    loader: str = "dataloader"  # "dataloader": ShardedDataModule; "dali": DaliDataModule (CPU pipeline)
+    strategy: str = "shard"
+    batch_size: int = 8
+    seed: int | None = 1234
+    even_batches: str = "pad"
+    on_error: str = "raise"
+    persistent_workers: bool = False
+    prefetch_items: int = 1
     transport: str = "torch"  # how workers hand batches over: "torch" or "pool" (strategies/_slots.py)
-    model_parallel: bool = False  # Lightning's own ModelParallelStrategy (2-D mesh over gloo), no gradient sync
+
+
+@dataclass(frozen=True)
+class Training:
+    """The Trainer's run: how long, how it steps, and the checkpoint it starts from."""
+
+    epochs: int = 1
+    accumulate: int = 1
+    limit_train_batches: int | None = None
+    resume_from: str | None = None
+    # Instead of one fit: resume from each of these checkpoints in turn, one fresh Trainer each, in
+    # this one process (segment "<segment>-<checkpoint stem>"), each to the end of training.
+    resume_each: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Saves:
+    """The checkpoints a segment writes, and from where."""
+
+    checkpoint_every: int | None = None  # ModelCheckpoint(every_n_train_steps=...) into <out>/checkpoints
+    every_n_epochs: int | None = None  # ModelCheckpoint(every_n_epochs=...) at the train epoch's end
+    val_check_interval: int | None = None  # validate every N batches; ModelCheckpoint saves at validation end
+    # Checkpoints saved from elsewhere than ModelCheckpoint, into <out>/saves, at batches of the segment
+    # (1-based): [{"name": ..., "batches": [...], "hook": "train_batch_end"|"signal_in_step"|
+    # "signal_between_steps", "after": bool (placed after ShardingCallback)}] (tests/jobs/parts.py::SaveAt).
+    callbacks: tuple[dict[str, Any], ...] = ()
+    module_saves: tuple[int, ...] = ()  # batches at which LightningModule.on_train_batch_end saves
+
+
+@dataclass(frozen=True)
+class Faults:
+    """How a segment fails on purpose (none by default)."""
+
+    die_at_step: int | None = None  # every rank SIGKILLs itself once this step has completed
+    raise_at_step: int | None = None  # raise an exception after this step (instead of dying)
+    raise_in_step_at_batch: int | None = None  # raise inside training_step; OnExceptionCheckpoint saves
+    # SIGKILL the whole process group: {"step": K, "rank": r, "moment": "before"|"after"} (tests/jobs/parts.py)
+    kill_group: dict[str, Any] | None = None
+    # SIGKILL one helper process of a rank: {"step": K, "rank": r, "process": "DataLoader worker 1"|"dispatch process"}
+    kill_helper: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What a segment notes down for the test besides its per-batch records (tests/jobs/parts.py)."""
+
+    audit: bool = False  # write the audit trail to <out>/audit
+    # Weight-level exactly-once (tests/jobs/parts.py::RecordingModel): one weight per sample id counts
+    # the applied gradients; rank 0 saves it at every epoch's end as <out>/w-<segment>-epoch<E>.npy.
+    count_weights: bool = False
+    progress_bar: bool = False  # show Lightning's TQDM bar; records then note its total ("bar") and k
+    # Note what the job holds at a step, meeting another run there: {"step": K, "other": <its out dir>}
+    snapshot: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training segment, in parts: where it runs, what it reads and how, the Trainer's run, the
+    checkpoints it writes, the faults it meets, and what it notes down for the test. Each part is
+    replaced with :meth:`but` (``job.but(topology=..., faults=...)``) or, for the topology, :meth:`on`."""
+
+    topology: Topology = Topology()
+    data: Data = Data()
+    loading: Loading = Loading()
+    training: Training = Training()
+    saves: Saves = Saves()
+    faults: Faults = Faults()
+    checks: Checks = Checks()
+
+    def on(self, world_size: int | None = None, num_workers: int | None = None, **topology: Any) -> Job:
+        """This job on another topology (the fields not given stay)."""
+        changes = dict(world_size=world_size, num_workers=num_workers)
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return replace(self, topology=replace(self.topology, **changes, **topology))
+
+    def but(self, **parts: Any) -> Job:
+        """This job with some of its parts' fields changed: ``but(faults=dict(die_at_step=6))``
+        replaces those fields of ``faults`` only; a part given whole replaces the part."""
+        changed = {
+            name: replace(getattr(self, name), **value) if isinstance(value, dict) else value
+            for name, value in parts.items()
+        }
+        return replace(self, **changed)
 
     def first_of_replicas(self) -> list[int]:
         """The first rank of each model replica: the ranks whose records count the samples trained."""
-        return list(range(0, self.world_size, self.tensor_parallel))
+        return list(range(0, self.topology.world_size, self.topology.tensor_parallel))
+
+
+# The first segment several tests start from (tests/process/conftest.py trains it once a session, as
+# check_resume(..., checkpoint_every=3) runs it: a checkpoint at step 3, killed at step 6): 2 ranks x
+# 2 workers, one epoch of the default data, with the audit trail and the per-sample weights.
+FIRST_2X2 = Job(checks=Checks(audit=True, count_weights=True))
+FIRST_2X2_EVERY = 3
 
 
 @dataclass
@@ -140,20 +214,43 @@ def run_segment(out: Path, name: str, job: Job, *, expect_death: bool = False) -
     path.write_text(json.dumps(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    before = set((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else set()
-    returncode, output = _launch(job, path, env)
+    before = _checkpoints(out)
+    returncode, output = _launch(job.topology, path, env)
+    (out / f"returncode-{name}.txt").write_text(str(returncode))
     if expect_death:
         assert returncode != 0, f"segment {name} was meant to die but finished:\n{output[-3000:]}"
     else:
         assert returncode == 0, f"segment {name} failed with {returncode}:\n{output[-5000:]}"
+    return _collect(out, name, job, returncode, output, sorted(_checkpoints(out) - before))
+
+
+def _checkpoints(out: Path) -> set[Path]:
+    return set((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else set()
+
+
+def _collect(out: Path, name: str, job: Job, returncode: int, output: str, checkpoints: list[Path]) -> Segment:
+    """What segment ``name`` left in ``out``: its records, its report and the given checkpoints."""
     records = {}
-    for rank in range(job.world_size):
+    for rank in range(job.topology.world_size):
         log = out / f"seen-{name}-rank{rank}.jsonl"
         records[rank] = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     result = out / f"result-{name}.json"
     report = json.loads(result.read_text()) if result.exists() else None
-    after = set((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else set()
-    return Segment(name, returncode, records, report, output, sorted(after - before))
+    return Segment(name, returncode, records, report, output, checkpoints)
+
+
+def load_segment(out: Path, name: str, job: Job) -> Segment:
+    """Segment ``name`` as ``run_segment`` left it in ``out`` (perhaps copied there since), after
+    checking that it ran ``job``: its return code, output, records, report and its checkpoints (those
+    of ``<out>/checkpoints`` whose file names it chose)."""
+    config = json.loads((out / f"config-{name}.json").read_text())
+    ran = {k: v for k, v in config.items() if k not in ("out", "segment")}
+    assert ran == json.loads(json.dumps(asdict(job))), f"segment {name} in {out} ran another job: {ran}"
+    returncode = int((out / f"returncode-{name}.txt").read_text())
+    logs = sorted(out.glob(f"config-{name}.node*.log"))
+    output = "\n".join(log.read_text() for log in logs)
+    checkpoints = sorted(p for p in _checkpoints(out) if p.name.startswith(f"{name}-"))
+    return _collect(out, name, job, returncode, output, checkpoints)
 
 
 def run_at_once(root: Path, jobs: dict[str, Job]) -> dict[str, Segment]:
@@ -178,18 +275,18 @@ def run_at_once(root: Path, jobs: dict[str, Job]) -> dict[str, Segment]:
     return results
 
 
-def _launch(job: Job, config: Path, env: dict[str, str]) -> tuple[int, str]:
+def _launch(topology: Topology, config: Path, env: dict[str, str]) -> tuple[int, str]:
     """Start the job's processes (one, or one torchrun per node), wait with a timeout, kill on expiry."""
-    if job.launcher == "spawn":
+    if topology.launcher == "spawn":
         commands = [[sys.executable, str(JOB), str(config)]]
     else:
-        per_node = job.world_size // job.num_nodes
+        per_node = topology.world_size // topology.num_nodes
         commands = [
             [
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
-                f"--nnodes={job.num_nodes}",
+                f"--nnodes={topology.num_nodes}",
                 f"--node_rank={node}",
                 f"--nproc_per_node={per_node}",
                 "--master_addr=127.0.0.1",
@@ -197,7 +294,7 @@ def _launch(job: Job, config: Path, env: dict[str, str]) -> tuple[int, str]:
                 str(JOB),
                 str(config),
             ]
-            for node in range(job.num_nodes)
+            for node in range(topology.num_nodes)
         ]
     # Output goes to files, not pipes: a full pipe would stall a rank that another rank waits for.
     logs = [config.with_suffix(f".node{i}.log") for i in range(len(commands))]
@@ -264,6 +361,22 @@ def assert_exactly_once(seen: dict[int, Counter[int]], total: int, epochs: int, 
         assert len(missing) <= missing_ok, f"epoch {epoch}: {len(missing)} ids never served, e.g. {sorted(missing)[:5]}"
 
 
+def first_segment(first: Job, *, checkpoint_every: int, die_after: int = 3) -> Job:
+    """The first segment ``check_resume(out, first, then, ...)`` runs when ``then`` is not empty:
+    ``first`` with its checkpoints, killed ``die_after`` steps after the first one."""
+    return _with_resume(first, None, checkpoint_every, die_after, last=False)
+
+
+def _with_resume(job: Job, resume: Path | None, checkpoint_every: int, die_after: int, *, last: bool) -> Job:
+    start_step = checkpoint_step(resume) if resume is not None else 0
+    ckpt_at = (start_step // checkpoint_every + 1) * checkpoint_every
+    return job.but(
+        saves=dict(checkpoint_every=checkpoint_every),
+        faults=dict(die_at_step=None if last else ckpt_at + die_after),
+        training=dict(resume_from=str(resume) if resume is not None else None),
+    )
+
+
 def check_resume(
     out: Path,
     first: Job,
@@ -272,12 +385,17 @@ def check_resume(
     checkpoint_every: int,
     die_after: int = 3,
     after_segment: Callable[[Segment], None] | None = None,
+    trained: Path | None = None,
 ) -> tuple[dict[int, Counter[int]], list[Segment]]:
     """Train ``first`` with checkpoints, kill it ``die_after`` steps after its first checkpoint,
     then resume from the newest checkpoint with each job of ``then`` in turn (every job but the
     last is killed the same way after its own first checkpoint). Returns the per-epoch counts of
     every sample over the kept steps of all segments, and the segments. ``after_segment`` is called
-    after each segment ends (to look at what a killed segment left behind)."""
+    after each segment ends (to look at what a killed segment left behind).
+
+    ``trained``: a directory where this first segment has already run (a session fixture of
+    tests/process/conftest.py); it is copied to ``out`` and the resumes start from the copy's
+    checkpoint, as if ``first`` had just run there."""
     jobs = [first, *then]
     segments: list[Segment] = []
     kept: list[dict[str, Any]] = []
@@ -286,13 +404,14 @@ def check_resume(
         last = i == len(jobs) - 1
         start_step = checkpoint_step(resume) if resume is not None else 0
         ckpt_at = (start_step // checkpoint_every + 1) * checkpoint_every
-        job = replace(
-            job,
-            checkpoint_every=checkpoint_every,
-            die_at_step=None if last else ckpt_at + die_after,
-            resume_from=str(resume) if resume is not None else None,
-        )
-        segment = run_segment(out, f"seg{i}", job, expect_death=not last)
+        job = _with_resume(job, resume, checkpoint_every, die_after, last=last)
+        if i == 0 and trained is not None:
+            assert not out.exists() or not any(out.iterdir()), f"{out} is not empty: no place for a copy of {trained}"
+            shutil.copytree(trained, out, dirs_exist_ok=True)
+            segment = load_segment(out, "seg0", job)
+            assert (segment.returncode != 0) == (not last), f"seg0 in {trained} ended {segment.returncode}"
+        else:
+            segment = run_segment(out, f"seg{i}", job, expect_death=not last)
         segments.append(segment)
         if after_segment is not None:
             after_segment(segment)

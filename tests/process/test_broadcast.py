@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,13 @@ from lightning_sharding.strategies._shared_memory import SHM_DIR
 from lightning_sharding.strategies.broadcast import BroadcastLoader
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
+    Data,
+    Faults,
     Job,
+    Loading,
     Segment,
+    Topology,
+    Training,
     assert_exactly_once,
     check_resume,
     kept_records,
@@ -125,8 +129,9 @@ def add_position(sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
 # -- real training jobs -------------------------------------------------------------------------
 
 
-def broadcast_job(months: Path, **fields: Any) -> Job:
-    return replace(Job(strategy="broadcast", months=str(months), batch_size=8), **fields)
+def broadcast_job(months: Path, topology: Topology, *, halo: bool = False, **loading: Any) -> Job:
+    """A job of strategy broadcast over the month files in ``months`` (window 4, batch 8)."""
+    return Job(topology, Data(months=str(months), halo=halo), Loading(strategy="broadcast", batch_size=8, **loading))
 
 
 @pytest.mark.processes
@@ -142,8 +147,8 @@ def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothi
     def look(segment: Segment) -> None:
         left.append(shm_files() - before)
 
-    first = broadcast_job(tmp_path / "months", halo=True, world_size=2, num_workers=2)
-    then = broadcast_job(tmp_path / "months", halo=True, world_size=1, num_workers=1)
+    first = broadcast_job(tmp_path / "months", Topology(2, 2), halo=True)
+    then = first.on(1, 1)
     seen, segments = check_resume(tmp_path / "run", first, [then], checkpoint_every=3, after_segment=look)
     assert_exactly_once(seen, total, epochs=1)
     assert segments[-1].report is not None and segments[-1].report["epochs"][0]["consumed"] == total
@@ -157,7 +162,7 @@ def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothi
 def test_an_exception_in_training_leaves_no_segment(tmp_path: Path) -> None:
     write_months(tmp_path / "months", MONTHS)
     before = shm_files()
-    job = broadcast_job(tmp_path / "months", world_size=1, num_workers=2, raise_at_step=4)
+    job = broadcast_job(tmp_path / "months", Topology(1, 2)).but(faults=Faults(raise_at_step=4))
     segment = run_segment(tmp_path, "fail", job, expect_death=True)
     assert "RaiseAtStep: deliberate failure after step 4" in segment.output
     held = set(json.loads((tmp_path / "held-rank0.json").read_text()))
@@ -171,10 +176,11 @@ def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
     """Two jobs on this machine at the same time, two epochs each (one with persistent workers)."""
     write_months(tmp_path / "months", MONTHS)
     before = shm_files()
+    two_epochs = Training(epochs=2)
     jobs = {
-        "a": broadcast_job(tmp_path / "months", world_size=1, num_workers=2, epochs=2),
-        "b": broadcast_job(
-            tmp_path / "months", world_size=1, num_workers=2, epochs=2, persistent_workers=True, seed=99
+        "a": broadcast_job(tmp_path / "months", Topology(1, 2)).but(training=two_epochs),
+        "b": broadcast_job(tmp_path / "months", Topology(1, 2), persistent_workers=True, seed=99).but(
+            training=two_epochs
         ),
     }
     results = run_at_once(tmp_path, jobs)
@@ -199,7 +205,7 @@ def test_bad_configuration_fails_on_every_rank_with_the_item_named(
 ) -> None:
     """Two DDP ranks that both raise (no rank is left waiting in a collective), and one rank."""
     write_months(tmp_path / "months", lengths)
-    job = broadcast_job(tmp_path / "months", world_size=world_size, num_workers=1)
+    job = broadcast_job(tmp_path / "months", Topology(world_size, 1))
     segment = run_segment(tmp_path, "bad", job, expect_death=True)
     # Ranks share one log, so two tracebacks can interleave: any one intact line will do.
     found = re.search(message, segment.output) or re.search(message, segment.output.replace("\n", ""))

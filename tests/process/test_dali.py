@@ -21,7 +21,7 @@ import pytest
 from lightning_sharding import EpochOrder, Ledger, Manifest, RangeSet, SyntheticReader, World, plan_epoch
 from lightning_sharding.lightning.dali import DaliStrategy, merge_layout
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import ROOT, Job, assert_exactly_once, check_resume, free_port
+from tests.harness import ROOT, Job, Loading, Topology, Training, assert_exactly_once, check_resume, free_port
 from tests.jobs.dali_parts import RecordingReader, add_image
 
 needs_dali = pytest.mark.needs("nvidia.dali")
@@ -184,8 +184,8 @@ def test_without_workers_one_source_serves_the_epoch_in_process() -> None:
 def test_resume_under_lightning_on_other_ranks_and_workers(tmp_path: Path) -> None:
     """Real Trainer, 2 DDP ranks x 2 DALI workers, killed after a checkpoint; resumed on 1 rank x 1
     worker for the rest of epoch 0 and all of epoch 1: every sample exactly once per epoch."""
-    first = Job(loader="dali", world_size=2, num_workers=2, epochs=2)
-    then = [Job(loader="dali", world_size=1, num_workers=1, epochs=2)]
+    first = Job(Topology(2, 2), loading=Loading(loader="dali"), training=Training(epochs=2))
+    then = [first.on(1, 1)]
     seen, segments = check_resume(tmp_path, first, then, checkpoint_every=3, die_after=2)
     assert_exactly_once(seen, sum(SIZES), epochs=2)
     report: Any = segments[-1].report

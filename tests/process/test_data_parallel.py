@@ -19,7 +19,11 @@ import pytest
 
 from lightning_sharding.lightning.audit import audit
 from tests.harness import (
+    Checks,
+    Data,
     Job,
+    Topology,
+    Training,
     assert_exactly_once,
     assert_weights_count_once,
     check_resume,
@@ -35,15 +39,19 @@ SIZES = (23, 17, 31, 25)  # 96 samples: 2 replicas x batch 8 = 6 steps an epoch
 TOTAL = sum(SIZES)
 
 
-def tp(**kwargs: Any) -> Job:
+CHECKS = Checks(count_weights=True, audit=True)
+
+
+def tp(**topology: Any) -> Job:
     """4 ranks: 2 model replicas of 2 tensor-parallel ranks, loading in the rank's process by default."""
-    options = dict(sizes=SIZES, world_size=4, tensor_parallel=2, num_workers=0, count_weights=True, audit=True)
-    return Job(**{**options, **kwargs})
+    return Job(
+        Topology(**{**dict(world_size=4, tensor_parallel=2, num_workers=0), **topology}), Data(SIZES), checks=CHECKS
+    )
 
 
-def ddp(**kwargs: Any) -> Job:
+def ddp() -> Job:
     """Plain DDP on 2 ranks: 2 replicas of 1 rank."""
-    return Job(**{**dict(sizes=SIZES, world_size=2, num_workers=1, count_weights=True, audit=True), **kwargs})
+    return Job(Topology(world_size=2, num_workers=1), Data(SIZES), checks=CHECKS)
 
 
 def batches(records: list[dict[str, object]]) -> list[tuple[object, ...]]:
@@ -51,7 +59,7 @@ def batches(records: list[dict[str, object]]) -> list[tuple[object, ...]]:
 
 
 def test_the_ranks_of_a_replica_read_identical_batches_and_the_replicas_split_the_epoch(tmp_path: Path) -> None:
-    job = tp(epochs=2, num_workers=1)
+    job = tp(num_workers=1).but(training=Training(epochs=2))
     segment = run_segment(tmp_path, "run", job)
     records = segment.records
     assert all(records[r] for r in range(4)), "every rank trained"
@@ -77,7 +85,7 @@ def test_lightnings_model_parallel_strategy_gives_each_replica_its_share(tmp_pat
     """Lightning's own ``ModelParallelStrategy`` (a 2 x 2 device mesh over gloo on CPU) names its
     data-parallel dimension in ``distributed_sampler_kwargs``; nothing else is configured. It does
     not synchronise gradients by itself, so exactly-once is read from the records and the audit."""
-    job = tp(model_parallel=True, count_weights=False, epochs=1)
+    job = tp(model_parallel=True).but(checks=dict(count_weights=False))
     segment = run_segment(tmp_path, "run", job)
     records = segment.records
     assert batches(records[0]) == batches(records[1]) and batches(records[2]) == batches(records[3])
@@ -126,7 +134,8 @@ def test_a_ddp_checkpoint_resumes_under_tensor_parallelism_given_by_data_paralle
 
 def test_ranks_of_one_replica_that_list_other_data_fail_before_reading(tmp_path: Path) -> None:
     """2 ranks told they are one replica (``data_parallel=(0, 1)`` on both); rank 1 lists one more item."""
-    job = Job(sizes=SIZES, world_size=2, num_workers=0, tensor_parallel=2, data_parallel_override=True, skew_rank1=True)
+    topology = Topology(world_size=2, num_workers=0, tensor_parallel=2, data_parallel_override=True)
+    job = Job(topology, Data(SIZES, skew_rank1=True))
     segment = run_segment(tmp_path, "run", job, expect_death=True)
     assert "rank 1 lists other data than rank 0" in segment.output, segment.output[-3000:]
     assert not any(segment.records.values()), "no rank trained"

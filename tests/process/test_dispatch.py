@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +30,11 @@ from lightning_sharding.strategies.dispatch import DispatchLoader
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
     ROOT,
+    Data,
     Job,
+    Loading,
+    Topology,
+    Training,
     assert_exactly_once,
     check_resume,
     free_port,
@@ -152,16 +157,17 @@ def test_queues_are_bounded_when_workers_are_slower_than_the_source(db: Path) ->
 # -- DDP: exactly-once resume, epoch boundaries, faults, the stream ----------------------------------
 
 
-def dispatch_job(db: Path, **overrides: object) -> Job:
-    options: dict[str, object] = dict(strategy="dispatch", source={"kind": "sqlite", "path": str(db)})
-    return Job(**{**options, **overrides})  # type: ignore[arg-type]
+def dispatch_job(db: Path, topology: Topology, source: dict[str, Any] | None = None, **loading: Any) -> Job:
+    """A job of strategy dispatch over the SQLite table ``db`` (or the given ``source``)."""
+    data = Data(source=source or {"kind": "sqlite", "path": str(db)})
+    return Job(topology, data, Loading(strategy="dispatch", **loading))
 
 
 @pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_sqlite_resumes_exactly_once_after_sigkill_on_another_topology(tmp_path: Path, db: Path) -> None:
-    first = dispatch_job(db, world_size=2, num_workers=2, epochs=2)
-    then = dispatch_job(db, world_size=1, num_workers=2, epochs=2)
+    first = dispatch_job(db, Topology(2, 2)).but(training=Training(epochs=2))
+    then = first.on(1, 2)
     seen, segments = check_resume(tmp_path / "run", first, [then], checkpoint_every=3)
     assert_exactly_once(seen, N, epochs=2)
     final = segments[-1].report
@@ -176,7 +182,8 @@ def test_an_epoch_stopped_early_leaks_nothing_into_the_next(tmp_path: Path, db: 
     epoch, so a leaked batch would show up as wrong ids."""
     # Fresh workers are restarted every epoch: one rank keeps the test short.
     world = 2 if persistent else 1
-    job = dispatch_job(db, world_size=world, epochs=2, limit_train_batches=3, persistent_workers=persistent)
+    job = dispatch_job(db, Topology(world_size=world), persistent_workers=persistent)
+    job = job.but(training=Training(epochs=2, limit_train_batches=3))
     segment = run_segment(tmp_path, "run", job)
     plan = plan_epoch(N, RangeSet(), epoch=0, world_size=world, num_workers=2, batch_size=8)
     for rank, records in segment.records.items():
@@ -201,7 +208,7 @@ def test_a_fault_fails_fast_naming_rank_dispatcher_and_cause(
 ) -> None:
     """On 2 ranks, rank 1's source fails (rank 0 must not hang); on 1 rank, its dispatcher is killed."""
     source = {"kind": "sqlite", "path": str(db), **fault}
-    job = dispatch_job(db, world_size=world, num_workers=1, source=source)
+    job = dispatch_job(db, Topology(world, 1), source=source)
     segment = run_segment(tmp_path, "run", job, expect_death=True)
     ended = time.time()
     for text in expected:
@@ -218,7 +225,7 @@ def test_a_tcp_stream_resumes_at_least_once_from_its_commits(tmp_path: Path) -> 
     server = LogServer(97)
     try:
         source = {"kind": "tcp", "port": server.port}
-        job = Job(strategy="dispatch", source=source, even_batches="sync", num_workers=1)
+        job = Job(Topology(num_workers=1), Data(source=source), Loading(strategy="dispatch", even_batches="sync"))
         seen, segments = check_resume(tmp_path, job, [job], checkpoint_every=3)
     finally:
         server.stop()

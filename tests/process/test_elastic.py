@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from tests.harness import (
+    Checks,
     Job,
+    Topology,
+    Training,
     assert_exactly_once,
     assert_weights_count_once,
     check_resume,
@@ -28,7 +31,7 @@ from tests.harness import (
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
-TOTAL = sum(Job().sizes)
+TOTAL = sum(Job().data.sizes)
 
 
 @pytest.mark.parametrize(
@@ -40,8 +43,8 @@ TOTAL = sum(Job().sizes)
     ids=lambda t: f"{t[0]}x{t[1]}",
 )
 def test_mid_epoch_resume_on_another_topology(tmp_path: Path, before: tuple[int, int], after: tuple[int, int]) -> None:
-    first = Job(world_size=before[0], num_workers=before[1], count_weights=True, progress_bar=True)
-    then = Job(world_size=after[0], num_workers=after[1], count_weights=True, progress_bar=True)
+    checks = Checks(count_weights=True, progress_bar=True)
+    first, then = Job(Topology(*before), checks=checks), Job(Topology(*after), checks=checks)
     seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=3)
     assert_exactly_once(seen, TOTAL, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
@@ -59,7 +62,7 @@ def test_mid_epoch_resume_on_another_topology(tmp_path: Path, before: tuple[int,
 def test_several_resumes_in_one_epoch_each_on_another_topology(tmp_path: Path) -> None:
     """2x2 -> 1x2 -> 2x0 inside epoch 0; the ledger stays a handful of ranges."""
     topologies = [(2, 2), (1, 2), (2, 0)]
-    jobs = [Job(world_size=w, num_workers=n, count_weights=True) for w, n in topologies]
+    jobs = [Job(Topology(w, n), checks=Checks(count_weights=True)) for w, n in topologies]
     seen, segments = check_resume(tmp_path, jobs[0], jobs[1:], checkpoint_every=3)
     assert_exactly_once(seen, TOTAL, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
@@ -74,8 +77,8 @@ def test_several_resumes_in_one_epoch_each_on_another_topology(tmp_path: Path) -
 
 def test_a_checkpoint_at_an_epoch_end_resumes_into_a_fresh_epoch(tmp_path: Path) -> None:
     """2 ranks x 8 = 16 samples a step: 200 samples is 13 steps, so step 13 ends epoch 0."""
-    first = Job(epochs=2, count_weights=True)
-    then = Job(epochs=2, world_size=1, num_workers=2, count_weights=True)
+    first = Job(training=Training(epochs=2), checks=Checks(count_weights=True))
+    then = first.on(world_size=1, num_workers=2)
     seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=13)
     assert_exactly_once(seen, TOTAL, epochs=2)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=2)
@@ -84,8 +87,8 @@ def test_a_checkpoint_at_an_epoch_end_resumes_into_a_fresh_epoch(tmp_path: Path)
 
 def test_torchrun_two_nodes_on_one_machine_resumes_a_ddp_spawn_checkpoint(tmp_path: Path) -> None:
     """Two `torchrun --nnodes=2 --node_rank={0,1}` launches with a rendezvous on 127.0.0.1."""
-    first = Job(world_size=2, num_workers=2, count_weights=True)
-    then = Job(world_size=2, num_workers=1, launcher="torchrun", num_nodes=2, count_weights=True)
+    first = Job(Topology(2, 2), checks=Checks(count_weights=True))
+    then = first.on(2, 1, launcher="torchrun", num_nodes=2)
     seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=3)
     assert_exactly_once(seen, TOTAL, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
@@ -93,7 +96,7 @@ def test_torchrun_two_nodes_on_one_machine_resumes_a_ddp_spawn_checkpoint(tmp_pa
 
 
 def test_torchrun_single_node_serves_every_sample_once(tmp_path: Path) -> None:
-    segment = run_segment(tmp_path, "run", Job(world_size=2, num_workers=2, launcher="torchrun"))
+    segment = run_segment(tmp_path, "run", Job(Topology(2, 2, launcher="torchrun")))
     assert_exactly_once(served_per_epoch(kept_records(segment, None)), TOTAL, epochs=1)
     assert "ranks: rank 0 = node 0 local 0 | rank 1 = node 0 local 1" in segment.output
 

@@ -31,8 +31,12 @@ from lightning_sharding.strategies._helper_deaths import HelperProcessError
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
     ROOT,
+    Checks,
+    Data,
     Job,
+    Loading,
     Segment,
+    Topology,
     assert_exactly_once,
     assert_weights_count_once,
     checkpoint_step,
@@ -63,15 +67,18 @@ def fault_seed() -> int:
 
 def strategy_job(strategy: str, data: Path) -> tuple[Job, int]:
     """A 1-epoch job of ``strategy`` with its own small data under ``data``, and its sample count."""
+    checks = Checks(count_weights=True)
     if strategy == "broadcast":
         write_months(data, MONTHS)
-        job = Job(strategy="broadcast", months=str(data), batch_size=BATCH, count_weights=True)
+        job = Job(data=Data(months=str(data)), loading=Loading(strategy="broadcast", batch_size=BATCH), checks=checks)
         return job, sum(n - 3 for n in MONTHS)
     if strategy == "dispatch":
         data.mkdir(parents=True, exist_ok=True)
         source = {"kind": "sqlite", "path": str(make_db(data / "rows.db", ROWS))}
-        return Job(strategy="dispatch", source=source, batch_size=BATCH, count_weights=True), ROWS
-    return Job(batch_size=BATCH, count_weights=True), sum(Job().sizes)
+        return Job(
+            data=Data(source=source), loading=Loading(strategy="dispatch", batch_size=BATCH), checks=checks
+        ), ROWS
+    return Job(loading=Loading(batch_size=BATCH), checks=checks), sum(Job().data.sizes)
 
 
 def consumed_in(checkpoint: Path) -> int:
@@ -112,7 +119,7 @@ def run_with_kills(out: Path, job: Job, total: int, rng: random.Random, seed: in
         kill = Kill(ranks, workers, start, None, None, None)
         if i < KILLS:
             left = total - (consumed_in(resume) if resume is not None else 0)
-            fewest_steps = -(-left // (ranks * job.batch_size))  # no step serves more than ranks x batch
+            fewest_steps = -(-left // (ranks * job.loading.batch_size))  # no step serves more than ranks x batch
             first_checkpoint = (start // EVERY + 1) * EVERY
             moment = rng.choice(["before", "after"])
             # A kill "after" a checkpoint's step loses that checkpoint. The first segment has no
@@ -122,14 +129,13 @@ def run_with_kills(out: Path, job: Job, total: int, rng: random.Random, seed: in
             assert step >= lowest, f"seed {seed}: data too small for {KILLS} kills: {kills}"
             kill = replace(kill, step=step, rank=rng.randrange(ranks), moment=moment)
         kills.append(kill)
-        segment_job = replace(
-            job,
-            world_size=ranks,
-            num_workers=workers,
-            audit=True,
-            checkpoint_every=EVERY,
-            resume_from=str(resume) if resume is not None else None,
-            kill_group=None if kill.step is None else {"step": kill.step, "rank": kill.rank, "moment": kill.moment},
+        segment_job = job.on(ranks, workers).but(
+            checks=dict(audit=True),
+            saves=dict(checkpoint_every=EVERY),
+            training=dict(resume_from=str(resume) if resume is not None else None),
+            faults=dict(
+                kill_group=None if kill.step is None else {"step": kill.step, "rank": kill.rank, "moment": kill.moment}
+            ),
         )
         segment = run_segment(out, f"seg{i}", segment_job, expect_death=kill.step is not None)
         segments.append(segment)
@@ -237,14 +243,11 @@ def test_a_killed_worker_or_dispatch_process_fails_fast_naming_it_and_the_resume
     resume: Path | None = None
     for i, (after, rank, process, per_rank) in enumerate(kills):
         start = checkpoint_step(resume) if resume is not None else 0
-        failing = replace(
-            job,
-            world_size=2,
-            num_workers=per_rank,
-            audit=True,
-            checkpoint_every=EVERY,
-            resume_from=str(resume) if resume is not None else None,
-            kill_helper={"step": start + after, "rank": rank, "process": process},
+        failing = job.on(2, per_rank).but(
+            checks=dict(audit=True),
+            saves=dict(checkpoint_every=EVERY),
+            training=dict(resume_from=str(resume) if resume is not None else None),
+            faults=dict(kill_helper={"step": start + after, "rank": rank, "process": process}),
         )
         segment = run_segment(out, f"seg{i}", failing, expect_death=True)
         ended = time.time()
@@ -254,7 +257,7 @@ def test_a_killed_worker_or_dispatch_process_fails_fast_naming_it_and_the_resume
         print(f"{strategy}: {process} of rank {rank} killed; the job ended {ended - fault['time']:.1f} s later")
         assert ended - fault["time"] < 60, f"the job took {ended - fault['time']:.0f} s to end after the kill"
         resume = max((out / "checkpoints").glob("*.ckpt"), key=checkpoint_step)
-    final = replace(job, world_size=ranks, num_workers=workers, audit=True, resume_from=str(resume))
+    final = job.on(ranks, workers).but(checks=dict(audit=True), training=dict(resume_from=str(resume)))
     run_segment(out, f"seg{len(kills)}", final)
     results = audit([out])
     assert len(results) == 1 and results[0].complete and results[0].ok, format_audit(results)
@@ -280,7 +283,7 @@ def test_two_runs_at_once_share_no_shared_memory_cache_file_or_port(
         write_regression(str(tmp_path / name / "data"), "npy", sizes[name])
         data = {"format": "npy", "urls": str(tmp_path / name / "data" / "*.npy"), "default_cache": True}
         snap = {"step": 3, "other": str(tmp_path / other)}
-        jobs[name] = Job(data=data, world_size=2, num_workers=1, batch_size=4, snapshot=snap)
+        jobs[name] = Job(Topology(2, 1), Data(files=data), Loading(batch_size=4), checks=Checks(snapshot=snap))
     results = run_at_once(tmp_path, jobs)
     for name, segment in results.items():
         assert_exactly_once(served_per_epoch(kept_records(segment, None)), sum(sizes[name]), epochs=1)

@@ -15,7 +15,7 @@ import pytest
 from lightning_sharding.readers import TarReader
 from lightning_sharding.recipes.synthetic_files import write_regression
 from tests.fault_proxy import FaultProxy
-from tests.harness import Job, assert_exactly_once, run_segment, served_per_epoch
+from tests.harness import Data, Job, Loading, Topology, Training, assert_exactly_once, run_segment, served_per_epoch
 from tests.s3 import S3Server
 
 SIZES = (23, 17, 29, 19, 31)
@@ -57,7 +57,7 @@ def job_counts(
         "cache_dir": str(tmp_path / f"cache-{per}"),
         "index_once_per": per,
     }
-    job = Job(data=data, world_size=2, num_workers=2, batch_size=6, limit_train_batches=0)
+    job = Job(Topology(2, 2), Data(files=data), Loading(batch_size=6), Training(limit_train_batches=0))
     run_segment(tmp_path / f"job-{per}", "first", job)
     return split(proxy.requests, objects)
 
@@ -93,7 +93,7 @@ def test_nodes_sharing_no_disk_each_index_their_own_cache_and_train_exactly_once
     cache = tmp_path / "caches"
     data = {"format": "tar", "urls": urls, "storage_options": s3_server.storage_options, "cache_dir": str(cache)}
     data.update(index_once_per="node", cache_per_node=True)
-    job = Job(data=data, world_size=2, num_workers=2, batch_size=6, launcher="torchrun", num_nodes=2)
+    job = Job(Topology(2, 2, launcher="torchrun", num_nodes=2), Data(files=data), Loading(batch_size=6))
     segment = run_segment(tmp_path / "job", "first", job)
     assert_exactly_once(
         served_per_epoch([r for rs in segment.records.values() for r in rs]), total=sum(SIZES), epochs=1
@@ -108,7 +108,7 @@ def test_nodes_sharing_no_disk_each_index_their_own_cache_and_train_exactly_once
 def test_a_failure_of_the_indexing_rank_stops_every_rank_with_its_message(tmp_path: Path, s3_server: S3Server) -> None:
     s3_server.bucket("index-fails")
     data = {"format": "tar", "urls": "s3://index-fails/none.tar", "storage_options": s3_server.storage_options}
-    job = Job(data=data, world_size=2, num_workers=1, batch_size=6, launcher="torchrun")
+    job = Job(Topology(2, 1, launcher="torchrun"), Data(files=data), Loading(batch_size=6))
     segment = run_segment(tmp_path / "job", "first", job, expect_death=True)
     assert "FileNotFoundError" in segment.output and "s3://index-fails/none.tar" in segment.output
     assert "rank 0 lists and indexes tar files ['s3://index-fails/none.tar'] for this job" in segment.output

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from tests.harness import (
+    Data,
     Job,
+    Loading,
+    Saves,
+    Topology,
+    Training,
     assert_exactly_once,
     check_resume,
     checkpoint_step,
@@ -19,13 +24,13 @@ from tests.harness import (
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
-TOTAL = sum(Job().sizes)
+TOTAL = sum(Job().data.sizes)
 
 
 def test_two_epochs_serve_every_sample_once_in_different_orders(tmp_path: Path) -> None:
     """Cases (a) and (b): 2 ranks x 2 workers, two epochs. No seed is given: rank 0 draws one and
     broadcasts it (ranks with different seeds would plan different orders and break coverage)."""
-    segment = run_segment(tmp_path, "run", Job(epochs=2, seed=None))
+    segment = run_segment(tmp_path, "run", Job(loading=Loading(seed=None), training=Training(epochs=2)))
     records = kept_records(segment, None)
     assert_exactly_once(served_per_epoch(records), TOTAL, epochs=2)
     orders = [[i for r in records if r["epoch"] == e for i in r["ids"]] for e in (0, 1)]
@@ -43,7 +48,7 @@ def test_mid_epoch_checkpoint_kill_and_resume_is_exactly_once_with_persistent_wo
     Two epochs, so the resumed run also crosses an epoch boundary with the same (persistent)
     workers. Fresh workers resume in every other kill-and-resume test (test_elastic, test_faults).
     """
-    job = Job(epochs=2, persistent_workers=True)
+    job = Job(loading=Loading(persistent_workers=True), training=Training(epochs=2))
     seen, segments = check_resume(tmp_path, job, [job], checkpoint_every=4)
     assert_exactly_once(seen, TOTAL, epochs=2)
     # The killed segment really trained past its checkpoint: those steps are the ones re-served.
@@ -63,7 +68,7 @@ def test_uneven_sample_count_reports_padding_or_drop(
     Batch 4: 5 batches against 4. ``pad`` splits the short rank's last batch in two (no padding),
     ``drop`` leaves one sample. Batch 1: 17 batches against 16 samples needs one flagged padding sample.
     """
-    job = Job(sizes=(10, 12, 11), batch_size=batch_size, num_workers=1, even_batches=policy)
+    job = Job(Topology(num_workers=1), Data(sizes=(10, 12, 11)), Loading(batch_size=batch_size, even_batches=policy))
     segment = run_segment(tmp_path, "run", job)
     seen = served_per_epoch(kept_records(segment, None))
     assert_exactly_once(seen, 33, epochs=1, missing_ok=dropped)
@@ -78,7 +83,7 @@ def test_uneven_sample_count_reports_padding_or_drop(
 
 def test_checkpoint_loads_with_weights_only_and_holds_the_gathered_ledger(tmp_path: Path) -> None:
     """Lightning writes only rank 0's file: it must still hold both ranks' consumed samples."""
-    job = Job(checkpoint_every=3, num_workers=1)
+    job = Job(Topology(num_workers=1), saves=Saves(checkpoint_every=3))
     segment = run_segment(tmp_path, "run", job)
     first = next(p for p in segment.checkpoints if checkpoint_step(p) == 3)
     ckpt = torch.load(first, weights_only=True)
@@ -90,6 +95,6 @@ def test_checkpoint_loads_with_weights_only_and_holds_the_gathered_ledger(tmp_pa
 
 
 def test_ranks_that_list_different_data_fail_clearly_instead_of_overlapping(tmp_path: Path) -> None:
-    segment = run_segment(tmp_path, "run", Job(num_workers=0, skew_rank1=True), expect_death=True)
+    segment = run_segment(tmp_path, "run", Job(Topology(num_workers=0), Data(skew_rank1=True)), expect_death=True)
     assert "rank 1 lists other data than rank 0: num_items was 5, now 6" in segment.output
     assert not any(segment.records.values()), "no step may run on inconsistent data"

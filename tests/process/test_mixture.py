@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from lightning_sharding.lightning.audit import audit, format_audit
-from tests.harness import Job, check_resume, kept_records, weights_of_run
+from tests.harness import Checks, Data, Job, Loading, Training, check_resume, kept_records, weights_of_run
 from tests.jobs.streams_data import planned_blocks, planned_ids
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
@@ -28,9 +29,19 @@ PER_EPOCH = 150  # books 22, web 96, code 32
 SEED = 1234
 
 
+def mixture_job(streams: tuple[dict[str, Any], ...], epochs: int, **data: Any) -> Job:
+    """2 ranks x 2 workers over a mixture of ``streams``, PER_EPOCH draws an epoch, audited, weights counted."""
+    return Job(
+        data=Data(streams=streams, samples_per_epoch=PER_EPOCH, **data),
+        loading=Loading(seed=SEED),
+        training=Training(epochs=epochs),
+        checks=Checks(audit=True, count_weights=True),
+    )
+
+
 def test_a_mixture_resumes_on_other_topologies_serving_each_planned_draw_once(tmp_path: Path) -> None:
-    job = Job(streams=STREAMS, samples_per_epoch=PER_EPOCH, audit=True, count_weights=True, epochs=2, seed=SEED)
-    then = [Job(**{**job.__dict__, "world_size": 1}), Job(**{**job.__dict__, "num_workers": 1})]
+    job = mixture_job(STREAMS, epochs=2)
+    then = [job.on(world_size=1), job.on(num_workers=1)]
     seen, segments = check_resume(tmp_path, job, then, checkpoint_every=3)
     for epoch in (0, 1):
         planned = planned_ids(list(STREAMS), PER_EPOCH, SEED, epoch)
@@ -61,18 +72,11 @@ def test_a_mixture_resumes_on_other_topologies_serving_each_planned_draw_once(tm
 
 
 def test_a_stratified_mixture_resumes_on_other_topologies_with_every_batch_at_the_shares(tmp_path: Path) -> None:
-    job = Job(
-        streams=STREAMS,
-        samples_per_epoch=PER_EPOCH,
-        batch_composition="stratified",
-        audit=True,
-        count_weights=True,
-        epochs=1,
-        seed=SEED,
-    )  # 18 batches of 8 (each web 5, code 1 or 2, books 1 or 2) and one of 6, on 2 ranks x 2 workers
-    then = [Job(**{**job.__dict__, "world_size": 1}), Job(**{**job.__dict__, "num_workers": 1})]
+    # 18 batches of 8 (each web 5, code 1 or 2, books 1 or 2) and one of 6, on 2 ranks x 2 workers
+    job = mixture_job(STREAMS, epochs=1, batch_composition="stratified")
+    then = [job.on(world_size=1), job.on(num_workers=1)]
     seen, segments = check_resume(tmp_path, job, then, checkpoint_every=3)
-    planned = planned_ids(list(STREAMS), PER_EPOCH, SEED, 0, "stratified", job.batch_size)
+    planned = planned_ids(list(STREAMS), PER_EPOCH, SEED, 0, "stratified", job.loading.batch_size)
     assert seen[0] == planned, f"served {sum(seen[0].values())} of {PER_EPOCH} draws"
     weights = weights_of_run(tmp_path, segments)
     expected = np.zeros(158)
@@ -80,12 +84,14 @@ def test_a_stratified_mixture_resumes_on_other_topologies_with_every_batch_at_th
     assert np.array_equal(weights[0], expected), "the weights hold each planned draw once"
     # Every batch trained, in any segment, is (part of) one block of the order; the full ones held
     # each stream at its share within one sample.
-    held_in = planned_blocks(list(STREAMS), PER_EPOCH, SEED, 0, "stratified", job.batch_size)
+    held_in = planned_blocks(list(STREAMS), PER_EPOCH, SEED, 0, "stratified", job.loading.batch_size)
     for s in segments:
         for r in (r for rs in s.records.values() for r in rs):
             assert set.intersection(*(held_in[i] for i in r["ids"])), f"a batch crosses blocks: {r['ids']}"
     stream_of = np.repeat([0, 1, 2], [107, 40, 11])
-    full = [r["ids"] for s in segments for rs in s.records.values() for r in rs if len(r["ids"]) == job.batch_size]
+    full = [
+        r["ids"] for s in segments for rs in s.records.values() for r in rs if len(r["ids"]) == job.loading.batch_size
+    ]
     assert len(full) >= 16, f"only {len(full)} full batches recorded"
     shares = [96 * 8 / 150, 32 * 8 / 150, 22 * 8 / 150]  # 5.12, 1.71, 1.17 samples a batch
     for ids in full:
@@ -109,9 +115,9 @@ def test_a_mixture_changed_on_resume_serves_nothing_consumed_again_and_the_rest_
         {"name": "books", "sizes": [11], "repeat": 2.0},
     )  # 150 an epoch: web 96, code 32, books 22
     after = ({**before[0], "weight": 1}, {**before[1], "weight": 1}, before[2])  # web 64, code 64, books 22
-    job = Job(streams=before, samples_per_epoch=PER_EPOCH, audit=True, count_weights=True, epochs=2, seed=SEED)
-    changed = Job(**{**job.__dict__, "streams": after, "allow_mixture_change": True, "world_size": 1})
-    then = [changed, Job(**{**changed.__dict__, "world_size": 2, "num_workers": 1})]
+    job = mixture_job(before, epochs=2)
+    changed = job.on(world_size=1).but(data=dict(streams=after, allow_mixture_change=True))
+    then = [changed, changed.on(2, 1)]
     seen, segments = check_resume(tmp_path, job, then, checkpoint_every=3)
     assert "the mixture changed in epoch 0" in segments[1].output, segments[1].output[-3000:]
     # What the first segment's checkpoint consumed, and what the two segments after the change served.

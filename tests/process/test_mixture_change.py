@@ -6,14 +6,27 @@ DataLoader workers; exactly-once by the records, the weights and the audit."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_sharding.lightning.audit import audit, format_audit
-from tests.harness import Job, checkpoint_step, kept_records, run_segment, served_per_epoch, weights_of_run
+from tests.harness import (
+    Checks,
+    Data,
+    Faults,
+    Job,
+    Loading,
+    Saves,
+    Topology,
+    Training,
+    checkpoint_step,
+    kept_records,
+    run_segment,
+    served_per_epoch,
+    weights_of_run,
+)
 from tests.jobs.streams_data import planned_ids
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
@@ -26,6 +39,7 @@ STREAMS = (
 PER_EPOCH = 150
 SEED = 1234
 SAMPLES = 218
+CHECKS = Checks(audit=True, count_weights=True)
 
 
 def reweighted(web: int, code: int) -> tuple[dict[str, object], ...]:
@@ -34,15 +48,21 @@ def reweighted(web: int, code: int) -> tuple[dict[str, object], ...]:
 
 def test_a_change_at_an_epoch_boundary_goes_on_with_the_next_epoch_of_the_new_mixture(tmp_path: Path) -> None:
     first = Job(
-        streams=STREAMS, samples_per_epoch=PER_EPOCH, seed=SEED, epochs=1, every_n_epochs=1, audit=True,
-        count_weights=True, world_size=2, num_workers=1,
-    )  # fmt: skip
+        Topology(2, 1),
+        Data(streams=STREAMS, samples_per_epoch=PER_EPOCH),
+        Loading(seed=SEED),
+        Training(epochs=1),
+        Saves(every_n_epochs=1),
+        checks=CHECKS,
+    )
     seg0 = run_segment(tmp_path, "seg0", first)
     (end,) = sorted((tmp_path / "saves").glob("seg0-epoch-end-*.ckpt"))
     # Even shares and a longer epoch: a rest drawn for the finished epoch would be 30 samples.
     after, longer = reweighted(1, 1), PER_EPOCH + 30
-    job = replace(first, streams=after, samples_per_epoch=longer, allow_mixture_change=True, epochs=2)
-    seg1 = run_segment(tmp_path, "seg1", replace(job, every_n_epochs=None, resume_from=str(end)))
+    job = first.but(
+        data=dict(streams=after, samples_per_epoch=longer, allow_mixture_change=True), training=dict(epochs=2)
+    )
+    seg1 = run_segment(tmp_path, "seg1", job.but(saves=Saves(), training=dict(resume_from=str(end))))
     assert "not trained" not in seg1.output, seg1.output[-3000:]
     assert "Lightning goes on with epoch 1, so nothing of epoch 0 is drawn under the new mixture" in seg1.output
     seen = served_per_epoch(kept_records(seg0, None, [0, 1]) + kept_records(seg1, None, [0, 1]))
@@ -68,15 +88,21 @@ def test_a_change_at_an_epoch_boundary_goes_on_with_the_next_epoch_of_the_new_mi
 def test_a_change_retried_from_the_same_checkpoint_under_another_mixture_audits_exactly_once(tmp_path: Path) -> None:
     before, after = tmp_path / "before", tmp_path / "after"
     first = Job(
-        streams=STREAMS, samples_per_epoch=PER_EPOCH, seed=SEED, audit=True, count_weights=True, world_size=2,
-        num_workers=1, checkpoint_every=3, die_at_step=6,
-    )  # fmt: skip
+        Topology(2, 1),
+        Data(streams=STREAMS, samples_per_epoch=PER_EPOCH),
+        Loading(seed=SEED),
+        saves=Saves(checkpoint_every=3),
+        faults=Faults(die_at_step=6),
+        checks=CHECKS,
+    )
     seg0 = run_segment(before, "seg0", first, expect_death=True)
     (ckpt,) = [p for p in seg0.checkpoints if checkpoint_step(p) == 3]
-    changed = replace(first, allow_mixture_change=True, resume_from=str(ckpt), checkpoint_every=None)
+    changed = first.but(data=dict(allow_mixture_change=True), training=dict(resume_from=str(ckpt)), saves=Saves())
     # A change to web 1 : code 1 that dies after 2 steps, then the same checkpoint under web 1 : code 3.
-    seg1 = run_segment(after, "seg1", replace(changed, streams=reweighted(1, 1), die_at_step=5), expect_death=True)
-    seg2 = run_segment(after, "seg2", replace(changed, streams=reweighted(1, 3), die_at_step=None))
+    seg1 = run_segment(
+        after, "seg1", changed.but(data=dict(streams=reweighted(1, 1)), faults=Faults(die_at_step=5)), expect_death=True
+    )
+    seg2 = run_segment(after, "seg2", changed.but(data=dict(streams=reweighted(1, 3)), faults=Faults()))
     for segment in (seg1, seg2):
         assert "the mixture changed in epoch 0" in segment.output, segment.output[-3000:]
     consumed = Counter(i for r in kept_records(seg0, 3, [0, 1]) for i in r["ids"])

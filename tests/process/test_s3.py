@@ -12,7 +12,7 @@ import pytest
 
 from lightning_sharding.readers import TarReader
 from lightning_sharding.recipes.synthetic_files import FORMATS, write_regression
-from tests.harness import Job, assert_exactly_once, check_resume
+from tests.harness import Data, Job, Loading, Topology, Training, assert_exactly_once, check_resume
 from tests.s3 import S3Server
 from tests.unit.test_readers import ids_served, make_reader, serve_epoch
 
@@ -73,10 +73,8 @@ def resume_from_a_bucket_exactly_once(tmp_path: Path, data: dict[str, Any], size
     """A 2-rank x 2-worker job over ``data`` (shards of ``sizes`` samples in a bucket), SIGKILLed
     mid-epoch, resumed on 1 rank x 1 worker: over both epochs every sample is trained on exactly
     once, nothing skipped; with a shard cache, it holds one complete copy a shard, nothing partial."""
-    first = Job(data=data, world_size=2, num_workers=2, batch_size=6, epochs=2)
-    seen, segments = check_resume(
-        tmp_path, first, [Job(data=data, world_size=1, num_workers=1, batch_size=6, epochs=2)], checkpoint_every=4
-    )
+    first = Job(Topology(2, 2), Data(files=data), Loading(batch_size=6), Training(epochs=2))
+    seen, segments = check_resume(tmp_path, first, [first.on(1, 1)], checkpoint_every=4)
     assert_exactly_once(seen, total=sum(sizes), epochs=2)
     report = segments[-1].report
     assert report is not None and [e["consumed"] for e in report["epochs"]] == [sum(sizes)] * 2

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader,
 from lightning_sharding.readers.synthetic import regression_arrays
 from lightning_sharding.strategies._slots import SlotBatch
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import Job, assert_weights_count_once, check_resume, weights_of_run
+from tests.harness import Checks, Job, Loading, Training, assert_weights_count_once, check_resume, weights_of_run
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
@@ -139,10 +138,10 @@ def test_exactly_once_in_the_weights_with_every_batch_through_the_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LIGHTNING_SHARDING_POOL_MIN_BYTES", "0")  # the default; set, in case it changes
-    job = Job(count_weights=True, epochs=2, transport="pool")
-    then = [replace(job, world_size=1), replace(job, num_workers=1)]
+    job = Job(loading=Loading(transport="pool"), training=Training(epochs=2), checks=Checks(count_weights=True))
+    then = [job.on(world_size=1), job.on(num_workers=1)]
     seen, segments_run = check_resume(tmp_path, job, then, checkpoint_every=3)
-    total = sum(job.sizes)
+    total = sum(job.data.sizes)
     for epoch in (0, 1):
         assert seen[epoch] == Counter(range(total)), f"epoch {epoch}"
     assert_weights_count_once(weights_of_run(tmp_path, segments_run), total, epochs=2)

@@ -13,13 +13,18 @@ Lightning's own SLURM auto-requeue handler on a real SIGUSR1, Lightning's OnExce
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.harness import (
+    Checks,
+    Faults,
     Job,
+    Loading,
+    Saves,
+    Topology,
+    Training,
     assert_checkpoint_matches_weights,
     assert_weights_count_once,
     run_segment,
@@ -28,7 +33,7 @@ from tests.harness import (
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
-SIZES = Job().sizes
+SIZES = Job().data.sizes
 TOTAL = sum(SIZES)  # 200 samples: 13 batches of 8 per rank and epoch on 2 ranks (the last one padded)
 
 
@@ -47,8 +52,9 @@ def _check_every_checkpoint(out: Path) -> list[Path]:
 def _resume_each_elsewhere(out: Path, checkpoints: list[Path], job: Job) -> None:
     """Resume from every checkpoint on 1 rank x 0 workers (one process, one Trainer each), training
     to the end: every epoch must add exactly 1 to every weight."""
-    resumed = replace(Job(), count_weights=True, epochs=job.epochs, accumulate=job.accumulate, world_size=1)
-    resumed = replace(resumed, num_workers=0, resume_each=tuple(str(p) for p in checkpoints))
+    each = tuple(str(p) for p in checkpoints)
+    training = Training(epochs=job.training.epochs, accumulate=job.training.accumulate, resume_each=each)
+    resumed = Job(Topology(world_size=1, num_workers=0), training=training, checks=Checks(count_weights=True))
     run_segment(out, "elsewhere", resumed)
     for path in checkpoints:
         epoch, consumed = assert_checkpoint_matches_weights(path, SIZES)
@@ -56,7 +62,7 @@ def _resume_each_elsewhere(out: Path, checkpoints: list[Path], job: Job) -> None
         # epoch resumes into the next one, or first ends the saved epoch (saved at validation end).
         weights = weights_at_epoch_ends(out, f"elsewhere-{path.stem}")
         first = epoch + 1 if consumed == TOTAL and epoch not in weights else epoch
-        assert_weights_count_once(weights, TOTAL, job.epochs, first_epoch=first)
+        assert_weights_count_once(weights, TOTAL, job.training.epochs, first_epoch=first)
 
 
 def test_checkpoints_saved_from_any_hook_hold_what_the_weights_hold(tmp_path: Path) -> None:
@@ -66,19 +72,21 @@ def test_checkpoints_saved_from_any_hook_hold_what_the_weights_hold(tmp_path: Pa
     ModelCheckpoint every 4 steps and every epoch, and ModelCheckpoint at validation end with an
     integer val_check_interval that falls on each epoch's last batch."""
     job = Job(
-        count_weights=True,
-        persistent_workers=True,  # workers (train and validation) start once, not at every epoch
-        epochs=2,
-        saves=(
-            {"name": "user-before", "batches": [3, 20]},
-            {"name": "user-after", "batches": [5], "after": True},
-            {"name": "signal-in-step", "batches": [9], "hook": "signal_in_step"},
-            {"name": "signal-between", "batches": [11], "hook": "signal_between_steps"},
+        loading=Loading(persistent_workers=True),  # workers (train and validation) start once, not at every epoch
+        training=Training(epochs=2),
+        saves=Saves(
+            callbacks=(
+                {"name": "user-before", "batches": [3, 20]},
+                {"name": "user-after", "batches": [5], "after": True},
+                {"name": "signal-in-step", "batches": [9], "hook": "signal_in_step"},
+                {"name": "signal-between", "batches": [11], "hook": "signal_between_steps"},
+            ),
+            module_saves=(7,),
+            checkpoint_every=4,
+            every_n_epochs=1,
+            val_check_interval=13,
         ),
-        module_saves=(7,),
-        checkpoint_every=4,
-        every_n_epochs=1,
-        val_check_interval=13,
+        checks=Checks(count_weights=True),
     )
     run_segment(tmp_path, "seg0", job)
     assert_weights_count_once(weights_at_epoch_ends(tmp_path, "seg0"), TOTAL, epochs=2)
@@ -91,8 +99,8 @@ def test_checkpoints_saved_from_any_hook_hold_what_the_weights_hold(tmp_path: Pa
 
     _resume_each_elsewhere(tmp_path, written, job)
     # The same topology, from the save a callback ahead of ShardingCallback made mid-step.
-    same = replace(job, saves=(), module_saves=(), checkpoint_every=None, every_n_epochs=None, val_check_interval=None)
-    run_segment(tmp_path, "same", replace(same, resume_from=str(tmp_path / "saves" / "user-before-b3.ckpt")))
+    same = job.but(saves=Saves(), training=dict(resume_from=str(tmp_path / "saves" / "user-before-b3.ckpt")))
+    run_segment(tmp_path, "same", same)
     resumed = weights_at_epoch_ends(tmp_path, "same")
     assert_weights_count_once(resumed, TOTAL, epochs=2)
 
@@ -103,17 +111,19 @@ def test_checkpoints_inside_an_accumulation_window_and_on_exception(tmp_path: Pa
     ShardingCallback), at a window's end (6), from the module (8), on SIGUSR1 inside a step (9),
     ModelCheckpoint at every step, and OnExceptionCheckpoint when training_step raises in batch 11."""
     job = Job(
-        count_weights=True,
-        launcher="torchrun",
-        accumulate=3,
-        saves=(
-            {"name": "user-before", "batches": [4, 6]},
-            {"name": "user-after", "batches": [5], "after": True},
-            {"name": "signal-in-step", "batches": [9], "hook": "signal_in_step"},
+        Topology(launcher="torchrun"),
+        training=Training(accumulate=3),
+        saves=Saves(
+            callbacks=(
+                {"name": "user-before", "batches": [4, 6]},
+                {"name": "user-after", "batches": [5], "after": True},
+                {"name": "signal-in-step", "batches": [9], "hook": "signal_in_step"},
+            ),
+            module_saves=(8,),
+            checkpoint_every=1,
         ),
-        module_saves=(8,),
-        checkpoint_every=1,
-        raise_in_step_at_batch=11,
+        faults=Faults(raise_in_step_at_batch=11),
+        checks=Checks(count_weights=True),
     )
     died = run_segment(tmp_path, "seg0", job, expect_death=True)
     assert "deliberate failure in training_step of batch 11" in died.output
@@ -129,6 +139,8 @@ def test_checkpoints_inside_an_accumulation_window_and_on_exception(tmp_path: Pa
     assert assert_checkpoint_matches_weights(tmp_path / "saves" / "seg0-on-exception.ckpt", SIZES) == (0, 144)
 
     _resume_each_elsewhere(tmp_path, written, job)
-    same = replace(job, saves=(), module_saves=(), checkpoint_every=None, raise_in_step_at_batch=None)
-    run_segment(tmp_path, "same", replace(same, resume_from=str(tmp_path / "saves" / "seg0-on-exception.ckpt")))
+    same = job.but(
+        saves=Saves(), faults=Faults(), training=dict(resume_from=str(tmp_path / "saves" / "seg0-on-exception.ckpt"))
+    )
+    run_segment(tmp_path, "same", same)
     assert_weights_count_once(weights_at_epoch_ends(tmp_path, "same"), TOTAL, epochs=1)
