@@ -15,7 +15,14 @@ import torch
 from lightning_sharding import ShardedDataModule, SyntheticReader
 from lightning_sharding.lightning.audit import audit
 from lightning_sharding.train import Regressor
-from tests.harness import Checks, Job, assert_exactly_once, check_resume, cpu_trainer
+from tests.harness import (
+    FIRST_2X2,
+    assert_exactly_once,
+    assert_weights_count_once,
+    check_resume,
+    cpu_trainer,
+    weights_of_run,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -89,18 +96,21 @@ def test_audit_of_a_missing_directory_names_it(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_audit_of_a_killed_and_resumed_ddp_run_is_exactly_once(tmp_path: Path) -> None:
+def test_audit_of_a_killed_and_resumed_ddp_run_is_exactly_once(tmp_path: Path, trained_2x2: Path) -> None:
     """2 ranks x 2 workers, SIGKILL after a checkpoint, resume on 1 rank x 2 workers. The audit of
-    both segments agrees with the harness's own records: steps after the checkpoint are cut."""
-    job = Job(checks=Checks(audit=True))
-    seen, segments = check_resume(tmp_path, job, [job.on(world_size=1)], checkpoint_every=3)
-    assert_exactly_once(seen, sum(job.data.sizes), epochs=1)
+    both segments agrees with the harness's own records: steps after the checkpoint are cut. The
+    2x2 segment is the session's shared one (tests/process/conftest.py), resumed from a copy."""
+    total = sum(FIRST_2X2.data.sizes)
+    then = FIRST_2X2.on(world_size=1)
+    seen, segments = check_resume(tmp_path, FIRST_2X2, [then], checkpoint_every=3, trained=trained_2x2)
+    assert_exactly_once(seen, total, epochs=1)
+    assert_weights_count_once(weights_of_run(tmp_path, segments), total, epochs=1)
     killed_steps = max(r["gs"] for r in segments[0].records[0])
     assert killed_steps > 3, "the killed segment trained past its checkpoint"
     proc = cli("audit", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = audit([tmp_path])
-    assert (row.consumed, row.duplicates, row.missing) == (sum(job.data.sizes), 0, 0)
+    assert (row.consumed, row.duplicates, row.missing) == (total, 0, 0)
 
 
 class SlowReader(SyntheticReader):

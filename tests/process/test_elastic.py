@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_sharding.lightning.audit import audit
 from tests.harness import (
+    FIRST_2X2,
     Checks,
     Job,
     Topology,
@@ -59,13 +61,15 @@ def test_mid_epoch_resume_on_another_topology(tmp_path: Path, before: tuple[int,
     assert final is not None and final["epochs"][0]["consumed"] == TOTAL
 
 
-def test_several_resumes_in_one_epoch_each_on_another_topology(tmp_path: Path) -> None:
-    """2x2 -> 1x2 -> 2x0 inside epoch 0; the ledger stays a handful of ranges."""
-    topologies = [(2, 2), (1, 2), (2, 0)]
-    jobs = [Job(Topology(w, n), checks=Checks(count_weights=True)) for w, n in topologies]
-    seen, segments = check_resume(tmp_path, jobs[0], jobs[1:], checkpoint_every=3)
+def test_several_resumes_in_one_epoch_each_on_another_topology(tmp_path: Path, trained_2x2: Path) -> None:
+    """2x2 -> 1x2 -> 2x0 inside epoch 0; the ledger stays a handful of ranges. The 2x2 segment is
+    the session's shared one (tests/process/conftest.py), resumed from a copy."""
+    then = [FIRST_2X2.on(1, 2), FIRST_2X2.on(2, 0)]
+    seen, segments = check_resume(tmp_path, FIRST_2X2, then, checkpoint_every=3, trained=trained_2x2)
     assert_exactly_once(seen, TOTAL, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
+    (row,) = audit([tmp_path])  # the audit trail of the three segments agrees
+    assert (row.consumed, row.duplicates, row.missing, row.complete) == (TOTAL, 0, 0, True)
     resumed_from = segments[1].checkpoints[0]
     state = torch.load(resumed_from, weights_only=True)["lightning_sharding"]
     ranges = state["consumed"].shape[0]
@@ -85,11 +89,11 @@ def test_a_checkpoint_at_an_epoch_end_resumes_into_a_fresh_epoch(tmp_path: Path)
     assert all(r["epoch"] == 1 for recs in segments[1].records.values() for r in recs)
 
 
-def test_torchrun_two_nodes_on_one_machine_resumes_a_ddp_spawn_checkpoint(tmp_path: Path) -> None:
-    """Two `torchrun --nnodes=2 --node_rank={0,1}` launches with a rendezvous on 127.0.0.1."""
-    first = Job(Topology(2, 2), checks=Checks(count_weights=True))
-    then = first.on(2, 1, launcher="torchrun", num_nodes=2)
-    seen, segments = check_resume(tmp_path, first, [then], checkpoint_every=3)
+def test_torchrun_two_nodes_on_one_machine_resumes_a_ddp_spawn_checkpoint(tmp_path: Path, trained_2x2: Path) -> None:
+    """Two `torchrun --nnodes=2 --node_rank={0,1}` launches with a rendezvous on 127.0.0.1, resuming
+    (a copy of) the session's shared 2x2 ddp_spawn segment (tests/process/conftest.py)."""
+    then = FIRST_2X2.on(2, 1, launcher="torchrun", num_nodes=2)
+    seen, segments = check_resume(tmp_path, FIRST_2X2, [then], checkpoint_every=3, trained=trained_2x2)
     assert_exactly_once(seen, TOTAL, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
     assert "ranks: rank 0 = node 0 local 0 | rank 1 = node 1 local 0" in segments[-1].output

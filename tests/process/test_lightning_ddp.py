@@ -8,16 +8,19 @@ import pytest
 import torch
 
 from tests.harness import (
+    FIRST_2X2,
+    FIRST_2X2_EVERY,
     Data,
     Job,
     Loading,
-    Saves,
     Topology,
     Training,
     assert_exactly_once,
     check_resume,
     checkpoint_step,
+    first_segment,
     kept_records,
+    load_segment,
     run_segment,
     served_per_epoch,
 )
@@ -81,10 +84,10 @@ def test_uneven_sample_count_reports_padding_or_drop(
     assert f"{33 - dropped:>9} {padding:>7} {dropped:>7}" in segment.output  # the printed summary
 
 
-def test_checkpoint_loads_with_weights_only_and_holds_the_gathered_ledger(tmp_path: Path) -> None:
-    """Lightning writes only rank 0's file: it must still hold both ranks' consumed samples."""
-    job = Job(Topology(num_workers=1), saves=Saves(checkpoint_every=3))
-    segment = run_segment(tmp_path, "run", job)
+def test_checkpoint_loads_with_weights_only_and_holds_the_gathered_ledger(trained_2x2: Path) -> None:
+    """Lightning writes only rank 0's file: it must still hold both ranks' consumed samples. The
+    checkpoint is the step-3 one of the session's shared 2 ranks x 2 workers segment (tests/process/conftest.py)."""
+    segment = load_segment(trained_2x2, "seg0", first_segment(FIRST_2X2, checkpoint_every=FIRST_2X2_EVERY))
     first = next(p for p in segment.checkpoints if checkpoint_step(p) == 3)
     ckpt = torch.load(first, weights_only=True)
     state = ckpt["lightning_sharding"]
