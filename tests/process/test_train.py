@@ -165,27 +165,34 @@ def _consumed(stdout: str, samples: int) -> list[int]:
 
 @pytest.mark.processes
 def test_the_tokens_recipe_under_torchrun_on_two_ranks(tmp_path: Path) -> None:
+    """The train entry under `torchrun --nproc_per_node=2` (trainer=ddp_cpu: devices 2, strategy ddp),
+    with 1 spawned worker a rank (this launch also stands for the plain train entry under torchrun that
+    tests/process/test_elastic.py started with the synthetic data)."""
     overrides, total = TINY["tokens"]
     env = _env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={env['MASTER_PORT']}"]
-    cmd += ["-m", "lightning_sharding.train", "recipe=tokens", "trainer=ddp_cpu", *overrides, "data.num_workers=0"]
+    cmd += ["-m", "lightning_sharding.train", "recipe=tokens", "trainer=ddp_cpu", *overrides]
+    cmd += ["data.num_workers=1", "data.multiprocessing_context=spawn"]
     cmd += [f"out_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", *QUIET]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "world 2 rank(s) x 0 worker(s)" in proc.stdout
+    assert "world 2 rank(s) x 1 worker(s)" in proc.stdout
     assert "rank 0 = node 0 local 0 | rank 1 = node 0 local 1" in proc.stdout
     assert _consumed(proc.stdout, total) == [total]
 
 
 @pytest.mark.processes
 def test_a_config_dir_of_your_own_under_lightnings_launcher(tmp_path: Path) -> None:
-    """recipes/ddp_cpu.yaml: 2 DDP ranks started by Lightning's own launcher (1 worker each, for time)."""
+    """recipes/ddp_cpu.yaml: 2 DDP ranks started by Lightning's own launcher (1 worker each, for time).
+    This launch also stands for the train entry with trainer.devices=2 trainer.strategy=ddp under
+    Lightning's launcher (what ddp_cpu sets), which tests/process/test_elastic.py started on its own."""
     cmd = [sys.executable, "-m", "lightning_sharding.train", "--config-dir", str(ROOT / "recipes")]
     cmd += ["--config-name", "ddp_cpu", "data.num_items=2", "data.samples_per_item=64", "trainer.max_epochs=1"]
     cmd += ["data.num_workers=1", "data.multiprocessing_context=spawn", f"out_dir={tmp_path}", *QUIET]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "world 2 rank(s) x 1 worker(s)" in proc.stdout
+    assert "rank 0 = node 0 local 0 | rank 1 = node 0 local 1" in proc.stdout
     assert _consumed(proc.stdout, 128) == [128]
 
 
