@@ -158,12 +158,14 @@ class SampleContext:
 
     ``sample_seed`` depends only on ``(seed, epoch, position)``, so a sample's augmentation is
     bit-identical whatever rank or worker produced it, also after a resume on another topology.
+    ``stream`` names the stream of a mixture the sample came from (``None`` outside a mixture).
     """
 
     shard: ShardContext
     position: int
     item: int
     index: int
+    stream: str | None = None
 
     @property
     def sample_seed(self) -> int:
@@ -174,11 +176,14 @@ class SampleContext:
 @dataclass(frozen=True)
 class BatchContext:
     """What a ``batch_transform`` gets: the shard context and the batch's epoch ``positions``, shape
-    ``(n,)``, one per row (the last ``num_padding`` rows are padding, flagged later)."""
+    ``(n,)``, one per row (the last ``num_padding`` rows are padding, flagged later). In a mixture,
+    ``streams`` (int64, shape ``(n,)``) is each row's stream, an index into ``stream_names``."""
 
     shard: ShardContext
     positions: npt.NDArray[np.int64]
     num_padding: int
+    streams: npt.NDArray[np.int64] | None = None
+    stream_names: tuple[str, ...] = ()
 
     @property
     def sample_seeds(self) -> npt.NDArray[np.uint64]:

@@ -30,6 +30,7 @@ from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.shared_index import collective
 from lightning_sharding.readers.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
+from lightning_sharding.strategies._shared_memory import sweep_dead
 from lightning_sharding.strategies.base import strategies_where
 from lightning_sharding.strategies.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
 
@@ -201,6 +202,9 @@ class ShardedDataModule(pl.LightningDataModule):
             self.world = World.from_trainer(self.trainer, self.data_parallel)
         if stage != "fit":
             return
+        # What a run killed by SIGKILL left in /dev/shm (batch slots, shared arrays) goes at every fit,
+        # with or without workers: a pool sweeps only when it is made, and a resume may make none.
+        sweep_dead()
         data = self.source if self.source is not None else self.make_reader()
         self.strategy.check(self.options, data, owner=type(self).__name__)
         self._train_data = data

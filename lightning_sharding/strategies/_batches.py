@@ -14,6 +14,7 @@ from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
+from lightning_sharding.mixture import mixture_of
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import is_transient
 from lightning_sharding.strategies._delivery import NO_POSITIONS, Delivery
@@ -21,6 +22,9 @@ from lightning_sharding.strategies._samples import Failed, SampleError, differen
 from lightning_sharding.strategies._slots import SlotStates, WorkerSlots
 from lightning_sharding.strategies._worker import WorkerContexts
 from lightning_sharding.strategies.options import LoaderOptions
+
+# The key of a mixture batch's stream rows (dict batches).
+STREAM_KEY = "stream"
 
 
 class PlannedBatches(Dataset[Delivery]):
@@ -53,6 +57,15 @@ class PlannedBatches(Dataset[Delivery]):
         self._slots: WorkerSlots | None = None
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
         self._order: Order | None = None
+        # A mixture's stream of each item (stream after stream), for SampleContext.stream and the
+        # batch's "stream" rows; None outside a mixture.
+        mixture = mixture_of(self.manifest)
+        self.stream_names: tuple[str, ...] = mixture.names if mixture is not None else ()
+        self._stream_of_item = (
+            np.repeat(np.arange(len(mixture.names), dtype=np.int64), mixture.stream_items)
+            if mixture is not None
+            else None
+        )
         # Columns straight into the batch when nothing per sample runs: no transform, default collate.
         self.columnar = reader.columnar and self.transform is None and self.collate_fn is default_collate
 
@@ -96,10 +109,11 @@ class PlannedBatches(Dataset[Delivery]):
             samples.extend(self._read_run(self.items[int(item_ids[lo])], indices[lo:hi], task.positions[lo:hi], ctx))
         if self.transform is not None:
             transform = self._transform  # the per-sample loop is the hot path: plain ints, no lookups
+            names = self._stream_names_of(item_ids)
             samples = [
-                transform(s, SampleContext(ctx, p, i, j))
-                for s, p, i, j in zip(
-                    samples, task.positions.tolist(), item_ids.tolist(), indices.tolist(), strict=True
+                transform(s, SampleContext(ctx, p, i, j, n))
+                for s, p, i, j, n in zip(
+                    samples, task.positions.tolist(), item_ids.tolist(), indices.tolist(), names, strict=True
                 )
             ]
         while True:  # each pass marks at least one more misfit as failed, or raises
@@ -223,21 +237,45 @@ class PlannedBatches(Dataset[Delivery]):
     def _deliver(
         self, batch: Any, task: BatchTask, positions: Any, num_padding: int, ctx: ShardContext, skipped: Any = None
     ) -> Delivery:
-        """The batch, through ``batch_transform`` when there is one, with its provenance."""
+        """The batch, through ``batch_transform`` when there is one, with its provenance; in a mixture
+        a dict batch gets each row's stream (int64, an index into :attr:`stream_names`) as ``"stream"``."""
+        streams = self._streams_of(task, positions)
         if self.batch_transform is not None:
-            batch = self._run_batch_transform(batch, task, positions, num_padding, ctx)
+            batch = self._run_batch_transform(batch, task, positions, num_padding, ctx, streams)
+        if streams is not None and isinstance(batch, dict) and STREAM_KEY not in batch:
+            batch = {**batch, STREAM_KEY: torch.from_numpy(streams)}
         skipped = NO_POSITIONS if skipped is None else skipped
         return Delivery(batch, task.epoch, positions, num_padding, skipped, stats=self.reader.take_stats())
 
+    def _stream_names_of(self, item_ids: npt.NDArray[np.int64]) -> list[str | None]:
+        """The stream name of each item of ``item_ids`` (``None`` each outside a mixture)."""
+        if self._stream_of_item is None:
+            return [None] * len(item_ids)
+        names = self.stream_names
+        return [names[s] for s in self._stream_of_item[item_ids].tolist()]
+
+    def _streams_of(self, task: BatchTask, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | None:
+        """Each row's stream (``None`` outside a mixture), from the epoch order's items of ``positions``."""
+        if self._stream_of_item is None:
+            return None
+        items, _ = self._epoch_order(task.epoch).locate(positions)
+        return self._stream_of_item[items]
+
     def _run_batch_transform(
-        self, batch: Any, task: BatchTask, positions: Any, num_padding: int, ctx: ShardContext
+        self,
+        batch: Any,
+        task: BatchTask,
+        positions: Any,
+        num_padding: int,
+        ctx: ShardContext,
+        streams: npt.NDArray[np.int64] | None = None,
     ) -> Any:
         """``batch_transform`` on the batch; a failure or a changed number of rows names the batch (a
         batch-level failure has no one sample to skip, so it is never skipped)."""
         assert self.batch_transform is not None
         where = f"batch {task.index} (epoch {task.epoch}, rank {ctx.rank}, worker {ctx.worker_id})"
         try:
-            out = self.batch_transform(batch, BatchContext(ctx, positions, num_padding))
+            out = self.batch_transform(batch, BatchContext(ctx, positions, num_padding, streams, self.stream_names))
         except Exception as err:
             raise SampleError(f"batch_transform failed on {where}: {type(err).__name__}: {err}") from err
         leaves = out.values() if isinstance(out, dict) else [out]

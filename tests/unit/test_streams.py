@@ -223,3 +223,61 @@ def test_the_mixture_config_names_a_bad_stream(tmp_path: Path, capsys: pytest.Ca
     fixed = ["data.streams.1.weight=null", "+data.streams.1.choose=5"]
     assert main(["plan", *overrides, *fixed]) == 0, capsys.readouterr().err
     assert "code: choose=5, 5 draws an epoch" in capsys.readouterr().out
+
+
+class Marked(SyntheticReader):
+    """Synthetic samples that carry their stream's number in ``"mark"`` (not the loader's ``"stream"``)."""
+
+    def __init__(self, mark: int, sizes: list[int]) -> None:
+        super().__init__(sizes=sizes)
+        self.mark = mark
+
+    def read_batch(self, item: Any, indices: Any, ctx: Any) -> list[Any]:
+        return [{**s, "mark": self.mark} for s in super().read_batch(item, indices, ctx)]
+
+
+@pytest.mark.parametrize("composition", ["mixed", "stratified"])
+def test_every_sample_knows_its_stream_in_its_context_and_its_batch(composition: str) -> None:
+    from lightning_sharding import Ledger, World
+    from lightning_sharding.strategies import get_strategy
+    from lightning_sharding.strategies.options import LoaderOptions
+
+    names = ("web", "code", "books")
+    streams = [Stream(n, Marked(k, [11, 7, 5][k : k + 1] * 2), weight=k + 1) for k, n in enumerate(names)]
+    reader = MixtureReader(streams, 60, composition=composition, batch_size=None if composition == "mixed" else 6)
+    told: list[tuple[int, str | None]] = []
+    rows: list[tuple[int, int]] = []
+
+    def transform(sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        told.append((int(sample["mark"]), ctx.stream))
+        return sample
+
+    def batch_transform(batch: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        assert ctx.stream_names == names
+        rows.extend(zip(batch["mark"].tolist(), ctx.streams.tolist(), strict=True))
+        return batch
+
+    options = LoaderOptions(batch_size=6, transform=transform, batch_transform=batch_transform)
+    manifest = reader.manifest(6)
+    ledger = Ledger(seed=1, total=manifest.total, manifest=manifest.summary())
+    loader = get_strategy("shard").build(reader, manifest, ledger, World(), options, track=True)
+    per_stream: Counter[str] = Counter()
+    for batch in loader:
+        loader.pop_delivered()
+        assert batch["stream"].dtype == torch.int64
+        assert batch["stream"].tolist() == batch["mark"].tolist()
+        real = ~batch["is_padding"]
+        per_stream.update(names[s] for s in batch["stream"][real].tolist())  # a per-stream count, as a loss would
+    loader.close()
+    assert told and all(names[mark] == stream for mark, stream in told)
+    assert rows and all(mark == stream for mark, stream in rows)
+    draws = dict(zip(names, mixture_draws(manifest), strict=True))
+    assert per_stream == Counter(draws)
+
+
+def mixture_draws(manifest: Any) -> tuple[int, ...]:
+    from lightning_sharding.mixture import mixture_of
+
+    mixture = mixture_of(manifest)
+    assert mixture is not None
+    return mixture.draws
