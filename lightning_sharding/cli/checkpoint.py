@@ -24,6 +24,15 @@ def register(sub: Any) -> None:
     )
     inspect.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by Lightning")
     inspect.add_argument("--plot", metavar="FILE.png", help="also draw the epoch's progress into this image")
+    inspect.add_argument(
+        "--data",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="also compare the checkpoint with the data it would resume on: the train config's data, with these "
+        "Hydra overrides (e.g. --data data=files 'data.urls=[/scratch/ds/*.npy]'), and print every difference",
+    )
+    inspect.add_argument("--config-dir", help="a directory of your own train configs (default: the packaged ones)")
+    inspect.add_argument("--config-name", default="train", help="the config to compose (default: train)")
     inspect.set_defaults(func=_inspect)
 
 
@@ -136,6 +145,8 @@ def _inspect(args: argparse.Namespace) -> int:
     except (CheckpointMismatchError, ValueError) as err:
         raise CliError(f"{path}: {err}") from None
     print(report)
+    if args.data is not None:
+        print(compare_with_data(ckpt[CHECKPOINT_KEY], args.data, args.config_dir, args.config_name))
     if plot is not None:
         import lightning_sharding.cli.plots as plots
 
@@ -143,3 +154,28 @@ def _inspect(args: argparse.Namespace) -> int:
         _draw(plots.plot_progress, plot, ledger.consumed, ledger.total, ledger.epoch)
         print(f"plot written to {plot}")
     return 0
+
+
+def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir: str | None, config_name: str) -> str:
+    """What resuming the checkpoint's ledger ``state`` on the config's data would find: the same data
+    (moved or not), a 0.1 checkpoint that matches by path, or every difference, item by item."""
+    from lightning_sharding.cli.plan import _compose, _manifest
+    from lightning_sharding.core.identity import item_changes
+    from lightning_sharding.core.ledger import Ledger
+
+    restored = Ledger.from_state_dict(state)
+    batch_size = (state.get("writer") or {}).get("batch_size")
+    manifest = _manifest(_compose(overrides, config_dir, config_name), batch_size)
+    saved = restored.manifest
+    where = f"data         {_plural(len(manifest.items), 'item')} at {manifest.root or manifest.items[0].key}"
+    if restored.fingerprint == manifest.fingerprint:
+        old = saved.get("root", "")
+        moved = f"; it moved from {old}" if old and manifest.root and old != manifest.root else ""
+        return f"{where}\nsame data    the same items, sample counts and contents{moved}: it resumes"
+    if restored.fingerprint == manifest.fingerprint_by_path():
+        return f"{where}\nsame data    (a 0.1 checkpoint: the same paths and fingerprints): it resumes"
+    items = state.get("items")
+    changes = item_changes(items, manifest.items, shown=None) if items is not None else []
+    changes += [c for c in manifest.explain_mismatch(saved).split("; ") if "stream" in c or not items]
+    lines = [where, f"other data   it would not resume ({_plural(len(changes), 'difference')}):"]
+    return "\n".join(lines + [f"  - {c}" for c in changes])

@@ -48,10 +48,10 @@ def item_table(items: Sequence[Any]) -> dict[str, npt.NDArray[Any]]:
     }
 
 
-def item_changes(saved: Mapping[str, Any], items: Sequence[Any]) -> list[str]:
+def item_changes(saved: Mapping[str, Any], items: Sequence[Any], shown: int | None = SHOWN) -> list[str]:
     """What changed between a checkpoint's :func:`item_table` and ``items``, one phrase per item
-    (at most :data:`SHOWN`, then a count): a changed content (size, or the same size with other
-    bytes) or sample count, an item added or gone."""
+    (at most ``shown``, then a count; ``None``: all): a changed content (size, or the same size
+    with other bytes) or sample count, an item added or gone."""
     now = item_table(items)
     old = {key: np.asarray(saved[key]).tolist() for key in ("name", "content", "size", "count")}
     old_rows = {int(h): i for i, h in enumerate(old["name"])}
@@ -76,8 +76,8 @@ def item_changes(saved: Mapping[str, Any], items: Sequence[Any]) -> list[str]:
     gone = len(old_rows) - len(seen)
     if gone:
         found.append(f"{gone} item(s) of the checkpoint's data are gone")
-    if len(found) > SHOWN:
-        found = [*found[:SHOWN], f"and {len(found) - SHOWN} more"]
+    if shown is not None and len(found) > shown:
+        found = [*found[:shown], f"and {len(found) - shown} more"]
     return found
 
 

@@ -120,3 +120,35 @@ def test_a_checkpoint_of_0_1_resumes_on_the_same_paths_and_on_moved_ones_with_a_
 def test_moved_prefixes_cut_at_a_path_part() -> None:
     assert moved_prefixes("/lustre/ds/f0.npy", "/scratch/u/ds/f0.npy") == ("/lustre/", "/scratch/u/")
     assert moved_prefixes("s3://a/x/f.tar", "s3://b/x/f.tar") == ("s3://a/", "s3://b/")
+
+
+def test_inspect_compares_a_checkpoint_with_the_data_it_would_resume_on(
+    data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from lightning_sharding.cli import main
+
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"lightning_sharding": checkpoint(manifest_of(data, tmp_path)), "global_step": 2}, ckpt)
+
+    def inspect(directory: Path) -> str:
+        overrides = ["data=files", "data.format=npy", f"data.urls=[{directory}/*.npy]", cache]
+        assert main(["inspect", str(ckpt), "--data", *overrides]) == 0
+        return capsys.readouterr().out
+
+    shutil.copytree(data, tmp_path / "copy", copy_function=shutil.copy)
+    assert f"the same items, sample counts and contents; it moved from {data}/: it resumes" in inspect(
+        tmp_path / "copy"
+    )
+    names = sorted(os.listdir(data))
+    write_regression(str(tmp_path / "longer"), "npy", [SIZES[0] + 1])
+    shutil.copy(tmp_path / "longer" / os.listdir(tmp_path / "longer")[0], tmp_path / "copy" / names[0])  # a row more
+    raw = bytearray((tmp_path / "copy" / names[3]).read_bytes())
+    raw[-1] ^= 1
+    (tmp_path / "copy" / names[3]).write_bytes(bytes(raw))
+    out = inspect(tmp_path / "copy")
+    assert "it would not resume (2 differences)" in out
+    assert f"'{names[3]}' changed: same size, other content (its digest differs)" in out
+    assert f"'{names[0]}' changed: its size was " in out
