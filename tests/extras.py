@@ -26,6 +26,7 @@ EXTRA_OF = {
     "gcp_storage_emulator": "dev",
     "moto": "dev",
     "boto3": "dev",
+    "jsonargparse": "dev",
 }
 STRICT_ENV = "LSH_REQUIRE_EXTRAS"
 
