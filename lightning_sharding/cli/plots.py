@@ -92,7 +92,8 @@ def _stream_band(ax: Axes, order: MixtureOrder) -> None:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    total, count = order.total, len(order.names)
+    total = order.total
+    count = len(order.names)
     xs = np.unique(np.linspace(0, total - 1, num=min(total, 4000)).astype(np.int64))
     streams, _ = order.streams(xs)
     palette = colormaps["Set2" if count <= 8 else "tab20b"]  # not the ranks' colours above

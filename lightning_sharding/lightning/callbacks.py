@@ -53,11 +53,13 @@ class ShardingCallback(pl.Callback):
         self._step_hooks: list[Any] = []
         self._unreported: list[Provenance] = []
         self._epoch_start = 0.0
-        self._served = self._skipped = 0
+        self._served = 0
+        self._skipped = 0
         self._interleave: Any = None  # the epoch's order of a mixture: streams(positions)
         self._stream_served = np.zeros(0, dtype=np.int64)
         self._consumed_at_start = 0
-        self._batch_start = self._batch_end = 0.0
+        self._batch_start = 0.0
+        self._batch_end = 0.0
         self._wait = self._busy = 0.0
         self._audit: AuditWriter | None = None
         self.worlds: list[World] = []
@@ -100,7 +102,8 @@ class ShardingCallback(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         keeper = self._keeper(trainer)
         self._epoch_start = time.perf_counter()
-        self._served = self._skipped = 0
+        self._served = 0
+        self._skipped = 0
         mixture = mixture_of(keeper.manifest)
         ledger = keeper.ledger  # a mixture's order tells each position's stream (also after a change)
         self._interleave = keeper.manifest.order(ledger.seed, ledger.epoch) if mixture else None
@@ -140,7 +143,8 @@ class ShardingCallback(pl.Callback):
 
     def _show_total(self, trainer: pl.Trainer) -> None:
         """The progress bar's total: batches of this epoch before a resume plus those planned since."""
-        loader, before = self._keeper(trainer).train_loader, self._accounting.batches_before
+        loader = self._keeper(trainer).train_loader
+        before = self._accounting.batches_before
         plan = loader.epoch_plan if loader is not None else None
         if plan is not None and before is not None:  # None: a source of unknown length (even_batches="sync")
             show_train_total(trainer.progress_bar_callback, before + plan.num_batches)

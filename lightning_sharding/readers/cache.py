@@ -28,7 +28,8 @@ import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-_PART, _LOCK = ".part-", ".lock"
+_PART = ".part-"  # in the hidden name of a download under way: .<name>.part-<host>-<pid>-<random>
+_LOCK = ".lock"  # the end of a copy's fetch lock: .<name>.lock
 
 
 def resolve_limit(limit: int | float, directory: Path) -> int:
@@ -63,7 +64,8 @@ class ShardCache:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.limit = resolve_limit(limit, self.directory)
-        self.hits = self.fetches = 0
+        self.hits = 0
+        self.fetches = 0
         self._over = self.directory / ".over-budget"  # there while copies in use keep it over budget
         self._host = socket.gethostname()
         self.sweep()
@@ -108,7 +110,8 @@ class ShardCache:
         if size > self.limit:
             yield None
             return
-        path, fetched = self.path(url, fingerprint), False
+        path = self.path(url, fingerprint)
+        fetched = False
         while True:
             try:
                 fd = os.open(path, os.O_RDONLY)

@@ -81,9 +81,12 @@ class Progress:
     """Prints progress to stderr when indexing takes longer than a few seconds."""
 
     def __init__(self, what: str, total: int, every: float = 5.0) -> None:
-        self.what, self.total, self.every = what, total, every
+        self.what = what
+        self.total = total
+        self.every = every
         self.count = 0
-        self.start = self.last = time.monotonic()
+        self.start = time.monotonic()
+        self.last = self.start  # when progress was last printed
         self._lock = threading.Lock()
 
     def step(self) -> None:

@@ -49,7 +49,9 @@ class JsonlReader(FileReader):
         """Find every non-blank line, streaming the file in chunks."""
         fs, path = filesystem(info.url, self.storage_options)
         starts, ends, lines = [], [], []
-        offset, line_no, carry = 0, 0, b""
+        offset = 0  # where the bytes being scanned start in the file
+        line_no = 0  # lines found so far
+        carry = b""  # the last, unfinished line of what was read so far
         with fs.open(path, "rb") as f:
             while True:
                 chunk = f.read(_CHUNK)

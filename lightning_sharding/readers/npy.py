@@ -41,7 +41,8 @@ class NpyReader(FileReader):
         super().__init__(urls, **options)
         if sample_length is not None and sample_length < 1:
             raise ValueError(f"`NpyReader(sample_length={sample_length})` must be positive")
-        self.sample_length, self.key = sample_length, key
+        self.sample_length = sample_length
+        self.key = key
         self._maps: OrderedDict[str, np.ndarray[Any, Any]] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:

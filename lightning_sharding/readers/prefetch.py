@@ -68,7 +68,8 @@ class Prefetcher:
     whose ``key`` is being fetched already is not fetched again by another thread."""
 
     def __init__(self, fetch: Callable[[Item], None], threads: int, key: Callable[[Item], str]) -> None:
-        self._fetch, self._key = fetch, key
+        self._fetch = fetch
+        self._key = key
         self._wanted: list[Item] = []
         self._busy: set[str] = set()
         self._wish = threading.Condition()

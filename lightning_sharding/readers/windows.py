@@ -44,7 +44,9 @@ class WindowedReader(Reader):
             raise ValueError(f"`{name}(window={window!r})` must be a positive number of steps")
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
             raise ValueError(f"`{name}(stride={stride!r})` must be a positive number of steps")
-        self.window, self.stride, self.halo = window, stride, bool(halo)
+        self.window = window
+        self.stride = stride
+        self.halo = bool(halo)
         self._lengths: Int64Array | None = None
         self._keys: tuple[str, ...] = ()
 

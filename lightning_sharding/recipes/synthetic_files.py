@@ -89,7 +89,8 @@ def write_regression(
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
     fs, base = filesystem(directory, storage_options)
     fs.makedirs(base, exist_ok=True)
-    urls, first = [], 0
+    urls = []
+    first = 0  # the first id of the next file
     for n, size in enumerate(sizes):
         ids = np.arange(first, first + size, dtype=np.int64)
         x, y = regression_arrays(ids, dim)

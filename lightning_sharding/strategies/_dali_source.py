@@ -63,7 +63,10 @@ class ShardedSource:
     """
 
     def __init__(self, batches: PlannedBatches, source: int, plan: SourcePlan, fields: tuple[Field, ...]) -> None:
-        self.batches, self.source, self.plan, self.fields = batches, source, plan, fields
+        self.batches = batches
+        self.source = source
+        self.plan = plan
+        self.fields = fields
         self._epochs = 0
 
     def __iter__(self) -> Iterator[tuple[list[npt.NDArray[Any]], ...]]:
@@ -127,7 +130,8 @@ def sharded_sources(sources: Sequence[ShardedSource], *, parallel: bool) -> tupl
     Returns ``(fields, provenance)``: a DataNode per field (named as in :func:`sample_arrays`) and the
     provenance DataNode (int64, shape ``(4,)`` per sample).
     """
-    fn, types = require_dali("nvidia.dali.fn"), require_dali("nvidia.dali.types")
+    fn = require_dali("nvidia.dali.fn")
+    types = require_dali("nvidia.dali.types")
 
     slots = _expand(sources[0].fields)
     dtypes = [types.INT32 if f is None else types.to_dali_type(np.dtype(f.dtype)) for f in slots] + [types.INT64]

@@ -81,7 +81,8 @@ class DeliveredLog:
     """Provenance of the batches handed to training whose steps are not accounted yet, oldest first."""
 
     def __init__(self, *, padding_key: str | None, track: bool) -> None:
-        self.padding_key, self.track = padding_key, track
+        self.padding_key = padding_key
+        self.track = track
         self._queue: deque[Provenance] = deque()
         self._stats: Counter[str] = Counter()  # the readers' counters since take_metrics()
 
@@ -113,7 +114,9 @@ class DeliveredLog:
         """The readers' figures since the last call, as logger metrics: ``data/cache_hit`` (the
         share of file reads whose local copy was there) and ``data/prefetch_wait`` (seconds the
         workers waited for files to arrive, summed); empty when no reader counts them."""
-        hits, misses, waited = self._stats["cache_hits"], self._stats["cache_misses"], self._stats["fetch_wait_s"]
+        hits = self._stats["cache_hits"]
+        misses = self._stats["cache_misses"]
+        waited = self._stats["fetch_wait_s"]
         self._stats.clear()
         if hits + misses == 0:
             return {}

@@ -82,7 +82,8 @@ class _PositionReader:
     """Reads increasing positions of a source, seeking (reopening) over gaps when it can."""
 
     def __init__(self, source: Source, ctx: ShardContext) -> None:
-        self.source, self.ctx = source, ctx
+        self.source = source
+        self.ctx = ctx
         self._it: Iterator[Any] | None = None
         self._next = 0
 
@@ -137,10 +138,14 @@ def _deal_planned(source: Source, spec: Spec, plan: RankPlan) -> Iterator[Chunk]
 
 def _deal_synced(source: Source, spec: Spec) -> Iterator[Chunk]:
     """Unknown length: the k-th position not yet consumed goes to rank ``k % world_size``."""
-    consumed, ctx = spec.consumed, spec.ctx
+    consumed = spec.consumed
+    ctx = spec.ctx
     start = int(consumed.ends[0]) if consumed and int(consumed.starts[0]) == 0 else 0
     skip_ranges = [(s, e) for s, e in consumed.ranges() if e > start]
-    position, k, index, r = start, 0, 0, 0
+    position = start  # of the element at hand
+    k = 0  # elements not consumed before seen so far: the k-th goes to rank k % world_size
+    index = 0  # of the next chunk
+    r = 0  # the first range of skip_ranges not behind position
     positions: list[int] = []
     elements: list[Any] = []
     for element in source.open(ctx, start):

@@ -119,9 +119,13 @@ class DispatchedBatches(Dataset[Delivery]):
         source_name: str,
         dispatcher_pid: int,
     ) -> None:
-        self.queues, self.alive, self.world = queues, alive, world
-        self.transform, self.collate_fn = options.transform, options.collate_fn
-        self.source_name, self.dispatcher_pid = source_name, dispatcher_pid
+        self.queues = queues
+        self.alive = alive
+        self.world = world
+        self.transform = options.transform
+        self.collate_fn = options.collate_fn
+        self.source_name = source_name
+        self.dispatcher_pid = dispatcher_pid
         self.context = WorkerContexts(world, options.num_workers, seed)
         self._ended = -1  # the generation whose End this worker has seen
         self._stash: Chunk | End | Failure | None = None

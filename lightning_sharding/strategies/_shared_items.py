@@ -49,7 +49,8 @@ class SharedItems:
             if not _swept_once:  # once per process: leftovers of killed runs on this machine
                 shared_memory.sweep_dead()
                 _swept_once.append(True)
-        self.reader, self.depth = reader, depth
+        self.reader = reader
+        self.depth = depth
         token = shared_memory.process_token()
         self._prefix = f"{shared_memory.PREFIX}{_RUN}-{token}-r{rank}-g{next(_generations)}"
         self._loads = itertools.count()

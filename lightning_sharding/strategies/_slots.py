@@ -109,7 +109,8 @@ class WorkerSlots:
     """A worker's side: its slots, mapped once; ``pack`` writes a batch into a free one."""
 
     def __init__(self, states: SlotStates, worker: int) -> None:
-        self.states, self.worker = states, worker
+        self.states = states
+        self.worker = worker
         self.maps: list[tuple[str, mmap.mmap] | None] = [None] * states.per_worker
         self.generation = itertools.count()
 
@@ -131,7 +132,8 @@ class WorkerSlots:
         slot = next((s for s in free if self._fits(s, total)), free[0])
         name, buffer = self._slot(slot, total)
         flags[self.states.index(self.worker, slot)] = 1
-        offsets, at = [], 0
+        offsets = []
+        at = 0  # where the next tensor starts in the slot
         for t, n in zip(tensors, sizes, strict=True):
             view = torch.frombuffer(buffer, dtype=torch.uint8, count=n, offset=at) if n else None
             if view is not None:
@@ -191,7 +193,8 @@ class SlotPool:
                 path.unlink(missing_ok=True)  # mapped on both sides: the name is no longer needed
             mapped = self.maps[key] = (batch.name, mapping)
         base = np.frombuffer(mapped[1], dtype=np.uint8)  # one per batch: its finalizer frees the slot
-        flags, flag = self.states.flags, self.states.index(*key)
+        flags = self.states.flags
+        flag = self.states.index(*key)
         weakref.finalize(base, flags.__setitem__, flag, 0)
 
         def tensor(leaf: Leaf) -> torch.Tensor:

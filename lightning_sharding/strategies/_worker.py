@@ -30,7 +30,10 @@ class WorkerContexts:
     """
 
     def __init__(self, world: World, num_workers: int, seed: int, *, worker_id: int | None = None) -> None:
-        self.world, self.num_workers, self.seed, self.worker_id = world, num_workers, seed, worker_id
+        self.world = world
+        self.num_workers = num_workers
+        self.seed = seed
+        self.worker_id = worker_id
         self._main_pid = os.getpid()  # pickled with the dataset: a worker process sees another pid
         self._context: ShardContext | None = None
 

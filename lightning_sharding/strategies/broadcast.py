@@ -62,7 +62,9 @@ class BroadcastSampler(PlanSampler):
             even_batches=options.even_batches,  # type: ignore[arg-type]  # the strategy's check allowed it
             worker_layout=BroadcastStrategy.worker_layout,
         )
-        self.reader, self.shuffle, self.depth = reader, options.shuffle, options.prefetch_items
+        self.reader = reader
+        self.shuffle = options.shuffle
+        self.depth = options.prefetch_items
         self.counts = np.array([it.num_samples for it in items], dtype=np.int64)
         self.pool: SharedItems | None = None
 
@@ -127,8 +129,11 @@ class BroadcastBatches(PlannedBatches):
         self, reader: WindowedReader, items: Sequence[Item], *, seed: int, world: World, options: LoaderOptions
     ) -> None:
         super().__init__(reader, items, seed=seed, world=world, options=options)
-        self.window, self.stride = reader.window, reader.stride
-        self.bases, self.first_ids, self.offsets = reader.bases(), reader.first_ids(), reader.offsets()
+        self.window = reader.window
+        self.stride = reader.stride
+        self.bases = reader.bases()
+        self.first_ids = reader.first_ids()
+        self.offsets = reader.offsets()
         self._maps: dict[str, npt.NDArray[Any]] = {}
 
     def _shared_array(self, info: SharedArray, keep: dict[str, npt.NDArray[Any]]) -> npt.NDArray[Any]:

@@ -76,7 +76,9 @@ class DaliLoader(TrainLoader):
     ) -> None:
         require_dali()
         self.sampler = sampler
-        self.num_workers, self.graph, self.options = sampler.num_workers, pipeline.graph, pipeline
+        self.num_workers = sampler.num_workers
+        self.graph = pipeline.graph
+        self.options = pipeline
         self.delivered = DeliveredLog(padding_key=padding_key, track=track)
         self._batches = batches
         self._fields: tuple[Field, ...] | None = None
@@ -105,7 +107,8 @@ class DaliLoader(TrainLoader):
         if rank_plan.num_batches == 0:
             return
         iterator = self._pipeline_for(rank_plan.epoch)
-        served, finished = 0, False
+        served = 0
+        finished = False
         try:
             for outputs in iterator:
                 served += 1

@@ -73,7 +73,10 @@ class DispatchLoader(TrainLoader):
             )
         if queue_size < 1:
             raise ValueError(f"DispatchLoader(queue_size={queue_size}) must be at least 1")
-        self.source, self.ledger, self.world, self.options = source, ledger, world, options
+        self.source = source
+        self.ledger = ledger
+        self.world = world
+        self.options = options
         self.queue_size = queue_size
         self._start_method = options.multiprocessing_context or "spawn"
         self.sampler = DispatchSampler(ledger)
@@ -99,7 +102,8 @@ class DispatchLoader(TrainLoader):
         return self.options.even_batches == "sync"
 
     def _spec(self) -> Spec:
-        ledger, world = self.ledger, self.world
+        ledger = self.ledger
+        world = self.world
         ctx = ShardContext(world.data_rank, world.data_size, 0, self.options.num_workers, ledger.epoch, ledger.seed)
         plan = None
         self.sampler.epoch_plan, self.sampler.num_batches = None, None
