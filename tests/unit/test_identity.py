@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_sharding import CheckpointMismatchError, NpyReader
+from lightning_sharding import CheckpointMismatchError, NpyReader, ShardedDataModule, Stream
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
 from lightning_sharding.lightning.keeper import LedgerKeeper, moved_prefixes
-from lightning_sharding.recipes.synthetic_files import write_regression
+from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
 from lightning_sharding.strategies.options import LoaderOptions
+from tests.harness import cpu_trainer
 
 SIZES = [30, 20, 25, 15]
 
@@ -152,3 +157,50 @@ def test_inspect_compares_a_checkpoint_with_the_data_it_would_resume_on(
     assert "it would not resume (2 differences)" in out
     assert f"'{names[3]}' changed: same size, other content (its digest differs)" in out
     assert f"'{names[0]}' changed: its size was " in out
+
+
+class StreamRecorder(pl.LightningModule):
+    """A linear model that records (stream, id) of every real sample it trains on, and those it held
+    when a checkpoint was saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+        self.seen: list[tuple[int, int]] = []
+        self.at_save: list[tuple[int, int]] = []
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        real = ~batch["is_padding"]
+        self.seen += list(zip(batch["stream"][real].tolist(), batch["id"][real].tolist(), strict=True))
+        return ((self.net(batch["x"].float()).squeeze(-1) - batch["y"].float()) ** 2).mean()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.at_save = list(self.seen)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_mixture_whose_stream_moved_to_another_root_resumes_exactly_once(tmp_path: Path) -> None:
+    write_regression(str(tmp_path / "web"), "npy", [30, 20])
+    write_regression(str(tmp_path / "old" / "code"), "npy", [25, 15])
+
+    def datamodule(code_root: Path) -> ShardedDataModule:
+        streams = [
+            Stream("web", NpyReader(str(tmp_path / "web" / "*.npy"), cache_dir=str(tmp_path / "cache")), weight=2),
+            Stream("code", NpyReader(str(code_root / "*.npy"), cache_dir=str(tmp_path / "cache")), weight=1),
+        ]
+        return ShardedDataModule(streams=streams, samples_per_epoch=72, batch_size=6, seed=5, transform=to_regression)
+
+    first = StreamRecorder()
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="mid", every_n_train_steps=4, save_top_k=1)
+    cpu_trainer(max_steps=6, callbacks=[save], enable_checkpointing=True).fit(first, datamodule(tmp_path / "old/code"))
+    moved = tmp_path / "new" / "place" / "code"
+    shutil.copytree(tmp_path / "old" / "code", moved, copy_function=shutil.copy)
+    shutil.rmtree(tmp_path / "old")  # nothing can read the old place
+    resumed = StreamRecorder()
+    cpu_trainer().fit(resumed, datamodule(moved), ckpt_path=str(tmp_path / "ckpt" / "mid.ckpt"))
+    whole = StreamRecorder()
+    cpu_trainer().fit(whole, datamodule(moved))
+    assert len(first.at_save) == 24 and len(whole.seen) == 72
+    assert Counter(first.at_save) + Counter(resumed.seen) == Counter(whole.seen)
