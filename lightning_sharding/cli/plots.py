@@ -138,7 +138,7 @@ def plot_plan(
     per_rank = plan.world_size * workers > MAX_BANDS
     bands = plan.world_size if per_rank else plan.world_size * workers
     shaded = not per_rank and plan.num_batches * plan.world_size <= MAX_BATCHES_SHADED
-    segments: list[RangeSet] = []  # what to draw, with its band and colour
+    spans: list[RangeSet] = []  # what to draw, with its band and colour
     rows: list[int] = []
     colours: list[tuple[float, float, float, float]] = []
     labels: list[str] = []
@@ -147,7 +147,7 @@ def plot_plan(
         colour = to_rgba(_colour(r, plan.world_size))
         light = to_rgba(colour, alpha=0.55)
         if per_rank:
-            segments.append(rank.positions.select(0, rank.num_served))
+            spans.append(rank.positions.select(0, rank.num_served))
             rows.append(r)
             colours.append(colour)
             labels.append(f"rank {r}")
@@ -157,13 +157,13 @@ def plot_plan(
             labels.append(f"r{r} w{w}" if plan.num_workers else f"rank {r}")
             runs = [(run[0], run[-1])] if run and not shaded else [(b, b) for b in run]
             for k, (first, last) in enumerate(runs):
-                segments.append(rank.positions.select(rank.bounds(first)[0], rank.bounds(last)[1]))
+                spans.append(rank.positions.select(rank.bounds(first)[0], rank.bounds(last)[1]))
                 rows.append(r * workers + w)
                 colours.append(colour if k % 2 == 0 else light)
     # One collection of rectangles for all bands: a call per band would autoscale every time.
-    counts = np.array([s.num_ranges for s in segments], dtype=np.int64)
-    starts = np.concatenate([s.starts for s in segments] or [np.empty(0, np.int64)]).astype(np.float64)
-    ends = np.concatenate([s.ends for s in segments] or [np.empty(0, np.int64)]).astype(np.float64)
+    counts = np.array([s.num_ranges for s in spans], dtype=np.int64)
+    starts = np.concatenate([s.starts for s in spans] or [np.empty(0, np.int64)]).astype(np.float64)
+    ends = np.concatenate([s.ends for s in spans] or [np.empty(0, np.int64)]).astype(np.float64)
     ys = np.repeat(np.asarray(rows, dtype=np.float64), counts)
     verts = np.stack(
         [
