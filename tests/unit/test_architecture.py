@@ -206,3 +206,11 @@ def test_the_top_level_holds_only_folders_the_root_the_entry_and_the_version() -
         if p.is_file() and p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py", "_version.py", "train.py")
     )
     assert loose == [], f"modules at the package's top level, not in a folder: {loose}"
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = [
+        str(path.relative_to(PACKAGE)) for path in modules().values() if f"`{path.relative_to(PACKAGE)}`" not in page
+    ]
+    assert unnamed == [], f"modules docs/architecture.md does not name: {unnamed}"
