@@ -3,17 +3,36 @@
 Built in: ``shard`` (each worker reads its own items), ``broadcast`` (each rank loads an item once
 into shared memory; workers crop windows), ``dispatch`` (one process per rank reads a
 non-replicable source and deals batches to the workers) and ``dali`` (an NVIDIA DALI pipeline per
-rank). Register your own with :func:`register_strategy`; see :mod:`lightning_sharding.strategies.base`.
-The built-in modules load when the registry is first asked, so a worker that unpickles one
+rank). The built-in modules load when the registry is first asked, so a worker that unpickles one
 strategy's dataset imports only that strategy.
+
+Your own strategy (the README's "Your own strategy" shows one): a :class:`Strategy` subclass,
+registered with :func:`register_strategy`, builds a :class:`TrainLoader` per rank. The loader's
+``sampler`` is an :class:`EpochSampler` (``epoch``, ``set_epoch``, and ``epoch_plan``, an
+:class:`EpochOutline` such as :class:`~lightning_sharding.core.plan.EpochPlan`). Each batch is read
+as a :class:`Delivery` (the batch, its epoch and its epoch positions, the last ``num_padding`` of
+them padding) and handed to the loader's :class:`DeliveredLog`, whose ``accept`` returns the batch
+for training (padding flagged) and keeps its :class:`Provenance` until the training step that used
+it is accounted in the ledger.
 """
 
-from lightning_sharding.strategies._delivery import Delivery, Provenance
+from lightning_sharding.strategies._delivery import DeliveredLog, Delivery, Provenance
 from lightning_sharding.strategies._samples import SampleError
-from lightning_sharding.strategies.base import Strategy, TrainLoader, get_strategy, register_strategy, strategy_names
+from lightning_sharding.strategies.base import (
+    EpochOutline,
+    EpochSampler,
+    Strategy,
+    TrainLoader,
+    get_strategy,
+    register_strategy,
+    strategy_names,
+)
 
 __all__ = [
+    "DeliveredLog",
     "Delivery",
+    "EpochOutline",
+    "EpochSampler",
     "Provenance",
     "SampleError",
     "Strategy",

@@ -2,8 +2,11 @@
 
 A :class:`Strategy` is a spec read by everything that must know a strategy's rules (the
 DataModule, the Hydra config checks, ``lightning-sharding plan``) and the builder of its loaders.
-A :class:`TrainLoader` is what the training side relies on; its checkpoint hooks default to
-nothing. Strategies are looked up by name in a registry that users may add to with
+A :class:`TrainLoader` is what the training side relies on: an iterable of batches whose
+provenance it keeps in a :class:`~lightning_sharding.strategies.DeliveredLog`, with an
+:class:`EpochSampler` that Lightning moves from epoch to epoch and whose plan
+(:class:`EpochOutline`) the callback reports; its checkpoint hooks default to nothing.
+Strategies are looked up by name in a registry that users may add to with
 :func:`register_strategy`.
 """
 
@@ -12,7 +15,9 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Literal, Protocol, runtime_checkable
+
+from typing_extensions import TypeVar
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
@@ -43,15 +48,44 @@ class EpochOutline(Protocol):
         ...
 
 
-class TrainLoader(ABC):
+@runtime_checkable
+class EpochSampler(Protocol):
+    """What a :class:`TrainLoader`'s ``sampler`` must offer. Lightning calls ``set_epoch`` on a
+    loader's ``sampler`` at every epoch start (the only way it tells a loader the epoch); the
+    :class:`~lightning_sharding.lightning.callbacks.ShardingCallback` reads ``epoch_plan`` for the
+    progress bar's total and the epoch's report, and a loader checks each batch against ``epoch``.
+    A strategy's own sampler usually keeps the ledger and plans the pass when iterated."""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being served: the ledger's."""
+        ...
+
+    @property
+    def epoch_plan(self) -> EpochOutline | None:
+        """The plan of the current pass over the epoch (``None`` before the first)."""
+        ...
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new epoch starts, with nothing of it consumed (the ledger's ``start_epoch``)."""
+        ...
+
+
+# A loader class names its sampler type, TrainLoader[PlanSampler]; one that does not gets Any.
+SamplerT = TypeVar("SamplerT", bound=EpochSampler, default=Any)
+
+
+class TrainLoader(ABC, Generic[SamplerT]):
     """The iterable Lightning gets for one rank: batches with provenance stripped.
 
-    Subclasses set ``sampler`` (it has ``epoch``, ``set_epoch`` and ``epoch_plan``; Lightning calls
-    ``set_epoch`` on it at every epoch start) and ``delivered``, and define ``__iter__``. It is not a
-    ``DataLoader`` on purpose: Lightning then leaves it alone (no sampler injection).
+    Subclasses set ``sampler`` (an :class:`EpochSampler`; ``TrainLoader[MySampler]`` types it as
+    the subclass's own) and ``delivered`` (a :class:`~lightning_sharding.strategies.DeliveredLog`,
+    whose ``accept`` turns each worker's :class:`~lightning_sharding.strategies.Delivery` into the
+    batch for training), and define ``__iter__``. It is not a ``DataLoader`` on purpose: Lightning
+    then leaves it alone (no sampler injection).
     """
 
-    sampler: Any
+    sampler: SamplerT
     delivered: DeliveredLog
     batch_sampler = None  # Lightning's evaluation loop reads it off any loader that has a `sampler`
 
@@ -62,12 +96,12 @@ class TrainLoader(ABC):
     @property
     def epoch(self) -> int:
         """The epoch being served."""
-        return int(self.sampler.epoch)
+        return self.sampler.epoch
 
     @property
     def epoch_plan(self) -> EpochOutline | None:
         """The plan of the current pass (``None`` before the first)."""
-        return self.sampler.epoch_plan  # type: ignore[no-any-return]
+        return self.sampler.epoch_plan
 
     def set_epoch(self, epoch: int) -> None:
         """A new epoch starts with nothing consumed."""

@@ -57,7 +57,7 @@ class PipelineOptions:
             )
 
 
-class DaliLoader(TrainLoader):
+class DaliLoader(TrainLoader[PlanSampler]):
     """The iterable Lightning gets for one rank: a DALI pipeline's batches, provenance stripped.
 
     Same interface as every :class:`TrainLoader`. A pipeline serves consecutive epochs; it is

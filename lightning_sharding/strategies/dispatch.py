@@ -47,10 +47,10 @@ from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
 from lightning_sharding.strategies.shard import ShardStrategy
 
 
-class DispatchLoader(TrainLoader):
+class DispatchLoader(TrainLoader[DispatchSampler]):
     """The iterable Lightning gets for one rank under ``strategy="dispatch"``.
 
-    Same contract as :class:`~lightning_sharding.loader.ShardedLoader`: batches with provenance
+    Same contract as :class:`~lightning_sharding.strategies.shard.ShardedLoader`: batches with provenance
     stripped (kept in ``delivered`` when ``track``), padding flagged, ``sampler.set_epoch``.
     Call :meth:`close` to stop the dispatch process (the datamodule does at teardown).
     """
