@@ -45,9 +45,9 @@ def data_for(strategy: Strategy, tmp_path: Path) -> tuple[Any, LoaderOptions]:
     return SyntheticReader(sizes=[11, 17, 3, 13, 9]), LoaderOptions(batch_size=BATCH)
 
 
-def serve(loader: Any, ledger: Ledger, batches: int | None = None) -> list[int]:
-    """The real sample ids of ``batches`` batches (all when None); their steps are accounted."""
-    ids: list[int] = []
+def served_batches(loader: Any, ledger: Ledger, batches: int | None = None) -> list[tuple[Any, Any]]:
+    """``(batch, provenance)`` of ``batches`` batches (all when None); their steps are accounted."""
+    out = []
     iterator = iter(loader)
     try:
         for _ in iter(int, 1) if batches is None else range(batches):
@@ -58,10 +58,17 @@ def serve(loader: Any, ledger: Ledger, batches: int | None = None) -> list[int]:
             provenance = loader.pop_delivered()
             ledger.record(provenance.consumed_positions)
             ledger.commit()
-            ids += batch["id"][~batch["is_padding"]].tolist()
+            out.append((batch, provenance))
     finally:
         iterator.close()  # type: ignore[attr-defined]  # a generator: abandons the pass and releases it
-    return ids
+    return out
+
+
+def serve(loader: Any, ledger: Ledger, batches: int | None = None) -> list[int]:
+    """The real sample ids of ``batches`` batches (all when None); their steps are accounted."""
+    return [
+        i for batch, _ in served_batches(loader, ledger, batches) for i in batch["id"][~batch["is_padding"]].tolist()
+    ]
 
 
 def next_epoch(
@@ -213,25 +220,6 @@ def ordered_data(kind: str) -> tuple[Any, Any, dict[str, Any]]:
     return data, manifest, Ledger(seed=SEED, total=manifest.total, manifest=manifest.summary()).state_dict()
 
 
-def serve_positions(loader: Any, ledger: Ledger, batches: int | None) -> list[Any]:
-    """The consumed positions of each of ``batches`` batches (all when None); their steps are accounted."""
-    out = []
-    iterator = iter(loader)
-    try:
-        for _ in iter(int, 1) if batches is None else range(batches):
-            try:
-                next(iterator)
-            except StopIteration:
-                break
-            positions = loader.pop_delivered().consumed_positions
-            ledger.record(positions)
-            ledger.commit()
-            out.append(positions)
-    finally:
-        iterator.close()  # type: ignore[attr-defined]
-    return out
-
-
 @pytest.mark.parametrize(
     ("name", "kind"),
     [
@@ -263,14 +251,14 @@ def test_every_kind_of_order_resumes_on_another_topology_serving_every_position_
     for rank in range(before):
         ledger = Ledger.from_state_dict(start)
         loader = strategy.build(data, manifest, ledger, World(rank, before), options, track=True)
-        batches += serve_positions(loader, ledger, read)
+        batches += [p.consumed_positions for _, p in served_batches(loader, ledger, read)]
         loader.close()
         union.merge(ledger.consumed)
     state = union.state_dict()
     for rank in range(after):
         ledger = Ledger.from_state_dict(state)
         loader = strategy.build(data, manifest, ledger, World(rank, after), options, track=True)
-        batches += serve_positions(loader, ledger, None)
+        batches += [p.consumed_positions for _, p in served_batches(loader, ledger)]
         loader.close()
     for positions in batches:
         served.update(positions.tolist())
