@@ -160,7 +160,6 @@ def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir
     """What resuming the checkpoint's ledger ``state`` on the config's data would find: the same data
     (moved or not), a 0.1 checkpoint that matches by path, or every difference, item by item."""
     from lightning_sharding.cli.plan import _compose, _manifest
-    from lightning_sharding.core.identity import item_changes
     from lightning_sharding.core.ledger import Ledger
 
     restored = Ledger.from_state_dict(state)
@@ -174,8 +173,6 @@ def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir
         return f"{where}\nsame data    the same items, sample counts and contents{moved}: it resumes"
     if restored.fingerprint == manifest.fingerprint_by_path():
         return f"{where}\nsame data    (a 0.1 checkpoint: the same paths and fingerprints): it resumes"
-    items = state.get("items")
-    changes = item_changes(items, manifest.items, shown=None) if items is not None else []
-    changes += [c for c in manifest.explain_mismatch(saved).split("; ") if "stream" in c or not items]
+    changes = manifest.differences(saved, state.get("items"), shown=None)
     lines = [where, f"other data   it would not resume ({_plural(len(changes), 'difference')}):"]
     return "\n".join(lines + [f"  - {c}" for c in changes])

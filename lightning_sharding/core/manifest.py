@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.core.identity import item_table
+from lightning_sharding.core.identity import SHOWN, item_changes, item_table
 from lightning_sharding.core.order import EpochOrder
 
 if TYPE_CHECKING:
@@ -209,6 +209,17 @@ class Manifest:
     def explain_mismatch(self, saved: Mapping[str, Any]) -> str:
         """Say, in one sentence, how this manifest differs from a saved :meth:`summary`."""
         return describe_change(saved, self.summary(), self.epochs)
+
+    def differences(
+        self, saved: Mapping[str, Any], table: Mapping[str, Any] | None, shown: int | None = SHOWN
+    ) -> list[str]:
+        """How this manifest differs from a saved :meth:`summary`, one phrase each: every item that
+        changed, by name, from a checkpoint's item ``table`` (0.2 and later; at most ``shown``), and
+        what :attr:`epochs` tells of their own part (a mixture's streams); else the summaries' sentence."""
+        found = item_changes(table, self.items, shown) if table is not None else []
+        if self.epochs is not None:
+            found += self.epochs.explain(dict(saved), self.summary())
+        return found or [describe_change(saved, self.summary(), self.epochs)]
 
 
 def describe_change(before: Mapping[str, Any], after: Mapping[str, Any], epochs: Epochs | None = None) -> str:

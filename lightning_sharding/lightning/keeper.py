@@ -234,11 +234,7 @@ class LedgerKeeper:
     def _explain(self, restored: Ledger, items: Any) -> str:
         """How this data differs from ``restored``'s: the items that changed, by name, when the
         checkpoint keeps its item table (0.2 and later), else the manifests' summaries."""
-        changes = item_changes(items, self.manifest.items) if items is not None else []
-        streams = [c for c in self.manifest.explain_mismatch(restored.manifest).split("; ") if "stream" in c]
-        if changes or streams:
-            return "; ".join([*changes, *streams])
-        return self.manifest.explain_mismatch(restored.manifest)
+        return "; ".join(self.manifest.differences(restored.manifest, items))
 
     def _ways_on(self, restored: Ledger, items: Any) -> str:
         """What the user can do about a checkpoint of other data, only the ways that would work."""
