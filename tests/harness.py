@@ -192,6 +192,19 @@ class Job:
 # 2 workers, one epoch of the default data, with the audit trail and the per-sample weights.
 FIRST_2X2 = Job(checks=Checks(audit=True, count_weights=True))
 FIRST_2X2_EVERY = 3
+# Likewise for a mixture (test_mixture, test_mixture_change): three streams of different shares, 150
+# draws an epoch (web 96, code 32, books 22), two epochs, on 2 ranks x 2 workers.
+MIXTURE = (
+    {"name": "web", "sizes": [37, 41, 29], "weight": 3},  # 107 samples
+    {"name": "code", "sizes": [23, 17, 31, 29], "weight": 1},  # 100 samples
+    {"name": "books", "sizes": [11], "repeat": 2.0},  # 11 samples, each twice an epoch
+)
+FIRST_MIXTURE_2X2 = Job(
+    data=Data(streams=MIXTURE, samples_per_epoch=150),
+    loading=Loading(seed=1234),
+    training=Training(epochs=2),
+    checks=Checks(audit=True, count_weights=True),
+)
 
 
 @dataclass
@@ -237,6 +250,14 @@ def _collect(out: Path, name: str, job: Job, returncode: int, output: str, check
     result = out / f"result-{name}.json"
     report = json.loads(result.read_text()) if result.exists() else None
     return Segment(name, returncode, records, report, output, checkpoints)
+
+
+def copy_segment(trained: Path, out: Path, name: str, job: Job) -> Segment:
+    """A private copy in ``out`` of the directory where segment ``name`` ran ``job`` (a session
+    fixture's, tests/process/conftest.py), read back with :func:`load_segment`."""
+    assert not out.exists() or not any(out.iterdir()), f"{out} is not empty: no place for a copy of {trained}"
+    shutil.copytree(trained, out, dirs_exist_ok=True)
+    return load_segment(out, name, job)
 
 
 def load_segment(out: Path, name: str, job: Job) -> Segment:
@@ -406,9 +427,7 @@ def check_resume(
         ckpt_at = (start_step // checkpoint_every + 1) * checkpoint_every
         job = _with_resume(job, resume, checkpoint_every, die_after, last=last)
         if i == 0 and trained is not None:
-            assert not out.exists() or not any(out.iterdir()), f"{out} is not empty: no place for a copy of {trained}"
-            shutil.copytree(trained, out, dirs_exist_ok=True)
-            segment = load_segment(out, "seg0", job)
+            segment = copy_segment(trained, out, "seg0", job)
             assert (segment.returncode != 0) == (not last), f"seg0 in {trained} ended {segment.returncode}"
         else:
             segment = run_segment(out, f"seg{i}", job, expect_death=not last)

@@ -16,11 +16,15 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from tests.harness import FIRST_2X2, FIRST_2X2_EVERY, first_segment, run_segment
+from tests.harness import FIRST_2X2, FIRST_2X2_EVERY, FIRST_MIXTURE_2X2, first_segment, run_segment
 
 
 def _train_first_2x2(out: Path) -> None:
     run_segment(out, "seg0", first_segment(FIRST_2X2, checkpoint_every=FIRST_2X2_EVERY), expect_death=True)
+
+
+def _train_first_mixture_2x2(out: Path) -> None:
+    run_segment(out, "seg0", first_segment(FIRST_MIXTURE_2X2, checkpoint_every=3), expect_death=True)
 
 
 def _once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, train: Callable[[Path], None]) -> Path:
@@ -52,3 +56,10 @@ def trained_2x2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (killed at step 6, its checkpoint at step 3 in ``checkpoints/``). Read it, or resume from a copy
     with ``check_resume(out, FIRST_2X2, then, checkpoint_every=3, trained=trained_2x2)``."""
     return _once_per_run(tmp_path_factory, "trained-first-2x2", _train_first_2x2)
+
+
+@pytest.fixture(scope="session")
+def trained_mixture_2x2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory where ``first_segment(FIRST_MIXTURE_2X2, checkpoint_every=3)`` ran as segment
+    ``seg0`` (killed at step 6, its checkpoint at step 3 in ``checkpoints/``)."""
+    return _once_per_run(tmp_path_factory, "trained-first-mixture-2x2", _train_first_mixture_2x2)

@@ -15,7 +15,18 @@ import numpy as np
 import pytest
 
 from lightning_sharding.lightning.audit import audit, format_audit
-from tests.harness import Checks, Data, Job, Loading, Training, check_resume, kept_records, weights_of_run
+from tests.harness import (
+    FIRST_MIXTURE_2X2,
+    MIXTURE,
+    Checks,
+    Data,
+    Job,
+    Loading,
+    Training,
+    check_resume,
+    kept_records,
+    weights_of_run,
+)
 from tests.jobs.streams_data import planned_blocks, planned_ids
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
@@ -107,18 +118,17 @@ def test_a_stratified_mixture_resumes_on_other_topologies_with_every_batch_at_th
 
 
 def test_a_mixture_changed_on_resume_serves_nothing_consumed_again_and_the_rest_at_the_new_shares(
-    tmp_path: Path,
+    tmp_path: Path, trained_mixture_2x2: Path
 ) -> None:
-    before = (
-        {"name": "web", "sizes": [37, 41, 29], "weight": 3},  # 107 samples
-        {"name": "code", "sizes": [23, 17, 31, 29], "weight": 1},  # 100 samples
-        {"name": "books", "sizes": [11], "repeat": 2.0},
-    )  # 150 an epoch: web 96, code 32, books 22
+    """The first segment (2 ranks x 2 workers, killed at step 6) is the session's shared one
+    (tests/process/conftest.py), resumed from a copy under the new shares on 1 x 2, then 2 x 1."""
+    before = MIXTURE  # 150 an epoch: web 96, code 32, books 22; code has 100 samples
     after = ({**before[0], "weight": 1}, {**before[1], "weight": 1}, before[2])  # web 64, code 64, books 22
     job = mixture_job(before, epochs=2)
+    assert job == FIRST_MIXTURE_2X2
     changed = job.on(world_size=1).but(data=dict(streams=after, allow_mixture_change=True))
     then = [changed, changed.on(2, 1)]
-    seen, segments = check_resume(tmp_path, job, then, checkpoint_every=3)
+    seen, segments = check_resume(tmp_path, job, then, checkpoint_every=3, trained=trained_mixture_2x2)
     assert "the mixture changed in epoch 0" in segments[1].output, segments[1].output[-3000:]
     # What the first segment's checkpoint consumed, and what the two segments after the change served.
     consumed = Counter(i for r in kept_records(segments[0], 3, [0, 1]) for i in r["ids"])

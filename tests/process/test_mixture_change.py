@@ -13,6 +13,8 @@ import pytest
 
 from lightning_sharding.lightning.audit import audit, format_audit
 from tests.harness import (
+    FIRST_MIXTURE_2X2,
+    MIXTURE,
     Checks,
     Data,
     Faults,
@@ -22,6 +24,8 @@ from tests.harness import (
     Topology,
     Training,
     checkpoint_step,
+    copy_segment,
+    first_segment,
     kept_records,
     run_segment,
     served_per_epoch,
@@ -85,19 +89,24 @@ def test_a_change_at_an_epoch_boundary_goes_on_with_the_next_epoch_of_the_new_mi
     ], table
 
 
-def test_a_change_retried_from_the_same_checkpoint_under_another_mixture_audits_exactly_once(tmp_path: Path) -> None:
+def test_a_change_retried_from_the_same_checkpoint_under_another_mixture_audits_exactly_once(
+    tmp_path: Path, trained_mixture_2x2: Path
+) -> None:
+    """The run before the change is (a copy of) the session's shared mixture segment: 2 ranks x 2
+    workers, a checkpoint at step 3, killed at step 6 (tests/process/conftest.py). The changes resume
+    that checkpoint on 2 ranks x 1 worker for the rest of epoch 0."""
     before, after = tmp_path / "before", tmp_path / "after"
-    first = Job(
+    assert STREAMS == MIXTURE
+    seg0 = copy_segment(trained_mixture_2x2, before, "seg0", first_segment(FIRST_MIXTURE_2X2, checkpoint_every=3))
+    (ckpt,) = [p for p in seg0.checkpoints if checkpoint_step(p) == 3]
+    changed = Job(
         Topology(2, 1),
-        Data(streams=STREAMS, samples_per_epoch=PER_EPOCH),
+        Data(streams=STREAMS, samples_per_epoch=PER_EPOCH, allow_mixture_change=True),
         Loading(seed=SEED),
-        saves=Saves(checkpoint_every=3),
+        Training(epochs=1, resume_from=str(ckpt)),
         faults=Faults(die_at_step=6),
         checks=CHECKS,
     )
-    seg0 = run_segment(before, "seg0", first, expect_death=True)
-    (ckpt,) = [p for p in seg0.checkpoints if checkpoint_step(p) == 3]
-    changed = first.but(data=dict(allow_mixture_change=True), training=dict(resume_from=str(ckpt)), saves=Saves())
     # A change to web 1 : code 1 that dies after 2 steps, then the same checkpoint under web 1 : code 3.
     seg1 = run_segment(
         after, "seg1", changed.but(data=dict(streams=reweighted(1, 1)), faults=Faults(die_at_step=5)), expect_death=True
