@@ -164,14 +164,14 @@ class StreamOptions:
 @dataclass
 class MixtureData(DataOptions):
     """Several streams of files mixed at chosen shares into epochs of ``samples_per_epoch``
-    (none: what the shares imply). See the README's "Mixtures"."""
+    (none: what the shares imply). See docs/how-to/mixtures.md."""
 
     _target_: str = "lightning_sharding.recipes.mixture.mixture"
     streams: list[StreamOptions] = field(default_factory=list)
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"  # mixed | stratified | per_stream
     # Resume a checkpoint of other shares or streams: its consumed samples stay consumed, the rest of
-    # its epoch is drawn at the new shares (README "Changing the mixture on resume").
+    # its epoch is drawn at the new shares (docs/how-to/mixtures.md).
     allow_mixture_change: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
     dim: int = 16  # features of generated streams
