@@ -65,14 +65,17 @@ def item_changes(saved: Mapping[str, Any], items: Sequence[Any], shown: int | No
             continue
         seen.add(j)
         old_size, new_size = int(old["size"][j]), int(now["size"][i])
-        if int(old["content"][j]) != int(now["content"][i]):
+        old_count, new_count = int(old["count"][j]), int(now["count"][i])
+        if old_count != new_count:
+            found.append(f"{name!r} holds {new_count} samples, the checkpoint {old_count}")
+        elif int(old["content"][j]) != int(now["content"][i]):
             if old_size != new_size and old_size >= 0 and new_size >= 0:
                 found.append(f"{name!r} changed: its size was {old_size} bytes, now {new_size}")
-            else:
+            elif new_size >= 0:
                 what = items[i].identity[1].split(";", 1)[-1].split("=", 1)[0] or "content id"
                 found.append(f"{name!r} changed: same size, other content (its {what} differs)")
-        elif int(old["count"][j]) != int(now["count"][i]):
-            found.append(f"{name!r} holds {int(now['count'][i])} samples, the checkpoint {int(old['count'][j])}")
+            else:
+                found.append(f"{name!r} changed (its fingerprint differs)")
     gone = len(old_rows) - len(seen)
     if gone:
         found.append(f"{gone} item(s) of the checkpoint's data are gone")

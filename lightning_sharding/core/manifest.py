@@ -214,12 +214,21 @@ class Manifest:
         self, saved: Mapping[str, Any], table: Mapping[str, Any] | None, shown: int | None = SHOWN
     ) -> list[str]:
         """How this manifest differs from a saved :meth:`summary`, one phrase each: every item that
-        changed, by name, from a checkpoint's item ``table`` (0.2 and later; at most ``shown``), and
-        what :attr:`epochs` tells of their own part (a mixture's streams); else the summaries' sentence."""
-        found = item_changes(table, self.items, shown) if table is not None else []
+        changed, by name, from a checkpoint's item ``table`` (0.2 and later; at most ``shown``), the
+        item and sample totals, and what :attr:`epochs` tells of their own part (a mixture's streams);
+        without a table, the summaries' sentence."""
+        if table is None:
+            return [describe_change(saved, self.summary(), self.epochs)]
+        now = self.summary()
+        found = item_changes(table, self.items, shown)
+        found += [
+            f"{key} was {saved.get(key)!r}, now {now[key]!r}"
+            for key in ("num_items", "total")
+            if saved.get(key) != now[key]
+        ]
         if self.epochs is not None:
-            found += self.epochs.explain(dict(saved), self.summary())
-        return found or [describe_change(saved, self.summary(), self.epochs)]
+            found += self.epochs.explain(dict(saved), now)
+        return found or [describe_change(saved, now, self.epochs)]
 
 
 def describe_change(before: Mapping[str, Any], after: Mapping[str, Any], epochs: Epochs | None = None) -> str:

@@ -154,9 +154,9 @@ def test_inspect_compares_a_checkpoint_with_the_data_it_would_resume_on(
     raw[-1] ^= 1
     (tmp_path / "copy" / names[3]).write_bytes(bytes(raw))
     out = inspect(tmp_path / "copy")
-    assert "it would not resume (2 differences)" in out
+    assert "it would not resume (3 differences)" in out and "total was 90, now 91" in out
     assert f"'{names[3]}' changed: same size, other content (its digest differs)" in out
-    assert f"'{names[0]}' changed: its size was " in out
+    assert f"'{names[0]}' holds {SIZES[0] + 1} samples, the checkpoint {SIZES[0]}" in out
 
 
 class StreamRecorder(pl.LightningModule):
