@@ -9,6 +9,7 @@ knows only through that protocol.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -195,7 +196,12 @@ class Manifest:
         return item_table(self.items)
 
     def summary(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the manifest to explain a later mismatch."""
+        """What a checkpoint keeps of the manifest to explain a later mismatch (a copy: computed once,
+        since a mixture's streams hash every item)."""
+        return copy.deepcopy(self._summary)
+
+    @cached_property
+    def _summary(self) -> dict[str, Any]:
         return {
             "fingerprint": self.fingerprint,
             "num_items": len(self.items),
