@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from lightning_sharding.cli._common import PROG, CliError, _check_plot_path, _draw, _first_line, _int_at_least
 from lightning_sharding.cli.plan_format import format_plan
-from lightning_sharding.config import CONF_DIR
+from lightning_sharding.config import CONF_DIR, ConfigError
+from lightning_sharding.config.checks import check_keys
 from lightning_sharding.core.plan import EVEN_BATCH_POLICIES
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import check_data_parallel
@@ -160,6 +161,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     plot = _check_plot_path(args.plot)
     cfg = _compose(args.overrides, args.config_dir, args.config_name)
+    try:
+        check_keys(cfg)  # a `+data.bogus_key=1` is refused here as training refuses it
+    except ConfigError as err:
+        raise CliError(str(err)) from None
     data = _data_settings(cfg)
     strategy = _strategy(args.strategy or str(cfg.sharding.strategy))
     batch_size = args.batch_size if args.batch_size is not None else data.batch_size

@@ -214,14 +214,25 @@ def content_digest(url: str, size: int, storage_options: Mapping[str, Any] | Non
     of its bytes, whole up to :data:`DIGEST_WHOLE`, else of :data:`DIGEST_BLOCKS` blocks spread over
     it (first and last included), so a copy or a touch keeps it and a rewrite changes it."""
     fs, path = filesystem(url, storage_options)
-    digest = hashlib.blake2b(digest_size=16)
     with fs.open(path, "rb") as f:
-        if size <= DIGEST_WHOLE:
-            digest.update(f.read())
-        else:
-            for k in range(DIGEST_BLOCKS):
-                f.seek((size - DIGEST_BLOCK) * k // (DIGEST_BLOCKS - 1))
-                digest.update(f.read(DIGEST_BLOCK))
+        return digest_of(f, size)
+
+
+def local_content_digest(path: str) -> str:
+    """:func:`content_digest` of a local file, read without fsspec."""
+    with open(path, "rb") as f:
+        return digest_of(f, os.fstat(f.fileno()).st_size)
+
+
+def digest_of(f: Any, size: int) -> str:
+    """The content id ``size=N;digest=...`` of the open binary file ``f`` of ``size`` bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    if size <= DIGEST_WHOLE:
+        digest.update(f.read())
+    else:
+        for k in range(DIGEST_BLOCKS):
+            f.seek((size - DIGEST_BLOCK) * k // (DIGEST_BLOCKS - 1))
+            digest.update(f.read(DIGEST_BLOCK))
     return f"size={size};digest={digest.hexdigest()}"
 
 

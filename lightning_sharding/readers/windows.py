@@ -16,9 +16,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.identity import common_root
 from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.storage import local_content_digest
 
 Int64Array = npt.NDArray[np.int64]
 # (key, start, stop): steps [start, stop) of item `key`.
@@ -92,14 +94,29 @@ class WindowedReader(Reader):
         self._keys, self._lengths = keys, lengths
         counts = self.window_counts()
         tag = f"T={self.window},S={self.stride},halo={int(self.halo)}"
-        return [
-            Item(key, int(n), fingerprint=f"{tag},{self.fingerprint(key)}")
-            for key, n in zip(keys, counts.tolist(), strict=True)
-        ]
+        names = self.names(keys)
+        items = []
+        for key, name, n in zip(keys, names, counts.tolist(), strict=True):
+            content = self.content(key) if name else ""
+            items.append(
+                Item(key, int(n), f"{tag},{self.fingerprint(key)}", name, f"{content};{tag}" if content else "")
+            )
+        return items
 
     def fingerprint(self, key: str) -> str:
         """Anything that changes when item ``key`` changes; the default is its length."""
         return f"steps={self.length(key)}"
+
+    def names(self, keys: Sequence[str]) -> Sequence[str]:
+        """What each item is called wherever the data lives (its key relative to the data set's
+        root), so a checkpoint resumes on a copy elsewhere; ``""`` each (the default): items are known
+        by key and :meth:`fingerprint`. A reader that names its items gives :meth:`content` too."""
+        return [""] * len(keys)
+
+    def content(self, key: str) -> str:
+        """An id of item ``key``'s bytes, ``size=N;...``, that a copy or a touch does not change
+        (asked only of items :meth:`names` names)."""
+        return ""
 
     def _check_items(self, keys: tuple[str, ...], lengths: Int64Array) -> None:
         shape, dtype = self.signature(keys[0])
@@ -230,9 +247,23 @@ class NpyWindows(WindowedReader):
         return tuple(arr.shape[1:]), arr.dtype
 
     def fingerprint(self, key: str) -> str:
-        """Size and modification time of the file."""
+        """Size and modification time of the file (what 0.1 checkpoints knew a month by)."""
         st = os.stat(key)
         return f"size={st.st_size},mtime={st.st_mtime_ns}"
+
+    def names(self, keys: Sequence[str]) -> Sequence[str]:
+        """The paths relative to the directory they share (``2020-01.npy``, or ``era5/2020-01.npy``
+        for months in several folders)."""
+        root = common_root([os.path.abspath(k) for k in keys])
+        return [os.path.abspath(k)[len(root) :] for k in keys]
+
+    def content(self, key: str) -> str:
+        """The file's size and a digest of its bytes (blocks of it for a large file), so a copy
+        elsewhere or a touch resumes and a rewrite is named."""
+        try:
+            return local_content_digest(key)
+        except OSError as err:
+            raise ValueError(f"item {key!r} could not be read: {err}") from err
 
     def load(self, key: str, start: int, stop: int) -> npt.NDArray[Any]:
         """Steps ``[start, stop)``, copied out of the memory map (the map is dropped on return)."""

@@ -3,7 +3,8 @@ SIGKILLed mid-epoch, its data copied elsewhere (another directory; another bucke
 loopback S3 server), and the job resumes on 1 rank x 2 workers from the copy, the old place gone:
 every sample's gradient is applied exactly once, counted in the weights. A changed byte is refused
 naming the file; the same file touched resumes. A job killed with its batch slots in /dev/shm
-leaves none of them after a resume without workers."""
+leaves none of them after a resume without workers. Months under strategy broadcast follow their
+copy too."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tests.harness import (
     run_segment,
     weights_at_epoch_ends,
 )
+from tests.jobs.windows_data import write_months
 from tests.s3 import S3Server
 from tests.unit.test_shm_sweep import dead_owner_token
 
@@ -136,6 +138,38 @@ def test_a_changed_byte_is_refused_naming_the_file_and_the_file_touched_back_res
     )
     assert_exactly_once(seen, total=TOTAL, epochs=1)
     assert_weights_count_once(weights_at_epoch_ends(out, "seg1"), TOTAL, epochs=1)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(400)
+def test_months_under_broadcast_resume_from_a_copy_elsewhere_with_one_month_touched(tmp_path: Path) -> None:
+    """Months (``NpyWindows``, windows across month ends with a halo) under strategy broadcast:
+    2 x 2 killed mid-epoch; the months are copied to another directory (new modification times),
+    one of them touched once more, the old place removed; 1 x 2 resumes from the copy with every
+    window's gradient applied once."""
+    lengths = [30, 26, 34]
+    total = sum(lengths) - 4 + 1  # every window of 4 steps of the continuous series
+    old, new = tmp_path / "lustre" / "era5", tmp_path / "scratch" / "era5"
+    write_months(old, lengths)
+
+    def job(months: Path, topology: Topology) -> Job:
+        loading = Loading(strategy="broadcast", batch_size=8)
+        return Job(topology, Data(months=str(months), halo=True), loading, checks=Checks(count_weights=True))
+
+    def move(segment: Segment) -> None:
+        if segment.name == "seg0":
+            shutil.copytree(old, new, copy_function=shutil.copy)
+            os.utime(new / "month-01.npy", (2_000_000_000, 2_000_000_000))
+            shutil.rmtree(old)
+
+    out = tmp_path / "run"
+    seen, segments = check_resume(
+        out, job(old, TWO_BY_TWO), [job(new, Topology(1, 2))], checkpoint_every=3, after_segment=move
+    )
+    assert segments[0].returncode != 0, "the first segment was killed mid-epoch"
+    assert f"the data moved: {old}/ -> {new}/" in segments[1].output
+    assert_exactly_once(seen, total=total, epochs=1)
+    assert_weights_count_once(weights_at_epoch_ends(out, "seg1"), total, epochs=1)
 
 
 def slot_files() -> set[str]:

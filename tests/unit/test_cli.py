@@ -165,6 +165,7 @@ def test_plan_large_world_is_one_screen(capsys: pytest.CaptureFixture[str]) -> N
         (["--strategy", "ring"], "'ring'"),
         (["--even-batches", "pd"], "'pd'"),
         (["data.num_itemz=3"], "num_itemz"),
+        (["+data.bogus_key=1"], "bogus_key"),
         (["data.num_items=abc"], "abc"),
         (["data.num_items=0"], "num_items=0"),
         (["16"], "'16'"),

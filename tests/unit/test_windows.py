@@ -151,3 +151,28 @@ def test_a_shared_array_is_a_read_only_zero_copy_view() -> None:
     finally:
         shared_memory.unlink(name)
     assert not info.path.exists()
+
+
+def test_months_are_known_by_name_and_bytes_so_a_copy_or_touch_is_the_same_data(tmp_path: Path) -> None:
+    """NpyWindows names each month under the folder the months share and ids its bytes: a copy
+    elsewhere with new times has the same fingerprint; a rewritten month is named by the table."""
+    from lightning_sharding.core.identity import item_changes, item_table
+    from lightning_sharding.core.manifest import Manifest
+
+    paths = write_months(tmp_path / "a", [12, 9, 11])
+    items = NpyWindows(paths, window=4, halo=True).items()
+    assert [it.name for it in items] == ["month-00.npy", "month-01.npy", "month-02.npy"]
+    assert all(it.content.startswith(f"size={os.path.getsize(p)};digest=") for it, p in zip(items, paths, strict=True))
+    copied = write_months(tmp_path / "b" / "c", [12, 9, 11])
+    os.utime(copied[1], (2_000_000_000, 2_000_000_000))
+    moved = NpyWindows(copied, window=4, halo=True).items()
+    assert Manifest(moved).fingerprint == Manifest(items).fingerprint
+    assert Manifest(moved).root == f"{tmp_path}/b/c/" and Manifest(items).root == f"{tmp_path}/a/"
+    assert Manifest(NpyWindows(copied, window=4).items()).fingerprint != Manifest(items).fingerprint  # no halo
+    array = np.load(copied[2])
+    array[3, 0] += 1.0
+    np.save(copied[2], array)
+    changed = NpyWindows(copied, window=4, halo=True).items()
+    assert item_changes(item_table(items), changed) == [
+        "'month-02.npy' changed: same size, other content (its digest differs)"
+    ]
