@@ -26,10 +26,12 @@ _EXPORTS = {
     "BatchTask": "core.plan",
     "CheckpointMismatchError": "core.ledger",
     "DispatchLoader": "strategies.dispatch",
+    "DocumentReader": "tokens",
     "EpochOrder": "core.order",
     "EpochPlan": "core.plan",
     "EpochReport": "lightning.summary",
     "FileReader": "readers",
+    "IndexedTokens": "tokens",
     "Item": "core.manifest",
     "JsonlReader": "readers",
     "Ledger": "core.ledger",
@@ -38,6 +40,8 @@ _EXPORTS = {
     "NpyReader": "readers",
     "NpyWindows": "readers",
     "Order": "core.order",
+    "PackedReader": "tokens",
+    "Packing": "tokens",
     "ParquetReader": "readers",
     "plan_epoch": "core.plan",
     "register_strategy": "strategies",
@@ -58,6 +62,7 @@ _EXPORTS = {
     "ShardingCallback": "lightning.callbacks",
     "SyntheticReader": "readers",
     "TarReader": "readers",
+    "TokenFiles": "tokens",
     "WindowedReader": "readers",
     "World": "core.world",
 }
@@ -68,10 +73,12 @@ __all__ = [
     "BatchTask",
     "CheckpointMismatchError",
     "DispatchLoader",
+    "DocumentReader",
     "EpochOrder",
     "EpochPlan",
     "EpochReport",
     "FileReader",
+    "IndexedTokens",
     "Item",
     "JsonlReader",
     "Ledger",
@@ -80,6 +87,8 @@ __all__ = [
     "NpyReader",
     "NpyWindows",
     "Order",
+    "PackedReader",
+    "Packing",
     "ParquetReader",
     "plan_epoch",
     "register_strategy",
@@ -100,6 +109,7 @@ __all__ = [
     "ShardingCallback",
     "SyntheticReader",
     "TarReader",
+    "TokenFiles",
     "WindowedReader",
     "World",
 ]
@@ -133,6 +143,7 @@ if TYPE_CHECKING:
     from lightning_sharding.strategies.dispatch import DispatchLoader
     from lightning_sharding.strategies.options import LoaderOptions
     from lightning_sharding.strategies.shard import ShardedLoader
+    from lightning_sharding.tokens import DocumentReader, IndexedTokens, PackedReader, Packing, TokenFiles
 
 
 def __getattr__(name: str) -> Any:

@@ -168,6 +168,22 @@ class EpochOrder:
             index[group] = self._inner(int(items[group[0]]))[local[group]]
         return items, index
 
+    def sample_order(self) -> Int64Array:
+        """Every position's sample as one number (samples numbered item after item in manifest
+        order), shape ``(total,)``: :meth:`locate` of the whole epoch, one draw per item (an order
+        that lays out single samples, such as packed documents, needs them all)."""
+        first = np.concatenate(([0], np.cumsum(self.counts)[:-1]))
+        parts = []
+        for item in self.item_order.tolist():
+            count = int(self.counts[item])
+            if count == 0:
+                continue
+            if not self.shuffle or count == 1:
+                parts.append(np.arange(first[item], first[item] + count, dtype=np.int64))
+            else:
+                parts.append(first[item] + _rng(_SAMPLE_STREAM, self.seed, self.epoch, item).permutation(count))
+        return np.concatenate(parts).astype(np.int64, copy=False)
+
     def items_from(self, position: int, count: int) -> Int64Array:
         """The ids of the ``count`` items laid out from the one holding ``position`` on, in epoch
         order (fewer at the end of the epoch); shape ``(<= count,)``."""

@@ -33,6 +33,7 @@ from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, s
 from lightning_sharding.strategies._shared_memory import sweep_dead
 from lightning_sharding.strategies.base import strategies_where
 from lightning_sharding.strategies.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
+from lightning_sharding.tokens import PackedReader, Packing
 
 
 class ShardedDataModule(pl.LightningDataModule):
@@ -90,6 +91,11 @@ class ShardedDataModule(pl.LightningDataModule):
             function of the trainer returning it, for meshes Lightning cannot see. By default the
             strategy's ``distributed_sampler_kwargs``: every rank under DDP/FSDP, the data-parallel
             dimension under ``ModelParallelStrategy``. Ranks of one replica read the same batches.
+        packing: :class:`~lightning_sharding.tokens.packing.Packing` (``seq_len``, ``mode``): the
+            ``reader``'s tokenized documents (a :class:`~lightning_sharding.tokens.documents.DocumentReader`)
+            packed into sequences of ``seq_len`` tokens; the ledger counts sequences and a batch holds
+            ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, ``cu_seqlens`` and
+            ``max_seqlen`` (see :mod:`lightning_sharding.tokens.batch`). Strategy ``shard`` only.
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class ShardedDataModule(pl.LightningDataModule):
         streams: Sequence[Stream] | None = None,
         samples_per_epoch: int | None = None,
         batch_composition: str = "mixed",
+        packing: Packing | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -162,6 +169,8 @@ class ShardedDataModule(pl.LightningDataModule):
             self.options = self.options.replace(shuffle=False)
         self.strategy.check(self.options, owner=name)
         self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size)
+        if packing is not None:
+            self._reader = packed(self._reader, packing, self.strategy, self.options, streams, name)
         self._val_reader = val_reader
         self._test_reader = test_reader
         self.source = source
@@ -286,6 +295,34 @@ class ShardedDataModule(pl.LightningDataModule):
 # Every loader option is an attribute too: ``dm.batch_size`` reads ``dm.options``; setting it checks again.
 for _name in LoaderOptions.names():
     setattr(ShardedDataModule, _name, OptionAttribute(_name))
+
+
+def packed(
+    reader: Reader | None,
+    packing: Packing,
+    strategy: Strategy,
+    options: LoaderOptions,
+    streams: Sequence[Stream] | None,
+    owner: str,
+) -> PackedReader:
+    """``reader``'s documents packed by ``packing``; what cannot go with packing is refused, named."""
+    if streams is not None:
+        raise ValueError(
+            f"`{owner}(packing=..., streams=...)`: a mixture of packed token streams is not supported yet; "
+            "pack one reader (reader=...)"
+        )
+    if strategy.name != "shard":
+        raise ValueError(f"`{owner}(packing=...)` works with strategy 'shard' only, not {strategy.name!r}")
+    if options.transform is not None or options.collate_fn is not default_collate:
+        raise ValueError(
+            f"`{owner}(packing=...)` builds whole batches of sequences: transform= and collate_fn= do not "
+            "apply; use batch_transform= to change a batch"
+        )
+    if options.on_error != "raise":
+        raise ValueError(f"`{owner}(packing=..., on_error={options.on_error!r})`: packed batches are never skipped")
+    if reader is None:
+        raise TypeError(f"`{owner}(packing=...)` packs the documents of reader=...: give one")
+    return PackedReader(reader, packing)  # type: ignore[arg-type]  # refused there unless a DocumentReader
 
 
 def _ensure_callback(trainer: pl.Trainer) -> None:

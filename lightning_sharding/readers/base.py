@@ -26,6 +26,9 @@ class Reader(ABC):
 
     # How far ahead a worker tells :meth:`ahead` about (0: it is never called).
     fetch_ahead: int = 0
+    # Whether the reader builds whole batches from the epoch order's positions (:meth:`read_sequences`,
+    # packed token sequences) instead of reading samples one item at a time.
+    reads_sequences: bool = False
 
     @abstractmethod
     def items(self) -> Sequence[Item]:
@@ -38,6 +41,11 @@ class Reader(ABC):
     @abstractmethod
     def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
         """Sample ``index`` (``0 <= index < item.num_samples``) of ``item``."""
+
+    def read_sequences(self, order: Any, positions: npt.NDArray[np.int64], items: Sequence[Item]) -> Any:
+        """The batch of ``positions`` of the epoch ``order`` over the manifest's ``items``, built
+        whole (only when :attr:`reads_sequences`; no ``transform`` or ``collate_fn`` runs on it)."""
+        raise NotImplementedError(f"{type(self).__name__} reads samples, not sequences")
 
     def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
         """The items of this worker's current batch, and the items the plan reads after it, nearest

@@ -39,6 +39,15 @@ def replica_of(replica: int, trainer: pl.Trainer) -> tuple[int, int]:
     return trainer.global_rank // replica, trainer.world_size // replica
 
 
+def trained_ids(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The samples a batch trains: its ``id`` of rows not flagged as padding; of packed token
+    sequences (tests/jobs/tokens_data.py), every token of rows not flagged, but padding (id 0)."""
+    if "input_ids" not in batch:
+        return batch["id"][~batch["is_padding"]]
+    tokens = batch["input_ids"][~batch["is_padding"]]
+    return tokens[tokens != 0]
+
+
 class RecordingModel(pl.LightningModule):
     """A tiny regression model that writes down every sample id its training steps used.
 
@@ -70,8 +79,11 @@ class RecordingModel(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.count_weights and not hasattr(self, "w"):
-            # One weight per sample (of a mixture too, whose epoch may draw more or fewer).
-            total = int(self.trainer.datamodule.manifest.counts.sum())  # type: ignore[attr-defined]
+            # One weight per sample (of a mixture too, whose epoch may draw more or fewer); of packed
+            # tokens, one per token id (tests/jobs/tokens_data.py: ids 1..T, 0 pads).
+            manifest = self.trainer.datamodule.manifest  # type: ignore[attr-defined]
+            packing = getattr(manifest.epochs, "packing", None)
+            total = manifest.epochs.tokens + 1 if packing is not None else int(manifest.counts.sum())
             self.w = torch.nn.Parameter(torch.zeros(total, dtype=torch.float64))
 
     def configure_model(self) -> None:
@@ -82,9 +94,12 @@ class RecordingModel(pl.LightningModule):
         self._batches += 1
         if self._batches == self.raise_at_batch:
             raise RuntimeError(f"RecordingModel: deliberate failure in training_step of batch {self._batches}")
-        loss = torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
+        if "input_ids" in batch:
+            loss = sum(p.sum() for p in self.layer.parameters()) * 0.0  # the layer takes part in every step (DDP)
+        else:
+            loss = torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
         if self.count_weights:
-            ids = batch["id"][~batch["is_padding"]]
+            ids = trained_ids(batch)
             # DDP averages over every rank; the ranks of a model replica add the same gradient.
             replicas = self.trainer.datamodule.world.data_size  # type: ignore[attr-defined]
             scale = replicas * self.trainer.accumulate_grad_batches
@@ -99,7 +114,8 @@ class RecordingModel(pl.LightningModule):
         record = {
             "epoch": self.trainer.current_epoch,
             "gs": self.trainer.global_step,
-            "ids": batch["id"][~pad].tolist(),
+            # A token's id less 1: the corpus's tokens are samples 0..T-1 to the records' checks.
+            "ids": (trained_ids(batch) - 1).tolist() if "input_ids" in batch else batch["id"][~pad].tolist(),
             "pad": int(pad.sum()),
             "k": batch_idx + 1,
             "bar": train_total(self.trainer.progress_bar_callback),

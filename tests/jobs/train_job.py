@@ -50,6 +50,10 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
     elif loading["strategy"] == "broadcast":
         months = sorted(str(p) for p in Path(spec["months"]).glob("month-*.npy"))
         data = dict(reader=MonthWindows(months, window=spec["window"], stride=spec["stride"], halo=spec["halo"]))
+    elif spec["tokens"]:
+        from tests.jobs.tokens_data import packed_reader, packed_spec
+
+        data = dict(reader=packed_reader(spec["tokens"]["dir"]), packing=packed_spec(spec["tokens"]))
     elif spec["streams"]:
         from tests.jobs.streams_data import make_streams
 

@@ -1,8 +1,8 @@
 """The layout docs/architecture.md promises: every module says what it is about, no import cycles,
 the layers (the core imports no torch, Lightning or feature; strategies no Lightning; only
-mixture/ reaches inside mixture/; no order's type tested outside its module), a strategy's rules
-only in its strategy, and no Lightning in what workers import. Each layering rule is also run on a
-planted package that breaks it, so a rule that cannot fail is caught."""
+mixture/ reaches inside mixture/, only tokens/ inside tokens/; no order's type tested outside its
+module), a strategy's rules only in its strategy, and no Lightning in what workers import. Each
+layering rule is also run on a planted package that breaks it, so a rule that cannot fail is caught."""
 
 from __future__ import annotations
 
@@ -124,9 +124,13 @@ def test_what_workers_import_imports_no_lightning() -> None:
 
 # The core's only imports outside the standard library and itself.
 CORE_MAY_IMPORT = {"numpy", "typing_extensions"}
-ORDER_TYPES = r"EpochOrder|MixtureOrder|MixtureChange|ChangedMixture|Mixture|StreamOrder|RestStream"
+ORDER_TYPES = (
+    r"EpochOrder|MixtureOrder|MixtureChange|ChangedMixture|Mixture|StreamOrder|RestStream|PackedOrder|PackedEpochs"
+)
 # Where each order type is defined: the only place that may test for it.
-ORDER_HOMES = ("lightning_sharding.core.order", "lightning_sharding.mixture.")
+ORDER_HOMES = ("lightning_sharding.core.order", "lightning_sharding.mixture.", "lightning_sharding.tokens.")
+# The features: kinds of order, each a package whose modules only it imports (the rest import the package).
+FEATURES = ("mixture", "tokens")
 
 
 def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
@@ -154,9 +158,9 @@ def layering_violations(found: dict[str, Path]) -> list[str]:
             glue = top in ("lightning", "pytorch_lightning") or module.startswith("lightning_sharding.lightning")
             if inside == "strategies" and glue:
                 out.append(f"{name} (strategies) imports {module}: workers must not import Lightning")
-            internal = module.startswith("lightning_sharding.mixture.")
-            if inside != "mixture" and internal:
-                out.append(f"{name} imports {module}: outside mixture/, import from lightning_sharding.mixture")
+            for feature in FEATURES:
+                if inside != feature and module.startswith(f"lightning_sharding.{feature}."):
+                    out.append(f"{name} imports {module}: outside {feature}/, import from lightning_sharding.{feature}")
         if not name.startswith(ORDER_HOMES):
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if re.search(rf"isinstance\([^)]*\b({ORDER_TYPES})\b", line):
@@ -176,6 +180,8 @@ def test_the_layering_check_finds_a_planted_violation_of_each_rule(tmp_path: Pat
         "strategies/shard.py": "import lightning.pytorch as pl\n",
         "strategies/broadcast.py": "from lightning_sharding.lightning.keeper import LedgerKeeper\n",
         "cli/plan.py": "from lightning_sharding.mixture.order import MixtureOrder\n",
+        "lightning/datamodule.py": "from lightning_sharding.tokens.packing import Packing\n",
+        "tokens/reader.py": "from lightning_sharding.tokens.batch import packed_batch\nisinstance(o, PackedOrder)\n",
         "lightning/keeper.py": "ok = isinstance(order, MixtureOrder)\n",
         "mixture/change.py": "from lightning_sharding.mixture.order import Mixture\nok = isinstance(o, Mixture)\n",
         "core/manifest.py": "import numpy as np\nimport json\nfrom lightning_sharding.core.order import EpochOrder\n",
@@ -193,10 +199,11 @@ def test_the_layering_check_finds_a_planted_violation_of_each_rule(tmp_path: Pat
     assert any("strategies.shard (strategies) imports lightning.pytorch" in v for v in violations)
     assert any("strategies.broadcast (strategies) imports lightning_sharding.lightning.keeper" in v for v in violations)
     assert any("cli.plan imports lightning_sharding.mixture.order" in v for v in violations)
+    assert any("lightning.datamodule imports lightning_sharding.tokens.packing" in v for v in violations)
     assert any("lightning.keeper:1 tests an order's type" in v for v in violations)
     # What the rules allow: mixture/ reaching inside itself, the core importing the core, numpy, stdlib.
-    assert not any("mixture.change" in v or "core.manifest" in v for v in violations), violations
-    assert len(violations) == 7, violations
+    assert not any(m in v for m in ("mixture.change", "core.manifest", "tokens.reader") for v in violations), violations
+    assert len(violations) == 8, violations
 
 
 def test_the_top_level_holds_only_folders_the_root_the_entry_and_the_version() -> None:

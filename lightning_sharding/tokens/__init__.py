@@ -1,0 +1,23 @@
+"""Language-model pretraining: tokenized documents packed into fixed-length sequences.
+
+:mod:`~lightning_sharding.tokens.documents` reads documents of token ids with their lengths from an
+index; :mod:`~lightning_sharding.tokens.packing` lays an epoch out as packed sequences (an epoch
+order the core plans like any other); :mod:`~lightning_sharding.tokens.batch` builds what a batch
+holds; :mod:`~lightning_sharding.tokens.reader` joins them for ``ShardedDataModule(packing=...)``.
+"""
+
+from lightning_sharding.tokens.documents import DocumentReader, IndexedTokens, TokenFiles, write_indexed
+from lightning_sharding.tokens.packing import MODES, PackedEpochs, PackedOrder, Packing
+from lightning_sharding.tokens.reader import PackedReader
+
+__all__ = [
+    "MODES",
+    "DocumentReader",
+    "IndexedTokens",
+    "PackedEpochs",
+    "PackedOrder",
+    "PackedReader",
+    "Packing",
+    "TokenFiles",
+    "write_indexed",
+]

@@ -1,0 +1,303 @@
+"""Tokenized documents: readers whose items are files of token ids and whose samples are documents.
+
+A :class:`DocumentReader` lists its files with each one's documents and their token counts, read
+from an index, never from the tokens themselves where the format has one; inside workers it
+reads runs of tokens (:meth:`DocumentReader.read_tokens`), which packing
+(:mod:`~lightning_sharding.tokens.packing`) turns into sequences. Two formats here:
+
+- :class:`TokenFiles`: flat token files (``.npy`` of integers, or raw ``.bin`` of a given dtype),
+  split into documents after each ``eos_id``;
+- :class:`IndexedTokens`: Megatron-LM's indexed dataset (``prefix.bin`` + ``prefix.idx``), its
+  index memory-mapped and checked against its ``.bin``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import struct
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.core.identity import common_root
+from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.world import ShardContext
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.storage import local_content_digest
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class DocumentReader(Reader):
+    """Items are files of token ids; samples are documents (runs of tokens).
+
+    Subclasses give :meth:`items` (a file's ``num_samples`` is its documents),
+    :meth:`document_lengths` and :meth:`read_tokens`, where an item's tokens are its documents one
+    after another. A document read alone (:meth:`read`) is a 1-d int64 array of its tokens.
+    """
+
+    @abstractmethod
+    def document_lengths(self, item: Item) -> Int64Array:
+        """The token count of each document of ``item``, shape ``(item.num_samples,)``."""
+
+    @abstractmethod
+    def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
+        """Tokens ``[start, stop)`` of ``item`` (its documents one after another), shape ``(stop - start,)``."""
+
+    def lengths(self, items: Sequence[Item]) -> Int64Array:
+        """Every document's token count, item after item, shape ``(num_documents,)``."""
+        parts = [np.asarray(self.document_lengths(it), dtype=np.int64) for it in items]
+        for item, part in zip(items, parts, strict=True):
+            if part.shape != (item.num_samples,):
+                raise ValueError(
+                    f"{type(self).__name__}.document_lengths gave {part.size} lengths for item {item.key!r} "
+                    f"of {item.num_samples} documents"
+                )
+            empty = np.flatnonzero(part <= 0)
+            if empty.size:
+                raise ValueError(
+                    f"document {int(empty[0])} of {item.key!r} holds no tokens ({empty.size} empty document(s) "
+                    "in the file): remove empty documents from the data"
+                )
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        """Document ``index`` of ``item``: its tokens, int64, shape ``(length,)``."""
+        lengths = self._item_lengths(item)
+        start = int(lengths[:index].sum())
+        return np.asarray(self.read_tokens(item, start, start + int(lengths[index])), dtype=np.int64)
+
+    def _item_lengths(self, item: Item) -> Int64Array:
+        cache: dict[str, Int64Array] = self.__dict__.setdefault("_lengths_cache", {})
+        if item.key not in cache:
+            cache[item.key] = np.asarray(self.document_lengths(item), dtype=np.int64)
+        return cache[item.key]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lengths_cache", "_maps")}
+
+
+def _expand(paths: str | Sequence[str], suffixes: tuple[str, ...], owner: str) -> list[str]:
+    """``paths``: a glob, or a list of paths and globs; every match, sorted within each glob."""
+    entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    found: list[str] = []
+    for entry in map(os.fspath, entries):
+        matched = sorted(glob.glob(entry)) if glob.has_magic(entry) else [entry]
+        if not matched:
+            raise ValueError(f"{owner}: {entry!r} matches no file")
+        found.extend(matched)
+    for path in found:
+        if not path.endswith(suffixes):
+            raise ValueError(f"{owner}: {path!r} is not a {' or '.join(suffixes)} file")
+        if not os.path.exists(path):
+            raise ValueError(f"{owner}: {path!r} does not exist")
+    if len(set(found)) != len(found):
+        raise ValueError(f"{owner}: a file is listed twice in {paths!r}")
+    return found
+
+
+def _names(paths: Sequence[str]) -> list[str]:
+    """Each path relative to the folder the paths share (what a checkpoint knows a file by)."""
+    absolute = [os.path.abspath(p) for p in paths]
+    root = common_root(absolute)
+    return [p[len(root) :] for p in absolute]
+
+
+class TokenFiles(DocumentReader):
+    """Flat files of token ids, split into documents after each ``eos_id`` (the ``eos_id`` ends
+    its document; tokens after the last one are a last document).
+
+    Args:
+        paths: a glob or a list of paths and globs of ``.npy`` (1-d integer arrays) or ``.bin``
+            files (raw tokens of ``dtype``).
+        eos_id: the token that ends a document.
+        dtype: the token type of ``.bin`` files (``uint16``, ``int32``...); ``.npy`` files say their own.
+    """
+
+    def __init__(self, paths: str | Sequence[str], eos_id: int, dtype: str | None = None) -> None:
+        name = type(self).__name__
+        self.paths = _expand(paths, (".npy", ".bin"), name)
+        if isinstance(eos_id, bool) or not isinstance(eos_id, int) or eos_id < 0:
+            raise ValueError(f"{name}(eos_id={eos_id!r}) must be a token id (an integer >= 0)")
+        self.eos_id = eos_id
+        if any(p.endswith(".bin") for p in self.paths) and dtype is None:
+            raise ValueError(f"{name}: .bin files hold raw tokens: give their dtype= (uint16, int32, ...)")
+        self.dtype = np.dtype(dtype) if dtype is not None else None
+        if self.dtype is not None and self.dtype.kind not in "iu":
+            raise ValueError(f"{name}(dtype={dtype!r}) must be an integer type")
+
+    def _map(self, path: str) -> npt.NDArray[np.integer[Any]]:
+        maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
+        if path not in maps:
+            try:
+                if path.endswith(".npy"):
+                    arr = np.load(path, mmap_mode="r")
+                else:
+                    assert self.dtype is not None
+                    arr = np.memmap(path, dtype=self.dtype, mode="r")
+            except (OSError, ValueError) as err:
+                raise ValueError(f"{path!r} is not a readable token file: {err}") from err
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(
+                    f"{path!r} holds an array of shape {arr.shape} and dtype {arr.dtype}: "
+                    "token files are 1-d arrays of integer token ids"
+                )
+            maps[path] = arr
+        return maps[path]  # type: ignore[no-any-return]
+
+    def _ends(self, path: str) -> Int64Array:
+        """Where each document of ``path`` ends (one past its last token)."""
+        tokens = self._map(path)
+        ends = np.flatnonzero(tokens == self.eos_id) + 1
+        if ends.size == 0 or ends[-1] != tokens.size:
+            ends = np.append(ends, tokens.size)
+        return ends.astype(np.int64)
+
+    def items(self) -> Sequence[Item]:
+        """One item per file, with its documents; files are named under the folder they share."""
+        items = []
+        for path, name in zip(self.paths, _names(self.paths), strict=True):
+            ends = self._ends(path)
+            if self._map(path).size == 0:
+                raise ValueError(f"{path!r} holds no tokens: remove it from the paths")
+            st = os.stat(path)
+            fingerprint = f"size={st.st_size},mtime={st.st_mtime_ns},eos={self.eos_id}"
+            content = f"{local_content_digest(path)};eos={self.eos_id}"
+            items.append(Item(path, int(ends.size), fingerprint, name, content))
+        return items
+
+    def document_lengths(self, item: Item) -> Int64Array:
+        """From the positions of ``eos_id`` in the file (read once per process)."""
+        return np.diff(self._ends(item.key), prepend=0)
+
+    def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
+        """A slice of the memory-mapped file."""
+        return np.asarray(self._map(item.key)[start:stop])
+
+
+# Megatron-LM's indexed dataset: the .idx header and its dtype codes (megatron/core/datasets/indexed_dataset.py).
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES: dict[int, Any] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+
+
+class IndexedTokens(DocumentReader):
+    """Megatron-LM's indexed dataset: ``prefix.bin`` (the tokens) and ``prefix.idx`` (the index).
+
+    The ``.idx`` holds, little-endian: the magic ``MMIDIDX\\0\\0``, the version (``<Q``, 1), the
+    dtype code (``<B``: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16), the sequence count
+    ``S`` and the document count ``D + 1`` (``<Q`` each), then ``S`` int32 sequence lengths, ``S``
+    int64 byte offsets into the ``.bin``, and ``D + 1`` int64 document boundaries (sequence
+    indices, from 0 to ``S``). A document is its sequences, one after another; the lengths come
+    from the index alone. An index that does not match its ``.bin`` (another size, offsets that
+    are not back to back) is refused naming the file.
+
+    Args:
+        prefixes: one prefix or a list of prefixes (paths without ``.bin``/``.idx``), or globs of
+            ``.idx`` files.
+    """
+
+    def __init__(self, prefixes: str | Sequence[str]) -> None:
+        entries = [prefixes] if isinstance(prefixes, (str, os.PathLike)) else list(prefixes)
+        idx = [e if str(e).endswith(".idx") else f"{os.fspath(e)}.idx" for e in entries]
+        self.prefixes = [p[: -len(".idx")] for p in _expand(idx, (".idx",), type(self).__name__)]
+
+    def _index(self, prefix: str) -> tuple[np.dtype[Any], Int64Array, Int64Array]:
+        """``(dtype, lengths, document boundaries)`` of ``prefix``, checked against its ``.bin``."""
+        maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
+        if prefix in maps:
+            return maps[prefix]  # type: ignore[no-any-return]
+        path = f"{prefix}.idx"
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(MEGATRON_MAGIC) + 8 + 1 + 8 + 8)
+        except OSError as err:
+            raise ValueError(f"{path!r} cannot be read: {err}") from err
+        if len(head) < len(MEGATRON_MAGIC) + 25 or not head.startswith(MEGATRON_MAGIC):
+            raise ValueError(f"{path!r} is not a Megatron index: it does not start with {MEGATRON_MAGIC!r}")
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(MEGATRON_MAGIC) :])
+        if version != 1:
+            raise ValueError(f"{path!r} is a Megatron index of version {version}; this reader reads version 1")
+        if code not in MEGATRON_DTYPES or np.dtype(MEGATRON_DTYPES[code]).kind not in "iu":
+            raise ValueError(f"{path!r}: dtype code {code} is not an integer token type")
+        dtype = np.dtype(MEGATRON_DTYPES[code])
+        offset = len(head)
+        need = offset + sequences * 4 + sequences * 8 + documents * 8
+        size = os.path.getsize(path)
+        if size < need:
+            raise ValueError(
+                f"{path!r} holds {size} bytes but its header promises {sequences} sequences and "
+                f"{documents - 1} documents ({need} bytes): the index is truncated"
+            )
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        lengths = np.frombuffer(raw, dtype="<i4", count=sequences, offset=offset).astype(np.int64)
+        pointers = np.frombuffer(raw, dtype="<i8", count=sequences, offset=offset + 4 * sequences)
+        bounds = np.frombuffer(raw, dtype="<i8", count=documents, offset=offset + 12 * sequences).astype(np.int64)
+        bin_path = f"{prefix}.bin"
+        bin_size = os.path.getsize(bin_path) if os.path.exists(bin_path) else -1
+        expected = np.concatenate(([0], np.cumsum(lengths)[:-1])) * dtype.itemsize
+        tokens = int(lengths.sum())
+        if bin_size != tokens * dtype.itemsize or not np.array_equal(pointers, expected):
+            what = "is missing" if bin_size < 0 else f"holds {bin_size} bytes"
+            raise ValueError(
+                f"{path!r} does not match {bin_path!r}: the index lists {tokens} tokens of {dtype} "
+                f"({tokens * dtype.itemsize} bytes, back to back) but the .bin {what}; rebuild the index "
+                "(or copy the .bin again: it may be truncated)"
+            )
+        if bounds.size == 0 or bounds[0] != 0 or bounds[-1] != sequences or np.any(np.diff(bounds) < 0):
+            raise ValueError(f"{path!r}: its document boundaries do not run from 0 to {sequences} sequences")
+        maps[prefix] = (dtype, lengths, bounds)
+        return maps[prefix]  # type: ignore[no-any-return]
+
+    def items(self) -> Sequence[Item]:
+        """One item per prefix, with its documents; named by the ``.bin`` under the folder they share."""
+        items = []
+        bins = [f"{p}.bin" for p in self.prefixes]
+        for prefix, path, name in zip(self.prefixes, bins, _names(bins), strict=True):
+            _, _, bounds = self._index(prefix)
+            st = os.stat(path)
+            content = f"{local_content_digest(path)};idx={local_content_digest(prefix + '.idx').split(';')[1]}"
+            items.append(Item(path, int(bounds.size - 1), f"size={st.st_size},mtime={st.st_mtime_ns}", name, content))
+        return items
+
+    def document_lengths(self, item: Item) -> Int64Array:
+        """From the index: each document's sequences' lengths, summed."""
+        _, lengths, bounds = self._index(item.key[: -len(".bin")])
+        ends = np.concatenate(([0], np.cumsum(lengths)))
+        return ends[bounds[1:]] - ends[bounds[:-1]]
+
+    def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
+        """A slice of the memory-mapped ``.bin``."""
+        maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
+        key = f"bin:{item.key}"
+        if key not in maps:
+            dtype, _, _ = self._index(item.key[: -len(".bin")])
+            maps[key] = np.memmap(item.key, dtype=dtype, mode="r")
+        return np.asarray(maps[key][start:stop])
+
+
+def write_indexed(prefix: str, documents: Sequence[npt.ArrayLike], dtype: Any = np.uint16) -> None:
+    """Write ``documents`` (arrays of token ids) as a Megatron indexed dataset ``prefix.bin`` +
+    ``prefix.idx``, one sequence per document (as Megatron's preprocessing writes them)."""
+    code = next(c for c, t in MEGATRON_DTYPES.items() if np.dtype(t) == np.dtype(dtype))
+    arrays = [np.asarray(d, dtype=dtype) for d in documents]
+    lengths = np.array([a.size for a in arrays], dtype="<i4")
+    pointers = (np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)[:-1])) * np.dtype(dtype).itemsize).astype("<i8")
+    with open(f"{prefix}.bin", "wb") as f:
+        for a in arrays:
+            f.write(a.tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(MEGATRON_MAGIC + struct.pack("<QBQQ", 1, code, len(arrays), len(arrays) + 1))
+        f.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(arrays) + 1, dtype="<i8").tobytes())

@@ -1,0 +1,76 @@
+"""``PackedReader``: a reader of documents whose epochs are packed sequences, read batch by batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.world import ShardContext
+from lightning_sharding.readers.base import Reader
+from lightning_sharding.tokens.batch import packed_batch
+from lightning_sharding.tokens.documents import DocumentReader
+from lightning_sharding.tokens.packing import PackedEpochs, Packing
+
+
+class PackedReader(Reader):
+    """The documents of ``documents``, packed by ``packing`` into sequences: the manifest's epochs
+    are :class:`~lightning_sharding.tokens.packing.PackedEpochs`, so the ledger counts sequences,
+    and a worker reads a whole batch of sequences at once (:meth:`read_sequences`, what
+    :mod:`~lightning_sharding.tokens.batch` describes). ``ShardedDataModule(packing=...)`` makes one."""
+
+    reads_sequences = True
+
+    def __init__(self, documents: DocumentReader, packing: Packing) -> None:
+        if not isinstance(documents, DocumentReader):
+            raise TypeError(
+                f"packing needs a reader of tokenized documents (TokenFiles, IndexedTokens or another "
+                f"DocumentReader), got {type(documents).__name__}"
+            )
+        if not isinstance(packing, Packing):
+            raise TypeError(f"packing= takes a Packing(seq_len=..., mode=...), got {packing!r}")
+        self.documents = documents
+        self.packing = packing
+        self.fetch_ahead = documents.fetch_ahead
+
+    def items(self) -> Sequence[Item]:
+        """The documents' files."""
+        return self.documents.items()
+
+    def manifest(self) -> Manifest:
+        """The files, each document's length (from the reader's index) and the packing."""
+        items = tuple(self.items())
+        counts = Manifest(items).counts
+        return Manifest(items, PackedEpochs(self.documents.lengths(items), counts, self.packing))
+
+    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        """Document ``index`` of ``item`` (packed batches come from :meth:`read_sequences`)."""
+        return self.documents.read(item, index, ctx)
+
+    def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
+        """As the documents' reader does."""
+        self.documents.ahead(now, upcoming)
+
+    def take_stats(self) -> dict[str, float]:
+        """The documents' reader's counters."""
+        return self.documents.take_stats()
+
+    def read_sequences(self, order: Any, positions: npt.NDArray[np.int64], items: Sequence[Item]) -> dict[str, Any]:
+        """The batch of the sequences at ``positions`` of ``order`` (a packed order), over the
+        manifest's ``items``."""
+        epochs: PackedEpochs = order.epochs
+        first, base, documents = epochs.first_document, epochs.token_start_in_item, self.documents
+
+        def read(doc: int, start: int, stop: int) -> Any:
+            item = items[int(np.searchsorted(first, doc, side="right")) - 1]
+            offset = int(base[doc])
+            return documents.read_tokens(item, offset + start, offset + stop)
+
+        def name(doc: int) -> str:
+            item, index = epochs.document(doc)
+            return f"document {index} of {items[item].key!r}"
+
+        return packed_batch(len(positions), order.pieces(positions), epochs.lengths, read, self.packing, name)

@@ -1,0 +1,100 @@
+"""Language-model pretraining (issue 35): packed token sequences, exactly once in tokens, counted
+in the weights, with real processes (a Lightning Trainer, DDP over gloo, spawned DataLoader
+workers), across SIGKILL and resume on other ranks x workers, for each packing mode.
+
+The corpus (tests/jobs/tokens_data.py) is four Megatron indexed files whose every token is a
+distinct id, so the model's weight per token id counts how many times each token's gradient was
+applied. Every epoch must add exactly 1 to every token the packing plans (all of them for
+``concat`` and ``best_fit``; the first ``seq_len`` of each document for ``none``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
+from tests.harness import (
+    Checks,
+    Data,
+    Job,
+    Loading,
+    Topology,
+    Training,
+    assert_exactly_once,
+    check_resume,
+    weights_at_epoch_ends,
+)
+from tests.jobs.tokens_data import write_corpus
+
+SEQ_LEN = 16
+
+
+def planned_tokens(corpus: Path, mode: str) -> np.ndarray:
+    """The ids (1..T) of the tokens an epoch of ``mode`` trains, from the corpus's own documents."""
+    reader = IndexedTokens(f"{corpus}/part-*.idx")
+    planned = []
+    for item in reader.items():
+        start = 0
+        for n in reader.document_lengths(item).tolist():
+            tokens = np.asarray(reader.read_tokens(item, start, start + n), dtype=np.int64)
+            planned.append(tokens[:SEQ_LEN] if mode == "none" else tokens)
+            start += n
+    return np.concatenate(planned)
+
+
+def job(corpus: Path, mode: str, topology: Topology, accumulate: int = 1, batch_size: int = 3) -> Job:
+    data = Data(tokens={"dir": str(corpus), "seq_len": SEQ_LEN, "mode": mode})
+    training = Training(epochs=2, accumulate=accumulate)
+    return Job(topology, data, Loading(batch_size=batch_size), training, checks=Checks(count_weights=True))
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize(("mode", "accumulate"), [("concat", 1), ("best_fit", 3), ("none", 1)])
+def test_every_planned_token_is_trained_once_per_epoch_across_kills_on_other_topologies(
+    tmp_path: Path, mode: str, accumulate: int
+) -> None:
+    """2 ranks x 2 workers, SIGKILLed after a checkpoint; 1 x 2 resumes and is SIGKILLed too; 2 x 1
+    with batches of 5 sequences instead of 3 finishes two epochs. Every planned token is in exactly
+    one applied step of each epoch, in the records and in the weights, and no other token is."""
+    corpus = tmp_path / "corpus"
+    total = write_corpus(corpus, files=4, documents=24)
+    planned = planned_tokens(corpus, mode)
+    out = tmp_path / "run"
+    first = job(corpus, mode, Topology(2, 2), accumulate)
+    # The last resume also takes another micro-batch size: the sequences do not depend on it.
+    then = [job(corpus, mode, Topology(1, 2), accumulate), job(corpus, mode, Topology(2, 1), accumulate, 5)]
+    seen, segments = check_resume(out, first, then, checkpoint_every=3)
+    assert all(s.returncode != 0 for s in segments[:2]), "the first two segments were killed mid-epoch"
+    if mode == "none":  # the tokens past seq_len are never trained: only the planned ones count
+        cut = np.setdiff1d(np.arange(1, total + 1), planned)
+        assert cut.size > 0, "no document is longer than a sequence: this would not test the cut"
+        for counts in seen.values():
+            assert not set(counts) & set((cut - 1).tolist()), "a token past seq_len was trained"
+            for t in (cut - 1).tolist():
+                counts[t] = 1  # the cut tokens stand as served once, so the check below covers the rest
+    assert_exactly_once(seen, total=total, epochs=2)
+    weights = weights_at_epoch_ends(out, "seg2")
+    assert sorted(weights) == [0, 1], f"epochs whose end saved weights: {sorted(weights)}"
+    expected = np.zeros(total + 1)
+    expected[planned] = 1.0
+    for epoch, w in weights.items():
+        np.testing.assert_array_equal(w, expected * (epoch + 1), err_msg=f"{mode}: tokens' weights after epoch {epoch}")
+
+
+def test_the_sequences_do_not_depend_on_ranks_workers_or_batch_size(tmp_path: Path) -> None:
+    """The epoch's sequences are a function of the documents, seed, epoch and packing alone: every
+    rank's batches of 3 plans tile the same sequences as one process reading them all at once."""
+    write_corpus(tmp_path, files=3, documents=9)
+    reader = PackedReader(IndexedTokens(f"{tmp_path}/part-*.idx"), Packing(SEQ_LEN, "concat"))
+    manifest = reader.manifest()
+    whole = reader.read_sequences(manifest.order(5, 1), np.arange(manifest.total), manifest.items)
+    parts = [
+        reader.read_sequences(manifest.order(5, 1), np.arange(lo, min(lo + 3, manifest.total)), manifest.items)
+        for lo in range(0, manifest.total, 3)
+    ]
+    for key in ("input_ids", "labels", "position_ids", "document_ids"):
+        np.testing.assert_array_equal(whole[key].numpy(), np.concatenate([p[key].numpy() for p in parts]))

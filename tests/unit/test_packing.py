@@ -1,0 +1,204 @@
+"""Packed token sequences (issue 35): the orders tile every planned token once, whatever the
+batches; the batch fields; the readers' indexes; bad input named."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_sharding import ShardedDataModule
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.tokens import IndexedTokens, PackedEpochs, PackedReader, Packing, TokenFiles, write_indexed
+from tests.jobs.tokens_data import write_corpus
+
+
+def coverage(epochs: PackedEpochs, seed: int, epoch: int) -> np.ndarray:
+    """How many times each (document, token) is in the epoch's sequences; (documents, longest)."""
+    order = epochs.order(epochs.counts, seed, epoch)
+    rows, doc, start, stop = order.pieces(np.arange(order.total))
+    assert np.all(np.bincount(rows, weights=stop - start) <= epochs.packing.seq_len)
+    assert np.all(np.diff(rows) >= 0) and np.unique(rows).size == order.total  # every sequence holds tokens
+    seen = np.zeros((epochs.lengths.size, int(epochs.lengths.max())), dtype=np.int64)
+    for d, a, b in zip(doc.tolist(), start.tolist(), stop.tolist(), strict=True):
+        seen[d, a:b] += 1
+    return seen
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 6), min_size=1, max_size=6).filter(lambda c: sum(c) > 0),
+    seq_len=st.integers(2, 20),
+    mode=st.sampled_from(["concat", "best_fit", "none"]),
+    window=st.integers(1, 8),
+    seed=st.integers(0, 2**32),
+    data=st.data(),
+)
+def test_every_mode_holds_each_planned_token_once(
+    counts: list[int], seq_len: int, mode: str, window: int, seed: int, data: st.DataObject
+) -> None:
+    lengths = np.array(data.draw(st.lists(st.integers(1, 50), min_size=sum(counts), max_size=sum(counts))))
+    epochs = PackedEpochs(lengths, counts, Packing(seq_len, mode, window=window))  # type: ignore[arg-type]
+    for epoch in (0, 1):
+        seen = coverage(epochs, seed, epoch)
+        planned = np.minimum(lengths, seq_len) if mode == "none" else lengths
+        want = np.arange(seen.shape[1])[None, :] < planned[:, None]
+        np.testing.assert_array_equal(seen, want.astype(np.int64))
+        assert epochs.order(epochs.counts, seed, epoch).total == epochs.total
+    assert epochs.padding == epochs.total * seq_len - int(want.sum())
+    if mode == "concat":
+        assert epochs.padding < seq_len  # only the epoch's last sequence is padded
+
+
+def test_concat_shuffles_per_epoch_and_best_fit_shuffles_its_sequences() -> None:
+    lengths = np.arange(1, 61)
+    counts = [20, 20, 20]
+    for mode in ("concat", "best_fit"):
+        epochs = PackedEpochs(lengths, counts, Packing(16, mode))  # type: ignore[arg-type]
+        first = [epochs.order(epochs.counts, 1, e).pieces(np.arange(4))[1].tolist() for e in (0, 1)]
+        assert first[0] != first[1], mode
+        assert (
+            epochs.order(epochs.counts, 1, 0).pieces([3])[1].tolist()
+            == epochs.order(epochs.counts, 1, 0).pieces([3])[1].tolist()
+        )
+    unshuffled = PackedEpochs(lengths, counts, Packing(16, "concat")).order(np.array(counts), 1, 0, shuffle=False)
+    assert unshuffled.pieces([0])[1].tolist() == [0, 1, 2, 3, 4, 5]  # 1+2+3+4+5 = 15, then 1 token of doc 5
+
+
+def test_best_fit_packs_whole_documents_and_pads_little() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 300, 2000)
+    epochs = PackedEpochs(lengths, [1000, 1000], Packing(256, "best_fit"))
+    rows, doc, start, _ = epochs.order(epochs.counts, 0, 0).pieces(np.arange(epochs.total))
+    short = lengths[doc] <= 256
+    assert np.all(start[short] == 0)  # a document that fits one sequence is never split
+    assert epochs.padding / (epochs.total * 256) < 0.05
+    assert epochs.order(epochs.counts, 0, 0).total == PackedEpochs(
+        lengths, [1000, 1000], Packing(256, "none")
+    ).total - (2000 - epochs.total)
+
+
+def test_a_batch_holds_labels_positions_documents_and_cu_seqlens(tmp_path: Path) -> None:
+    # Documents of tokens 1..5, 6..13, 14..16 (one file), seq_len 6, concat, no shuffle.
+    write_indexed(str(tmp_path / "a"), [np.arange(1, 6), np.arange(6, 14), np.arange(14, 17)])
+    reader = PackedReader(IndexedTokens(str(tmp_path / "a")), Packing(6, "concat"))
+    manifest = reader.manifest()
+    order = manifest.order(0, 0, shuffle=False)
+    batch = reader.read_sequences(order, np.arange(manifest.total), manifest.items)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 0, 0]]
+    assert batch["labels"].tolist() == [
+        [2, 3, 4, 5, -100, 7],  # 5 ends its document; 6's label (7) is read beyond the sequence
+        [8, 9, 10, 11, 12, 13],
+        [-100, 15, 16, -100, -100, -100],
+    ]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 0, 0]]
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 1, 1], [1, 2, 2, 2, -1, -1]]
+    assert batch["cu_seqlens"].tolist() == [0, 5, 6, 12, 13, 16, 18]
+    assert batch["cu_seqlens"].dtype.is_floating_point is False and str(batch["cu_seqlens"].dtype) == "torch.int32"
+    assert batch["max_seqlen"] == 6
+    across = PackedReader(IndexedTokens(str(tmp_path / "a")), Packing(6, "concat", labels_across_documents=True))
+    labels = across.read_sequences(order, np.arange(3), manifest.items)["labels"]
+    assert labels[0, 4] == 6 and labels[2, 0] == 14  # 5 -> 6 and 13 -> 14 are inside a row: labelled
+    assert labels[2, 3] == -100  # the last document ends the row: nothing follows it
+
+
+def test_token_files_split_at_eos_and_megatron_lengths_come_from_the_index(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.array([5, 6, 2, 7, 2, 8, 9], dtype=np.int32))  # eos 2
+    (tmp_path / "b.bin").write_bytes(np.array([3, 2, 4, 4, 2], dtype=np.uint16).tobytes())
+    with pytest.raises(ValueError, match=r"\.bin files hold raw tokens: give their dtype="):
+        TokenFiles(str(tmp_path / "*"), eos_id=2)
+    files = TokenFiles([str(tmp_path / "a.npy"), str(tmp_path / "b.bin")], eos_id=2, dtype="uint16")
+    items = files.items()
+    assert [it.num_samples for it in items] == [3, 2] and [it.name for it in items] == ["a.npy", "b.bin"]
+    assert files.lengths(items).tolist() == [3, 2, 2, 2, 3]
+    assert files.read(items[0], 2, None).tolist() == [8, 9]  # type: ignore[arg-type]
+    total = write_corpus(tmp_path / "m", files=2, documents=5)
+    indexed = IndexedTokens(str(tmp_path / "m" / "part-*.idx"))
+    assert int(indexed.lengths(indexed.items()).sum()) == total
+
+
+def write_bad_index(path: Path, what: str) -> None:
+    write_indexed(str(path), [np.arange(1, 6), np.arange(6, 9)])
+    if what == "truncated bin":
+        data = (path.parent / f"{path.name}.bin").read_bytes()
+        (path.parent / f"{path.name}.bin").write_bytes(data[:-2])
+    elif what == "truncated idx":
+        data = (path.parent / f"{path.name}.idx").read_bytes()
+        (path.parent / f"{path.name}.idx").write_bytes(data[:-4])
+    elif what == "magic":
+        data = (path.parent / f"{path.name}.idx").read_bytes()
+        (path.parent / f"{path.name}.idx").write_bytes(b"NOTMEGA!!" + data[9:])
+    elif what == "version":
+        data = bytearray((path.parent / f"{path.name}.idx").read_bytes())
+        data[9:17] = struct.pack("<Q", 2)
+        (path.parent / f"{path.name}.idx").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("truncated bin", r"x\.idx' does not match .*x\.bin'.*8 tokens of uint16 \(16 bytes.*holds 14 bytes"),
+        ("truncated idx", r"x\.idx' holds \d+ bytes but its header promises 2 sequences .*truncated"),
+        ("magic", r"x\.idx' is not a Megatron index"),
+        ("version", r"x\.idx' is a Megatron index of version 2"),
+    ],
+)
+def test_a_bad_megatron_index_is_refused_naming_the_file(tmp_path: Path, what: str, message: str) -> None:
+    write_bad_index(tmp_path / "x", what)
+    with pytest.raises(ValueError, match=message):
+        IndexedTokens(str(tmp_path / "x")).items()
+
+
+def test_bad_packing_input_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"Packing\(seq_len=1\) must be a whole number of tokens, 2 or more"):
+        Packing(1)
+    with pytest.raises(ValueError, match=r"Packing\(mode='greedy'\) is not a packing mode"):
+        Packing(8, "greedy")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"document 1 of item 0 holds no tokens"):
+        PackedEpochs([3, 0, 2], [3], Packing(4))
+    write_indexed(str(tmp_path / "e"), [np.arange(1, 6), np.array([], dtype=np.uint16), np.arange(3)])
+    with pytest.raises(ValueError, match=r"document 1 of '.*e\.bin' holds no tokens \(1 empty document"):
+        PackedReader(IndexedTokens(str(tmp_path / "e")), Packing(8)).manifest()
+    write_indexed(str(tmp_path / "v"), [np.arange(1, 6), np.array([1, 70000 % 65536, 3])])
+    reader = PackedReader(IndexedTokens(str(tmp_path / "v")), Packing(8, "none", vocab_size=100))
+    manifest = reader.manifest()
+    with pytest.raises(
+        ValueError, match=r"token id 4464 at token 1 of document 1 of '.*v\.bin' is outside the vocabulary \[0, 100\)"
+    ):
+        reader.read_sequences(manifest.order(0, 0, shuffle=False), np.arange(2), manifest.items)
+    with pytest.raises(TypeError, match=r"packing needs a reader of tokenized documents .*got SyntheticReader"):
+        from lightning_sharding import SyntheticReader
+
+        ShardedDataModule(SyntheticReader(sizes=[4]), packing=Packing(8))
+    docs = IndexedTokens(str(tmp_path / "v"))
+    with pytest.raises(ValueError, match=r"packing=\.\.\.\)` works with strategy 'shard' only, not 'broadcast'"):
+        ShardedDataModule(docs, packing=Packing(8), strategy="broadcast")
+    with pytest.raises(ValueError, match=r"transform= and collate_fn= do not apply; use batch_transform="):
+        ShardedDataModule(docs, packing=Packing(8), transform=lambda s, c: s)
+
+
+def test_a_resume_with_another_packing_or_changed_documents_is_explained(tmp_path: Path) -> None:
+    write_corpus(tmp_path, files=2, documents=4)
+    docs = IndexedTokens(str(tmp_path / "part-*.idx"))
+    saved = PackedReader(docs, Packing(16, "concat")).manifest()
+    other = PackedReader(docs, Packing(32, "best_fit")).manifest()
+    assert other.fingerprint != saved.fingerprint
+    found = other.differences(saved.summary(), saved.table)
+    assert "packing.seq_len was 16, now 32" in found and "packing.mode was 'concat', now 'best_fit'" in found
+    write_corpus(tmp_path, files=2, documents=4, seed=1)  # other documents, the same files
+    os.utime(tmp_path / "part-0.bin")
+    changed = PackedReader(IndexedTokens(str(tmp_path / "part-*.idx")), Packing(16, "concat")).manifest()
+    found = changed.differences(saved.summary(), saved.table)
+    assert any(f.startswith("'part-0.bin' ") for f in found), found
+
+
+def test_a_manifest_of_documents_plans_sequences(tmp_path: Path) -> None:
+    total = write_corpus(tmp_path, files=3, documents=6)
+    manifest = PackedReader(IndexedTokens(str(tmp_path / "part-*.idx")), Packing(8, "concat")).manifest()
+    assert isinstance(manifest, Manifest) and manifest.total == -(-total // 8)
+    assert manifest.summary()["packing"]["tokens"] == total
