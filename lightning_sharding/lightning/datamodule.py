@@ -95,7 +95,7 @@ class ShardedDataModule(pl.LightningDataModule):
             ``reader``'s tokenized documents (a :class:`~lightning_sharding.tokens.documents.DocumentReader`)
             packed into sequences of ``seq_len`` tokens; the ledger counts sequences and a batch holds
             ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, ``cu_seqlens`` and
-            ``max_seqlen`` (see :mod:`lightning_sharding.tokens.batch`). Strategy ``shard`` only.
+            ``max_seqlen`` (see :mod:`lightning_sharding.tokens.batch`). Strategy ``shard``.
     """
 
     def __init__(
@@ -311,8 +311,6 @@ def packed(
             f"`{owner}(packing=..., streams=...)`: a mixture of packed token streams is not supported yet; "
             "pack one reader (reader=...)"
         )
-    if strategy.name != "shard":
-        raise ValueError(f"`{owner}(packing=...)` works with strategy 'shard' only, not {strategy.name!r}")
     if options.transform is not None or options.collate_fn is not default_collate:
         raise ValueError(
             f"`{owner}(packing=...)` builds whole batches of sequences: transform= and collate_fn= do not "
@@ -322,7 +320,9 @@ def packed(
         raise ValueError(f"`{owner}(packing=..., on_error={options.on_error!r})`: packed batches are never skipped")
     if reader is None:
         raise TypeError(f"`{owner}(packing=...)` packs the documents of reader=...: give one")
-    return PackedReader(reader, packing)  # type: ignore[arg-type]  # refused there unless a DocumentReader
+    packed_reader = PackedReader(reader, packing)  # type: ignore[arg-type]  # refused there unless a DocumentReader
+    strategy.check_data(packed_reader, owner)  # a strategy that does not read packed sequences refuses it
+    return packed_reader
 
 
 def _ensure_callback(trainer: pl.Trainer) -> None:

@@ -134,7 +134,8 @@ class Strategy(ABC):
     ``on_error="skip"`` works), ``worker_layout`` (how a rank's batches go to its workers),
     ``shuffles`` (whether ``shuffle`` applies), ``mixes`` (whether it reads a mixture of
     ``streams``: it plans by the manifest's order), ``compositions`` (the mixture batch compositions
-    it plans), ``fixed_options`` (loader options that do not apply)
+    it plans), ``packs`` (whether its workers build batches of packed sequences, from a reader
+    that :attr:`~lightning_sharding.readers.base.Reader.reads_sequences`), ``fixed_options`` (loader options that do not apply)
     and the reasons said when an option or ``on_error="skip"`` is refused.
     """
 
@@ -145,6 +146,7 @@ class Strategy(ABC):
     worker_layout: ClassVar[WorkerLayout] = "runs"
     shuffles: ClassVar[bool] = True
     mixes: ClassVar[bool] = False
+    packs: ClassVar[bool] = False
     compositions: ClassVar[tuple[str, ...]] = ("mixed",)
     fixed_options: ClassVar[tuple[str, ...]] = ("batch_transform",)  # a strategy that runs it says so
     no_skip_reason: ClassVar[str] = ""
@@ -193,6 +195,11 @@ class Strategy(ABC):
             raise ValueError(
                 f"`{owner}(streams=...)`: strategy {self.name!r} does not read a mixture of streams; "
                 f"use {strategies_where(lambda s: s.mixes)}"
+            )
+        if getattr(data, "reads_sequences", False) and not self.packs:
+            raise ValueError(
+                f"`{owner}(packing=...)`: strategy {self.name!r} does not read packed sequences; "
+                f"use {strategies_where(lambda s: s.packs)}"
             )
         composition = getattr(data, "composition", "mixed")
         if isinstance(data, MixtureReader) and composition not in self.compositions:

@@ -240,6 +240,7 @@ class ShardStrategy(Strategy):
     name = "shard"
     fixed_options = ()  # every option applies, batch_transform too
     mixes = True
+    packs = True  # its workers' PlannedBatches hand a packing reader the order's positions
     compositions = COMPOSITIONS
     skips_errors = True
 

@@ -176,7 +176,10 @@ def test_bad_packing_input_is_refused_by_name(tmp_path: Path) -> None:
 
         ShardedDataModule(SyntheticReader(sizes=[4]), packing=Packing(8))
     docs = IndexedTokens(str(tmp_path / "v"))
-    with pytest.raises(ValueError, match=r"packing=\.\.\.\)` works with strategy 'shard' only, not 'broadcast'"):
+    with pytest.raises(
+        ValueError,
+        match=r"packing=\.\.\.\)`: strategy 'broadcast' does not read packed sequences; use strategy='shard'",
+    ):
         ShardedDataModule(docs, packing=Packing(8), strategy="broadcast")
     with pytest.raises(ValueError, match=r"transform= and collate_fn= do not apply; use batch_transform="):
         ShardedDataModule(docs, packing=Packing(8), transform=lambda s, c: s)

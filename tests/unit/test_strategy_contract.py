@@ -173,10 +173,12 @@ def test_the_ranks_of_a_replica_get_the_same_batches_and_resume_on_other_replica
 
 
 # Every kind of epoch order the planner takes, with the strategies that read it: a plain epoch, a
-# mixture in each batch composition, and the rest of an epoch whose mixture changed on resume.
-ORDER_KINDS = ["plain", "mixed", "stratified", "per_stream", "changed"]
+# mixture in each batch composition, the rest of an epoch whose mixture changed on resume, and
+# packed token sequences.
+ORDER_KINDS = ["plain", "mixed", "stratified", "per_stream", "changed", "packed"]
 COMPOSITION = {
     "plain": None,
+    "packed": None,
     "mixed": "mixed",
     "stratified": "stratified",
     "per_stream": "per_stream",
@@ -185,7 +187,7 @@ COMPOSITION = {
 STREAM_SIZES = {"web": [13, 9, 11], "code": [7, 12], "books": [5]}
 
 
-def ordered_data(kind: str) -> tuple[Any, Any, dict[str, Any]]:
+def ordered_data(kind: str, tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
     """The data, the manifest whose epochs follow ``kind`` of order, and the ledger state to start from."""
     from lightning_sharding.core.world import World as OneWorld
     from lightning_sharding.lightning.keeper import LedgerKeeper
@@ -198,6 +200,12 @@ def ordered_data(kind: str) -> tuple[Any, Any, dict[str, Any]]:
 
     if kind == "plain":
         data: Any = SyntheticReader(sizes=[11, 17, 3, 13, 9])
+    elif kind == "packed":
+        from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
+        from tests.jobs.tokens_data import write_corpus
+
+        write_corpus(tmp_path, files=3, documents=7)
+        data = PackedReader(IndexedTokens(f"{tmp_path}/part-*.idx"), Packing(8, "concat"))
     elif kind != "changed":
         data = reader({"web": {"weight": 2}, "code": {"weight": 1}, "books": {"repeat": 2.0}}, 61, kind)
     else:  # a checkpoint of one mixture, a third of each rank's share consumed, resumed under another
@@ -216,7 +224,7 @@ def ordered_data(kind: str) -> tuple[Any, Any, dict[str, Any]]:
         )
         keeper.restore(state, global_step=4, source="changed.ckpt")
         return data, keeper.manifest, keeper.ledger.state_dict()
-    manifest = data.manifest(BATCH) if kind != "plain" else data.manifest()
+    manifest = data.manifest(BATCH) if kind not in ("plain", "packed") else data.manifest()
     return data, manifest, Ledger(seed=SEED, total=manifest.total, manifest=manifest.summary()).state_dict()
 
 
@@ -228,18 +236,22 @@ def ordered_data(kind: str) -> tuple[Any, Any, dict[str, Any]]:
         for kind in ORDER_KINDS
         # Strategies that read a source or windows plan plain orders: the contract test above covers them.
         if get_strategy(name).takes == "reader"
-        and (kind == "plain" or (get_strategy(name).mixes and COMPOSITION[kind] in get_strategy(name).compositions))
+        and (
+            kind == "plain"
+            or (kind == "packed" and get_strategy(name).packs)
+            or (get_strategy(name).mixes and COMPOSITION[kind] in get_strategy(name).compositions)
+        )
     ],
 )
 @pytest.mark.parametrize(("before", "after", "read"), TOPOLOGIES, ids=[f"{a}to{b}ranks" for a, b, _ in TOPOLOGIES])
 def test_every_kind_of_order_resumes_on_another_topology_serving_every_position_once(
-    name: str, kind: str, before: int, after: int, read: int
+    name: str, kind: str, before: int, after: int, read: int, tmp_path: Path
 ) -> None:
     if name == "dali":
         require("nvidia.dali")  # a skip without the extra; a failure in CI, which installs every extra
     strategy = get_strategy(name)
     options = LoaderOptions(batch_size=BATCH)
-    data, manifest, start = ordered_data(kind)
+    data, manifest, start = ordered_data(kind, tmp_path)
     strategy.check(options, data)
     order = manifest.order(SEED, 0)
     left = RangeSet.from_state(np.asarray(start["consumed"])).complement(order.total)
