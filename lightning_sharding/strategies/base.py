@@ -135,8 +135,8 @@ class Strategy(ABC):
     ``shuffles`` (whether ``shuffle`` applies), ``mixes`` (whether it reads a mixture of
     ``streams``: it plans by the manifest's order), ``compositions`` (the mixture batch compositions
     it plans), ``packs`` (whether its workers build batches of packed sequences, from a reader
-    that :attr:`~lightning_sharding.readers.base.Reader.reads_sequences`), ``fixed_options`` (loader options that do not apply)
-    and the reasons said when an option or ``on_error="skip"`` is refused.
+    that :attr:`~lightning_sharding.readers.base.Reader.reads_sequences`), ``fixed_options`` (loader
+    options that do not apply) and the reasons said when an option or ``on_error="skip"`` is refused.
     """
 
     name: ClassVar[str]
