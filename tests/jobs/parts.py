@@ -185,6 +185,12 @@ class DieAtStep(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.step:
+            # What this rank holds in /dev/shm as it dies, so a test sees what the kill left even
+            # when a concurrent run's start sweeps it first (every fit sweeps what dead runs left).
+            token = f"-{os.getpid()}."
+            held = sorted(p.name for p in Path("/dev/shm").glob("lsh-*") if token in p.name)
+            note = Path(trainer.default_root_dir, f"killed-holding-rank{trainer.global_rank}.json")
+            note.write_text(json.dumps(held))
             os.kill(os.getpid(), signal.SIGKILL)
 
 
