@@ -91,8 +91,20 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
             f"lightning    global_step {ckpt.get('global_step', 'n/a')}, epoch {ckpt.get('epoch', 'n/a')}",
             _step_line(state, ckpt.get("global_step")),
             *_stream_lines(manifest.get("streams"), ledger, manifest),
+            *_packing_lines(manifest.get("packing")),
         ]
     )
+
+
+def _packing_lines(packing: Any) -> list[str]:
+    """Packed token sequences: the packing, and the tokens an epoch's sequences hold."""
+    if not isinstance(packing, Mapping):
+        return []
+    return [
+        f"packing      {packing.get('mode')!r}, seq_len {packing.get('seq_len')}: {packing.get('tokens', 0):,} tokens "
+        f"of {packing.get('documents', 0):,} documents an epoch (padding {packing.get('padding', 0):,}); "
+        "samples are sequences"
+    ]
 
 
 def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:

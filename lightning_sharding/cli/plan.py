@@ -188,6 +188,8 @@ def _plan(args: argparse.Namespace) -> int:
     if plot is not None and data_size != world_size:
         raise CliError("--plot draws ranks, not replicas: leave out --data-parallel to draw the plan of plain ranks")
     manifest = _manifest(cfg, batch_size)
+    if plot is not None and "packing" in manifest.summary():
+        raise CliError("--plot draws the items of an epoch; a packed epoch's plan is printed only (leave out --plot)")
     # A source (strategy dispatch) is read in its own order: such a strategy never shuffles.
     # A fresh manifest: never a changed epoch's order, which only a resumed checkpoint has.
     order = cast(
@@ -212,6 +214,8 @@ def _plan(args: argparse.Namespace) -> int:
         replica_size=world_size // data_size,
         shares=spec.shares if spec is not None else (),
         mixture=mixture,
+        tokens=getattr(order, "tokens", None),  # packed sequences count their tokens
+        packing=manifest.summary().get("packing"),
     )
     print(text)
     if plot is not None:

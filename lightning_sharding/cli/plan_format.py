@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from lightning_sharding.cli._common import _plural
 from lightning_sharding.core.rangeset import RangeSet
@@ -83,18 +84,25 @@ def _stream_counts(order: MixtureOrder, positions: RangeSet) -> tuple[int, ...]:
 
 
 def _plan_rows(
-    plan: EpochPlan, order: EpochOrder | MixtureOrder, mixture: MixtureOrder | None
+    plan: EpochPlan,
+    order: EpochOrder | MixtureOrder,
+    mixture: MixtureOrder | None,
+    tokens: Callable[[npt.NDArray[np.int64]], int] | None = None,
 ) -> tuple[list[_Row | None], list[RangeSet]]:
     """Printed rows (``None`` for ``...``) and what every rank covers, for the totals: the slots of
-    its items, or for a ``mixture`` (the order itself, when it is one) its served positions."""
+    its items, or for a ``mixture`` (the order itself, when it is one) or packed sequences (whose
+    ``tokens`` of positions count) its served positions."""
     items_order = cast("EpochOrder", order)
-    nonempty = _nonempty_slots(items_order) if mixture is None else RangeSet()
+    by_position = mixture is not None or tokens is not None
+    nonempty = _nonempty_slots(items_order) if not by_position else RangeSet()
 
     def covered(positions: RangeSet) -> RangeSet:
-        return positions if mixture is not None else _slots(items_order, positions, nonempty)
+        return positions if by_position else _slots(items_order, positions, nonempty)
 
     def tally(positions: RangeSet, cover: RangeSet) -> tuple[int, tuple[int, ...]]:
-        """Items touched, or (mixture) samples per stream."""
+        """Items touched, (mixture) samples per stream, or (packed) tokens."""
+        if tokens is not None:
+            return tokens(positions.to_array()), ()
         return (0, _stream_counts(mixture, positions)) if mixture is not None else (len(cover), ())
 
     rank_cover: list[RangeSet] = []
@@ -166,6 +174,8 @@ def format_plan(
     replica_size: int = 1,
     shares: Sequence[str] = (),
     mixture: MixtureOrder | None = None,
+    tokens: Callable[[npt.NDArray[np.int64]], int] | None = None,
+    packing: Mapping[str, Any] | None = None,
 ) -> str:
     """The ``plan`` table: a header, one row per rank and per (rank, worker), and a totals line.
 
@@ -173,9 +183,11 @@ def format_plan(
     ``replica_size`` global ranks that read the same batches; a ``ranks`` column names them in
     Lightning's ``ModelParallelStrategy`` layout (replica ``d`` is ranks ``d*T .. d*T+T-1``).
     For a mixture (``mixture``, the order itself, each stream's share in ``shares``) the ``items``
-    column gives way to one column of samples per stream.
+    column gives way to one column of samples per stream. For packed sequences (``tokens`` of
+    positions, and the manifest's ``packing`` summary) the samples are sequences and the
+    ``items`` column gives way to their tokens.
     """
-    rows, rank_slots = _plan_rows(plan, order, mixture)
+    rows, rank_slots = _plan_rows(plan, order, mixture, tokens)
     workers = _plural(plan.num_workers, "worker") if plan.num_workers else "0 workers (loading in the rank's process)"
     shuffle = "shuffled" if order.shuffle else "not shuffled"
     replicated = replica_size > 1
@@ -187,6 +199,13 @@ def format_plan(
         what = f"a mixture of {_plural(len(mixture.names), 'stream')} ({_plural(order.counts.size, 'item')})"
         widths = [max(6, len(name)) for name in mixture.names]
         tail_header = " ".join(f"{name:>{w}}" for name, w in zip(mixture.names, widths, strict=True))
+    elif packing is not None:
+        what = (
+            f"{packing['documents']:,} documents of {packing['tokens']:,} tokens, packed {packing['mode']!r} "
+            f"into sequences of {packing['seq_len']} (padding {packing['padding']:,} tokens)"
+        )
+        widths = [9]
+        tail_header = f"{'tokens':>9}"
     else:
         what = _plural(order.counts.size, "item")
         widths = [6]
@@ -228,6 +247,9 @@ def format_plan(
         reading = "served of planned draws: " + ", ".join(
             f"{name} {int(t)} of {d}" for name, t, d in zip(mixture.names, totals, mixture.draws, strict=True)
         )
+    elif tokens is not None:
+        total_tail = f"{tokens(_union(rank_slots).to_array()):>9}"
+        reading = "samples are sequences, tokens the tokens they hold (not padding)"
     else:
         # Items read by two ranks or more: count, per slot, the ranks whose slots cover it.
         cover = np.zeros(order.counts.size + 1, dtype=np.int64)

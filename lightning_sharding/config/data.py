@@ -123,6 +123,26 @@ class TokensData(DataOptions):
 
 
 @dataclass
+class PretrainData(DataOptions):
+    """Tokenized documents packed into sequences of ``seq_len`` tokens (language-model pretraining).
+
+    ``prefixes``: Megatron indexed files (``prefix`` or globs of ``prefix.idx``); with none,
+    ``documents`` documents of 8 to ``longest`` tokens below ``vocab_size`` are generated in
+    ``files`` files. ``mode``: concat | best_fit | none.
+    """
+
+    _target_: str = "lightning_sharding.recipes.pretrain.packed_documents"
+    prefixes: list[str] | None = None
+    seq_len: int = 128
+    mode: str = "concat"  # concat | best_fit | none
+    vocab_size: int = 256
+    labels_across_documents: bool = False
+    files: int = 4
+    documents: int = 2000
+    longest: int = 400
+
+
+@dataclass
 class SqliteData(DataOptions):
     """Rows of a SQLite query, read by one dispatch process per rank (a non-replicable source).
 

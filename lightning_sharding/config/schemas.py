@@ -14,7 +14,15 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
-from lightning_sharding.config.data import FilesData, MixtureData, MonthsData, SqliteData, SyntheticData, TokensData
+from lightning_sharding.config.data import (
+    FilesData,
+    MixtureData,
+    MonthsData,
+    PretrainData,
+    SqliteData,
+    SyntheticData,
+    TokensData,
+)
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the packaged Hydra config directory
 
@@ -88,6 +96,18 @@ class ForecasterModel:
 
 
 @dataclass
+class CausalLM:
+    """A tiny causal transformer over packed sequences, attention kept inside each document."""
+
+    _target_: str = "lightning_sharding.recipes.models.CausalLM"
+    vocab_size: int = II("data.vocab_size")
+    seq_len: int = II("data.seq_len")
+    width: int = 64
+    heads: int = 4
+    learning_rate: float = 3e-3
+
+
+@dataclass
 class TokenModel:
     """A tiny next-token model (embedding, MLP, logits) for the token stream."""
 
@@ -149,6 +169,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "files_schema": FilesData,
         "months_schema": MonthsData,
         "tokens_schema": TokensData,
+        "pretrain_schema": PretrainData,
         "sqlite_schema": SqliteData,
         "mixture_schema": MixtureData,
     },
@@ -162,6 +183,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "regressor_schema": RegressorModel,
         "forecaster_schema": ForecasterModel,
         "token_model_schema": TokenModel,
+        "causal_lm_schema": CausalLM,
     },
     "callbacks": {"callbacks_schema": CallbacksConfig},
     "logger": {"logger_schema": LoggerConfig},

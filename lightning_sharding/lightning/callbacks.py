@@ -279,7 +279,8 @@ class ShardingCallback(pl.Callback):
         keeper.committed()
         self.worlds = gather_objects(keeper.world, keeper.world.world_size)
         if self.print_summary and trainer.is_global_zero:
-            print(format_summary(self.reports, keeper.options, keeper.ledger.seed, self.worlds))
+            packing = keeper.manifest.summary().get("packing")
+            print(format_summary(self.reports, keeper.options, keeper.ledger.seed, self.worlds, packing))
 
     def summary(self) -> list[dict[str, Any]]:
         """The epoch reports as plain dicts."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_sharding.core.world import World
 from lightning_sharding.strategies.options import LoaderOptions
@@ -28,8 +30,15 @@ class EpochReport:
         return self.served_this_run / self.seconds if self.seconds > 0 else 0.0
 
 
-def format_summary(reports: list[EpochReport], options: LoaderOptions, seed: int, worlds: list[World]) -> str:
-    """A one-screen table of what every epoch served, and where every rank ran."""
+def format_summary(
+    reports: list[EpochReport],
+    options: LoaderOptions,
+    seed: int,
+    worlds: list[World],
+    packing: Mapping[str, Any] | None = None,
+) -> str:
+    """A one-screen table of what every epoch served, and where every rank ran; with ``packing``
+    (a packed manifest's summary of it), the tokens an epoch's sequences hold."""
     replicas = ""
     if worlds and worlds[0].data_size != len(worlds):
         replicas = f" in {worlds[0].data_size} data-parallel replicas of {worlds[0].replica_size}"
@@ -49,4 +58,12 @@ def format_summary(reports: list[EpochReport], options: LoaderOptions, seed: int
     ]
     if not rows:
         rows = ["  (no training epoch ended in this run)"]
+    if packing is not None:
+        sequences = int(packing["tokens"] + packing["padding"]) // int(packing["seq_len"])
+        share = 100 * packing["padding"] / max(1, packing["tokens"] + packing["padding"])
+        ranks += (
+            f"\npacking {packing['mode']!r}, seq_len {packing['seq_len']}: {packing['tokens']:,} tokens of "
+            f"{packing['documents']:,} documents in {sequences:,} sequences an epoch (padding {packing['padding']:,} "
+            f"tokens, {share:.1f} %); samples below are sequences"
+        )
     return "\n".join([head, ranks, cols, *rows])

@@ -96,3 +96,51 @@ class TokenModel(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """Adam."""
         return torch.optim.Adam(self.parameters(), lr=self.hparams["learning_rate"])
+
+
+class CausalLM(pl.LightningModule):
+    """One transformer block over packed sequences (``data=pretrain``): token and position
+    embeddings, causal attention masked to each document (from ``document_ids``, with PyTorch's
+    ``scaled_dot_product_attention``), an MLP and the logits. Logs the loss and ``data/tokens``,
+    the tokens whose labels the step trained.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int, heads: int, learning_rate: float) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+        self.position = torch.nn.Embedding(seq_len, width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
+        self.out = torch.nn.Linear(width, vocab_size)
+
+    @override
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits ``(B, L, vocab)``."""
+        x = self.embed(batch["input_ids"]) + self.position(batch["position_ids"])
+        b, n, d = x.shape
+        heads = self.hparams["heads"]
+        q, k, v = self.qkv(x).view(b, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        docs = batch["document_ids"]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        mask = (docs[:, :, None] == docs[:, None, :]) & causal
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        x = x + attended.transpose(1, 2).reshape(b, n, d)
+        return self.out(x + self.mlp(x))  # type: ignore[no-any-return]
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Cross-entropy of every labelled token (padding rows and tokens are -100 or flagged)."""
+        labels = batch["labels"].masked_fill(batch["is_padding"][:, None], -100)
+        logits = self(batch)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("data/tokens", float((labels != -100).sum()), reduce_fx="sum", on_step=False, on_epoch=True)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """AdamW."""
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["learning_rate"])

@@ -313,6 +313,11 @@ class PackedOrder:
         stop = np.minimum(hi_tok[rows] - doc_start, self.epochs.lengths[doc])
         return rows, doc, start, stop
 
+    def tokens(self, positions: npt.ArrayLike) -> int:
+        """The tokens (not padding) the sequences at ``positions`` hold."""
+        _, _, start, stop = self.pieces(positions)
+        return int((stop - start).sum())
+
     def locate(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """The item and document index of each sequence's first piece."""
         pos = self._check(positions)

@@ -62,6 +62,24 @@ def test_every_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str)
     assert list((tmp_path / "cache" / "datasets").iterdir()), "the recipe wrote no data set"
 
 
+def test_recipe_pretrain_trains_packed_documents_and_prints_their_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recipe=pretrain: generated documents packed into sequences, a causal transformer; the
+    summary gives the tokens an epoch's sequences hold, which are every token of the corpus."""
+    from lightning_sharding.tokens import IndexedTokens
+
+    overrides = ["data.documents=60", "data.longest=50", "data.seq_len=32", "data.batch_size=8", "data.num_workers=0"]
+    result = run(make(tmp_path, "recipe=pretrain", *overrides, "trainer.max_epochs=1", "data.seed=5"))
+    corpus = IndexedTokens(str(next((tmp_path / "cache" / "datasets").iterdir()) / "part-*.idx"))
+    tokens = int(corpus.lengths(corpus.items()).sum())
+    sequences = -(-tokens // 32)
+    assert [e["consumed"] for e in result["epochs"]] == [sequences]
+    assert f"packing 'concat', seq_len 32: {tokens:,} tokens of 60 documents in {sequences:,} sequences" in (
+        capsys.readouterr().out
+    )
+
+
 def test_tokens_outside_the_vocabulary_are_named_with_the_file(tmp_path: Path) -> None:
     import numpy as np
 

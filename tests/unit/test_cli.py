@@ -459,6 +459,26 @@ def test_plan_reads_a_recipe_and_its_topology(capsys: pytest.CaptureFixture[str]
     assert code == 2 and "no recipe nope.yaml" in err
 
 
+def test_plan_of_packed_documents_gives_each_rank_and_worker_its_tokens(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from lightning_sharding.tokens import IndexedTokens
+
+    overrides = ["data.documents=80", "data.longest=60", "data.seq_len=16", f"data.cache_dir={tmp_path}"]
+    code, out, err = run(capsys, "plan", "recipe=pretrain", *overrides, "--world-size", "2", "--workers", "2")
+    assert code == 0, err
+    corpus = IndexedTokens(str(next((tmp_path / "datasets").iterdir()) / "part-*.idx"))
+    tokens = int(corpus.lengths(corpus.items()).sum())
+    assert f"80 documents of {tokens:,} tokens, packed 'concat' into sequences of 16" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    by_rank = {int(r[0]): int(r[-1]) for r in rows if r[1] == "all"}
+    by_worker = [int(r[-1]) for r in rows if r[1] != "all"]
+    total = int(next(line for line in out.splitlines() if line.lstrip().startswith("total")).split()[-1])
+    assert sum(by_rank.values()) == sum(by_worker) == total == tokens
+    code, _, err = run(capsys, "plan", "recipe=pretrain", *overrides, "--plot", str(tmp_path / "p.png"))
+    assert code != 0 and "a packed epoch's plan is printed only" in err
+
+
 @pytest.mark.parametrize(
     ("recipe", "overrides", "strategy", "total"),
     [

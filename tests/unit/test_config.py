@@ -17,7 +17,13 @@ GROUPS = {
     for group in ("data", "sharding", "trainer", "model", "callbacks", "logger", "recipe")
 }
 # The data option each sharding and model option goes with.
-PARTNER = {"broadcast": "months", "dispatch": "sqlite", "forecaster": "months", "token_model": "tokens"}
+PARTNER = {
+    "broadcast": "months",
+    "dispatch": "sqlite",
+    "forecaster": "months",
+    "token_model": "tokens",
+    "causal_lm": "pretrain",
+}
 
 
 def make(tmp_path: Path, *overrides: str) -> DictConfig:
