@@ -46,6 +46,7 @@ PLAN_TARGET_S = 2.0
 
 def write_corpus(root: Path, tokens: int, files: int = 4, seed: int = 0) -> list[list[np.ndarray]]:
     """Documents of 20 to 4000 tokens (ids below 50,000), ``tokens`` in all, in ``files`` Megatron files."""
+    root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     per_file: list[list[np.ndarray]] = [[] for _ in range(files)]
     made = 0
@@ -92,7 +93,7 @@ def _litdata_documents(path: str) -> Any:
     yield torch.from_numpy(np.load(path).astype(np.int64))
 
 
-def litdata(out: Path, workers: int) -> Iterable[Any]:
+def litdata_loader(out: Path, workers: int) -> Iterable[Any]:
     from litdata import StreamingDataLoader, StreamingDataset
     from litdata.streaming.item_loader import TokensLoader
 
@@ -137,7 +138,7 @@ def throughput(root: Path, corpus_tokens: int, batches: int, repeats: int) -> li
         runs: list[tuple[float, float | None]] = []
         for _ in range(repeats):
             a = tokens_per_s(partial(ours, root / "corpus", workers), batches)
-            b = tokens_per_s(partial(litdata, root / "litdata", workers), batches) if has_litdata else None
+            b = tokens_per_s(partial(litdata_loader, root / "litdata", workers), batches) if has_litdata else None
             runs.append((a, b))
         row: dict[str, Any] = {"workers": workers, "ours": statistics.median(a for a, _ in runs)}
         if has_litdata:

@@ -93,12 +93,12 @@ class PlannedBatches(Dataset[Delivery]):
 
     def _batch(self, task: BatchTask) -> Delivery:
         ctx = self.context(task.epoch)
-        item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
-        if self.reader.fetch_ahead:
-            self._tell_ahead(task, item_ids)
         if self.reader.reads_sequences:  # packed sequences: the reader builds the whole batch
             batch = self.reader.read_sequences(self._epoch_order(task.epoch), task.positions, self.items)
             return self._deliver(batch, task, task.positions, task.num_padding, ctx)
+        item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
+        if self.reader.fetch_ahead:
+            self._tell_ahead(task, item_ids)
         # Read runs of consecutive positions that fall in the same item with one call.
         cuts = np.flatnonzero(np.diff(item_ids)) + 1
         starts, ends = np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(item_ids)])).tolist()

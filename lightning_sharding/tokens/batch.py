@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lightning_sharding.tokens.packing import Packing, _ranges
+from lightning_sharding.tokens.packing import Packing, ranges
 
 Int64Array = npt.NDArray[np.int64]
 IGNORE_INDEX = -100
@@ -34,24 +34,23 @@ def packed_batch(
     rows: int,
     pieces: tuple[Int64Array, Int64Array, Int64Array, Int64Array],
     lengths: Int64Array,
-    read: Callable[[int, int, int], npt.NDArray[Any]],
+    read: Callable[[Int64Array, Int64Array, Int64Array], npt.NDArray[Any]],
     packing: Packing,
     name: Callable[[int], str] = "document {}".format,
 ) -> dict[str, Any]:
     """The batch of ``rows`` sequences made of ``pieces`` (``(row, doc, start, stop)``, as
     :meth:`~lightning_sharding.tokens.packing.PackedOrder.pieces` gives them).
 
-    ``lengths`` holds every document's token count; ``read(doc, start, stop)`` returns tokens
-    ``[start, stop)`` of document ``doc`` (called once per piece, with one token more when the
-    document goes on after the piece); ``name(doc)`` says which document a bad token is in.
+    ``lengths`` holds every document's token count; ``read(docs, starts, stops)`` returns the
+    tokens ``[starts[k], stops[k])`` of document ``docs[k]`` for every piece ``k``, one after another
+    (one token more than the piece when the document goes on after it); ``name(doc)`` says which
+    document a bad token is in.
     """
     row, doc, start, stop = pieces
     seq_len = packing.seq_len
     n = stop - start
     extra = (stop < lengths[doc]).astype(np.int64)  # the document goes on: read its next token for the label
-    spans = zip(doc.tolist(), start.tolist(), (stop + extra).tolist(), strict=True)
-    parts = [read(d, a, b) for d, a, b in spans]
-    flat = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
+    flat = np.asarray(read(doc, start, stop + extra)).astype(np.int64, copy=False)
     if flat.size != int((n + extra).sum()):
         raise ValueError(f"the reader returned {flat.size} tokens for pieces of {int((n + extra).sum())}")
     if packing.vocab_size is not None and flat.size and (flat.min() < 0 or flat.max() >= packing.vocab_size):
@@ -69,8 +68,8 @@ def packed_batch(
     row_base = np.maximum.accumulate(np.where(first_of_row, before, 0)) if row.size else before
     col = before - row_base
     dest_at = row * seq_len + col
-    src = _ranges(read_at, read_at + n)
-    dest = _ranges(dest_at, dest_at + n)
+    src = ranges(read_at, read_at + n)
+    dest = ranges(dest_at, dest_at + n)
     size = rows * seq_len
     input_ids = np.full(size, packing.pad_id, dtype=np.int64)
     input_ids[dest] = flat[src]

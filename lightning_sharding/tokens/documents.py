@@ -28,6 +28,7 @@ from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import local_content_digest
+from lightning_sharding.tokens.packing import ranges
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -47,6 +48,13 @@ class DocumentReader(Reader):
     @abstractmethod
     def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
         """Tokens ``[start, stop)`` of ``item`` (its documents one after another), shape ``(stop - start,)``."""
+
+    def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
+        """Tokens ``[starts[k], stops[k])`` of ``item`` for every ``k``, one after another, shape
+        ``(sum(stops - starts),)``; by default one :meth:`read_tokens` each (a memory-mapped file
+        gathers them at once)."""
+        parts = [self.read_tokens(item, a, b) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def lengths(self, items: Sequence[Item]) -> Int64Array:
         """Every document's token count, item after item, shape ``(num_documents,)``."""
@@ -178,6 +186,10 @@ class TokenFiles(DocumentReader):
         """A slice of the memory-mapped file."""
         return np.asarray(self._map(item.key)[start:stop])
 
+    def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
+        """One gather from the memory-mapped file."""
+        return np.asarray(self._map(item.key)[ranges(starts, stops)])
+
 
 # Megatron-LM's indexed dataset: the .idx header and its dtype codes (megatron/core/datasets/indexed_dataset.py).
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -280,12 +292,19 @@ class IndexedTokens(DocumentReader):
 
     def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
         """A slice of the memory-mapped ``.bin``."""
+        return np.asarray(self._bin(item)[start:stop])
+
+    def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
+        """One gather from the memory-mapped ``.bin``."""
+        return np.asarray(self._bin(item)[ranges(starts, stops)])
+
+    def _bin(self, item: Item) -> npt.NDArray[np.integer[Any]]:
         maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
         key = f"bin:{item.key}"
         if key not in maps:
             dtype, _, _ = self._index(item.key[: -len(".bin")])
             maps[key] = np.memmap(item.key, dtype=dtype, mode="r")
-        return np.asarray(maps[key][start:stop])
+        return maps[key]  # type: ignore[no-any-return]
 
 
 def write_indexed(prefix: str, documents: Sequence[npt.ArrayLike], dtype: Any = np.uint16) -> None:

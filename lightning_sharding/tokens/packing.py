@@ -298,7 +298,7 @@ class PackedOrder:
             seqs = self._sequences[pos]
             lo, hi = first[seqs], first[seqs + 1]
             rows = np.repeat(np.arange(pos.size, dtype=np.int64), hi - lo)
-            at = _ranges(lo, hi)
+            at = ranges(lo, hi)
             return rows, docs[at], starts[at], stops[at]
         # concat: sequence s is tokens [s L, (s + 1) L) of the stream; documents d0..d1 cover it.
         ends = self._ends
@@ -306,7 +306,7 @@ class PackedOrder:
         d0 = np.searchsorted(ends, lo_tok, side="right")
         d1 = np.searchsorted(ends, hi_tok, side="left") + 1
         rows = np.repeat(np.arange(pos.size, dtype=np.int64), d1 - d0)
-        slot = _ranges(d0, d1)
+        slot = ranges(d0, d1)
         doc = self.documents[slot]
         doc_start = ends[slot] - self.epochs.lengths[doc]  # where each document starts in the stream
         start = np.maximum(lo_tok[rows] - doc_start, 0)
@@ -335,7 +335,7 @@ class PackedOrder:
         return np.asarray(list(dict.fromkeys(items.tolist()))[:count], dtype=np.int64)
 
 
-def _ranges(lo: Int64Array, hi: Int64Array) -> Int64Array:
+def ranges(lo: Int64Array, hi: Int64Array) -> Int64Array:
     """``concatenate([arange(l, h) for l, h in zip(lo, hi)])`` without a Python loop."""
     sizes = hi - lo
     total = int(sizes.sum())

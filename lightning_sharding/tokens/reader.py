@@ -13,7 +13,7 @@ from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.tokens.batch import packed_batch
 from lightning_sharding.tokens.documents import DocumentReader
-from lightning_sharding.tokens.packing import PackedEpochs, Packing
+from lightning_sharding.tokens.packing import PackedEpochs, Packing, ranges
 
 
 class PackedReader(Reader):
@@ -63,14 +63,26 @@ class PackedReader(Reader):
         manifest's ``items``."""
         epochs: PackedEpochs = order.epochs
         first, base, documents = epochs.first_document, epochs.token_start_in_item, self.documents
+        pieces = order.pieces(positions)
+        if documents.fetch_ahead:  # this batch's files, then those of the sequences after it
+            now = np.unique(np.searchsorted(first, pieces[1], side="right") - 1)
+            later = order.items_from(int(positions.max()) + 1, 8 * documents.fetch_ahead + 1) if len(positions) else []
+            documents.ahead([items[i] for i in now.tolist()], [items[i] for i in np.asarray(later).tolist()])
 
-        def read(doc: int, start: int, stop: int) -> Any:
-            item = items[int(np.searchsorted(first, doc, side="right")) - 1]
-            offset = int(base[doc])
-            return documents.read_tokens(item, offset + start, offset + stop)
+        def read(docs: npt.NDArray[np.int64], starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Any:
+            """The pieces' tokens, one gather per file."""
+            item = np.searchsorted(first, docs, side="right") - 1
+            lo, hi = base[docs] + starts, base[docs] + stops
+            sizes = hi - lo
+            at = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+            out = np.empty(int(sizes.sum()), dtype=np.int64)
+            for k in np.unique(item).tolist():
+                sel = np.flatnonzero(item == k)
+                out[ranges(at[sel], at[sel] + sizes[sel])] = documents.read_spans(items[k], lo[sel], hi[sel])
+            return out
 
         def name(doc: int) -> str:
             item, index = epochs.document(doc)
             return f"document {index} of {items[item].key!r}"
 
-        return packed_batch(len(positions), order.pieces(positions), epochs.lengths, read, self.packing, name)
+        return packed_batch(len(positions), pieces, epochs.lengths, read, self.packing, name)
