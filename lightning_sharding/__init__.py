@@ -43,6 +43,7 @@ _EXPORTS = {
     "PackedReader": "tokens",
     "Packing": "tokens",
     "ParquetReader": "readers",
+    "ParquetTokens": "tokens",
     "plan_epoch": "core.plan",
     "register_strategy": "strategies",
     "RangeSet": "core.rangeset",
@@ -90,6 +91,7 @@ __all__ = [
     "PackedReader",
     "Packing",
     "ParquetReader",
+    "ParquetTokens",
     "plan_epoch",
     "register_strategy",
     "RangeSet",
@@ -143,7 +145,14 @@ if TYPE_CHECKING:
     from lightning_sharding.strategies.dispatch import DispatchLoader
     from lightning_sharding.strategies.options import LoaderOptions
     from lightning_sharding.strategies.shard import ShardedLoader
-    from lightning_sharding.tokens import DocumentReader, IndexedTokens, PackedReader, Packing, TokenFiles
+    from lightning_sharding.tokens import (
+        DocumentReader,
+        IndexedTokens,
+        PackedReader,
+        Packing,
+        ParquetTokens,
+        TokenFiles,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,7 @@ order the core plans like any other); :mod:`~lightning_sharding.tokens.batch` bu
 holds; :mod:`~lightning_sharding.tokens.reader` joins them for ``ShardedDataModule(packing=...)``.
 """
 
-from lightning_sharding.tokens.documents import DocumentReader, IndexedTokens, TokenFiles, write_indexed
+from lightning_sharding.tokens.documents import DocumentReader, IndexedTokens, ParquetTokens, TokenFiles, write_indexed
 from lightning_sharding.tokens.packing import MODES, PackedEpochs, PackedOrder, Packing
 from lightning_sharding.tokens.reader import PackedReader
 
@@ -18,6 +18,7 @@ __all__ = [
     "PackedOrder",
     "PackedReader",
     "Packing",
+    "ParquetTokens",
     "TokenFiles",
     "write_indexed",
 ]

@@ -8,7 +8,9 @@ reads runs of tokens (:meth:`DocumentReader.read_tokens`), which packing
 - :class:`TokenFiles`: flat token files (``.npy`` of integers, or raw ``.bin`` of a given dtype),
   split into documents after each ``eos_id``;
 - :class:`IndexedTokens`: Megatron-LM's indexed dataset (``prefix.bin`` + ``prefix.idx``), its
-  index memory-mapped and checked against its ``.bin``.
+  index memory-mapped and checked against its ``.bin``;
+- :class:`ParquetTokens`: Parquet files with a column of token lists (``input_ids``), row groups
+  as items (needs the ``files`` extra, pyarrow).
 """
 
 from __future__ import annotations
@@ -189,6 +191,87 @@ class TokenFiles(DocumentReader):
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
         """One gather from the memory-mapped file."""
         return np.asarray(self._map(item.key)[ranges(starts, stops)])
+
+
+class ParquetTokens(DocumentReader):
+    """Parquet files with a column of token lists (``input_ids``, as Hugging Face ``datasets``
+    writes a tokenized data set): every row group is an item, every row a document, whose length
+    is read from the list column's offsets when listing (the column is read once, in the main
+    process). A worker keeps the last row group it read and gathers tokens from it.
+
+    Args:
+        paths: a glob or a list of paths and globs of ``.parquet`` files (local).
+        column: the column of token lists.
+    """
+
+    def __init__(self, paths: str | Sequence[str], column: str = "input_ids") -> None:
+        self.paths = _expand(paths, (".parquet",), type(self).__name__)
+        self.column = column
+
+    def _file(self, path: str) -> Any:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as err:
+            raise ImportError("ParquetTokens needs pyarrow: pip install 'lightning-sharding[files]'") from err
+        try:
+            return pq.ParquetFile(path)
+        except Exception as err:  # noqa: BLE001 - pyarrow raises several kinds for a file that is not Parquet
+            raise ValueError(f"{path!r} is not a readable Parquet file: {err}") from err
+
+    def _row_group(self, path: str, group: int) -> tuple[Int64Array, npt.NDArray[np.integer[Any]]]:
+        """``(offsets, values)`` of the token column in row group ``group`` of ``path`` (the last kept)."""
+        key = f"{path}#rg={group}"
+        maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
+        if key not in maps:
+            import pyarrow as pa
+
+            parquet = self._file(path)
+            names = parquet.schema_arrow.names
+            if self.column not in names:
+                raise ValueError(f"{path!r} has no column {self.column!r}; its columns are {names}")
+            column = parquet.read_row_group(group, columns=[self.column]).column(self.column).combine_chunks()
+            kind = column.type
+            if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+                raise ValueError(f"{path!r}: column {self.column!r} holds {kind}, not lists of integer token ids")
+            if column.null_count:
+                raise ValueError(
+                    f"{path!r}: column {self.column!r} has {column.null_count} null rows in row group {group}"
+                )
+            offsets = column.offsets.to_numpy().astype(np.int64)
+            values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+            maps.clear()  # one row group at a time
+            maps[key] = (offsets - offsets[0], values)
+        return maps[key]  # type: ignore[no-any-return]
+
+    def items(self) -> Sequence[Item]:
+        """One item per row group (``path#rg=N``), with its rows as documents."""
+        items = []
+        for path, name in zip(self.paths, _names(self.paths), strict=True):
+            meta = self._file(path).metadata
+            st = os.stat(path)
+            content = local_content_digest(path)
+            for group in range(meta.num_row_groups):
+                rows = meta.row_group(group).num_rows
+                fingerprint = f"size={st.st_size},mtime={st.st_mtime_ns}"
+                items.append(Item(f"{path}#rg={group}", rows, fingerprint, f"{name}#rg={group}", content))
+        return items
+
+    def _where(self, item: Item) -> tuple[str, int]:
+        path, _, group = item.key.rpartition("#rg=")
+        return path, int(group)
+
+    def document_lengths(self, item: Item) -> Int64Array:
+        """From the list column's offsets."""
+        offsets, _ = self._row_group(*self._where(item))
+        return np.diff(offsets)
+
+    def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
+        """A slice of the row group's token values."""
+        return np.asarray(self._row_group(*self._where(item))[1][start:stop])
+
+    def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
+        """One gather from the row group's token values."""
+        return np.asarray(self._row_group(*self._where(item))[1][ranges(starts, stops)])
 
 
 # Megatron-LM's indexed dataset: the .idx header and its dtype codes (megatron/core/datasets/indexed_dataset.py).

@@ -205,3 +205,37 @@ def test_a_manifest_of_documents_plans_sequences(tmp_path: Path) -> None:
     manifest = PackedReader(IndexedTokens(str(tmp_path / "part-*.idx")), Packing(8, "concat")).manifest()
     assert isinstance(manifest, Manifest) and manifest.total == -(-total // 8)
     assert manifest.summary()["packing"]["tokens"] == total
+
+
+@pytest.mark.needs("pyarrow")
+def test_parquet_token_lists_are_documents_of_each_row_group(tmp_path: Path) -> None:
+    """A tokenized data set as Hugging Face ``datasets`` writes it (an ``input_ids`` list column):
+    every row a document, every row group an item; packed, every token is in the epoch once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [list(range(t, t + n)) for t, n in ((1, 5), (6, 9), (15, 2), (17, 7), (24, 3))]
+    table = pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32())), "text": ["a", "b", "c", "d", "e"]})
+    pq.write_table(table, tmp_path / "train.parquet", row_group_size=2)
+    from lightning_sharding.tokens import ParquetTokens
+
+    reader = ParquetTokens(str(tmp_path / "*.parquet"))
+    items = reader.items()
+    assert [(it.name, it.num_samples) for it in items] == [
+        ("train.parquet#rg=0", 2),
+        ("train.parquet#rg=1", 2),
+        ("train.parquet#rg=2", 1),
+    ]
+    assert reader.lengths(items).tolist() == [5, 9, 2, 7, 3]
+    assert reader.read(items[1], 1, None).tolist() == rows[3]  # type: ignore[arg-type]
+    packed = PackedReader(reader, Packing(4, "concat"))
+    manifest = packed.manifest()
+    batch = packed.read_sequences(manifest.order(3, 0), np.arange(manifest.total), manifest.items)
+    tokens = batch["input_ids"][batch["input_ids"] != 0]
+    assert sorted(tokens.tolist()) == list(range(1, 27))
+    with pytest.raises(
+        ValueError, match=r"train\.parquet' has no column 'tokens'; its columns are \['input_ids', 'text'\]"
+    ):
+        ParquetTokens(str(tmp_path / "train.parquet"), column="tokens").lengths(items[:1])
+    with pytest.raises(ValueError, match=r"column 'text' holds string, not lists of integer token ids"):
+        ParquetTokens(str(tmp_path / "train.parquet"), column="text").lengths(items[:1])
