@@ -137,6 +137,8 @@ class PretrainData(DataOptions):
     mode: str = "concat"  # concat | best_fit | none
     vocab_size: int = 256
     labels_across_documents: bool = False
+    window: int = 1024  # best_fit: documents packed together at most
+    pad_id: int = 0
     files: int = 4
     documents: int = 2000
     longest: int = 400

@@ -137,7 +137,8 @@ class CausalLM(pl.LightningModule):
         logits = self(batch)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("data/tokens", float((labels != -100).sum()), reduce_fx="sum", on_step=False, on_epoch=True)
+        trained = float((labels != -100).sum())
+        self.log("data/tokens", trained, reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
     @override

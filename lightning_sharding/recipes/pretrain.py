@@ -23,6 +23,8 @@ def write_documents(directory: Path, files: int, documents: int, longest: int, v
     """``files`` Megatron files ``part-NNNNN.bin/.idx`` holding ``documents`` documents in all."""
     if vocab_size > 2**16:
         raise ValueError(f"data.vocab_size={vocab_size}: generated tokens are uint16, so at most 65536")
+    if documents < files:
+        raise ValueError(f"data.documents={documents} is fewer than data.files={files}: every file needs a document")
     rng = np.random.default_rng(seed)
     for f in range(files):
         docs = []
@@ -40,6 +42,8 @@ def packed_documents(
     mode: str,
     vocab_size: int,
     labels_across_documents: bool,
+    window: int,
+    pad_id: int,
     files: int,
     documents: int,
     longest: int,
@@ -59,6 +63,8 @@ def packed_documents(
         mode=mode,  # type: ignore[arg-type]  # checked by Packing
         vocab_size=vocab_size,
         labels_across_documents=labels_across_documents,
+        window=window,
+        pad_id=pad_id,
     )
     reader = IndexedTokens(list(prefixes))
     return datamodule(options, sharding, reader=reader, packing=packing, audit_dir=audit_dir)

@@ -59,7 +59,8 @@ def packed_batch(
         at = int(start[piece]) + k - int(np.concatenate(([0], np.cumsum(n + extra)))[piece])
         raise ValueError(
             f"token id {int(flat[k])} at token {at} of {name(int(doc[piece]))} is outside the vocabulary "
-            f"[0, {packing.vocab_size}): check the tokenizer, or raise Packing(vocab_size=...)"
+            f"[0, {packing.vocab_size}): the data was tokenized for another vocabulary, or the vocabulary size "
+            "given (Packing(vocab_size=...), Hydra data.vocab_size) is not the tokenizer's"
         )
     # Where each piece starts in the read tokens, and in its row.
     read_at = np.concatenate(([0], np.cumsum(n + extra)[:-1])).astype(np.int64)

@@ -160,12 +160,16 @@ class TokenFiles(DocumentReader):
         return maps[path]  # type: ignore[no-any-return]
 
     def _ends(self, path: str) -> Int64Array:
-        """Where each document of ``path`` ends (one past its last token)."""
-        tokens = self._map(path)
-        ends = np.flatnonzero(tokens == self.eos_id) + 1
-        if ends.size == 0 or ends[-1] != tokens.size:
-            ends = np.append(ends, tokens.size)
-        return ends.astype(np.int64)
+        """Where each document of ``path`` ends (one past its last token); one scan per process."""
+        found: dict[str, Int64Array] = self.__dict__.setdefault("_lengths_cache", {})
+        key = f"ends:{path}"
+        if key not in found:
+            tokens = self._map(path)
+            ends = np.flatnonzero(tokens == self.eos_id) + 1
+            if ends.size == 0 or ends[-1] != tokens.size:
+                ends = np.append(ends, tokens.size)
+            found[key] = ends.astype(np.int64)
+        return found[key]
 
     def items(self) -> Sequence[Item]:
         """One item per file, with its documents; files are named under the folder they share."""
@@ -395,6 +399,8 @@ def write_indexed(prefix: str, documents: Sequence[npt.ArrayLike], dtype: Any = 
     ``prefix.idx``, one sequence per document (as Megatron's preprocessing writes them)."""
     code = next(c for c, t in MEGATRON_DTYPES.items() if np.dtype(t) == np.dtype(dtype))
     arrays = [np.asarray(d, dtype=dtype) for d in documents]
+    if not arrays:
+        raise ValueError(f"write_indexed({prefix!r}): no documents to write")
     lengths = np.array([a.size for a in arrays], dtype="<i4")
     pointers = (np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)[:-1])) * np.dtype(dtype).itemsize).astype("<i8")
     with open(f"{prefix}.bin", "wb") as f:

@@ -67,14 +67,24 @@ class Packing:
             raise ValueError(f"{where}(mode={self.mode!r}) is not a packing mode; choose one of {list(MODES)}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"{where}(window={self.window!r}) must be a positive number of documents")
+        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or self.pad_id < 0:
+            raise ValueError(f"{where}(pad_id={self.pad_id!r}) must be a token id (an integer >= 0)")
         if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or self.vocab_size < 1):
             raise ValueError(f"{where}(vocab_size={self.vocab_size!r}) must be a positive number of token ids")
         if self.vocab_size is not None and not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"{where}(pad_id={self.pad_id}) must be a token id below vocab_size={self.vocab_size}")
 
     def record(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the packing (every field: a resume with another is refused)."""
+        """What a checkpoint keeps of the packing (every field)."""
         return asdict(self)
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that decide the sequences and what a batch holds: a resume with another of
+        them is refused (``vocab_size`` only checks tokens, ``window`` matters to ``best_fit`` only)."""
+        kept = {k: v for k, v in asdict(self).items() if k != "vocab_size"}
+        if self.mode != "best_fit":
+            kept.pop("window")
+        return kept
 
 
 class PackedEpochs:
@@ -99,7 +109,7 @@ class PackedEpochs:
             item, index = self.document(int(empty[0]))
             raise ValueError(
                 f"document {index} of item {item} holds no tokens ({empty.size} empty document(s) in all): "
-                "remove empty documents, or let the reader drop them"
+                "remove empty documents from the data"
             )
         starts = np.concatenate(([0], np.cumsum(self.lengths)))
         self.token_start_in_item: Int64Array = starts[:-1] - np.repeat(starts[self.first_document[:-1]], self.counts)
@@ -136,7 +146,7 @@ class PackedEpochs:
 
     def identity(self, counts: npt.NDArray[np.int64]) -> list[Any]:
         """The packing and the documents' lengths: another of either is other data to a checkpoint."""
-        return [["packing", self.packing.record(), self._digest]]
+        return [["packing", self.packing.identity(), self._digest]]
 
     def summary(self, items: Sequence[Any], counts: npt.NDArray[np.int64]) -> dict[str, Any]:
         """The packing, and the documents, tokens and padding of an epoch."""
@@ -157,7 +167,7 @@ class PackedEpochs:
             return [] if old == new else [f"packing was {old!r}, now {new!r}"]
         found = [
             f"packing.{key} was {old.get(key)!r}, now {new.get(key)!r}"
-            for key in (*self.packing.record(), "documents", "tokens")
+            for key in (*self.packing.identity(), "documents", "tokens")
             if old.get(key) != new.get(key)
         ]
         if not found and old.get("lengths_digest") != new.get("lengths_digest"):

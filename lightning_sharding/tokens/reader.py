@@ -27,7 +27,7 @@ class PackedReader(Reader):
     def __init__(self, documents: DocumentReader, packing: Packing) -> None:
         if not isinstance(documents, DocumentReader):
             raise TypeError(
-                f"packing needs a reader of tokenized documents (TokenFiles, IndexedTokens or another "
+                f"packing needs a reader of tokenized documents (IndexedTokens, ParquetTokens, TokenFiles or another "
                 f"DocumentReader), got {type(documents).__name__}"
             )
         if not isinstance(packing, Packing):

@@ -157,6 +157,8 @@ def test_a_bad_megatron_index_is_refused_naming_the_file(tmp_path: Path, what: s
 def test_bad_packing_input_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"Packing\(seq_len=1\) must be a whole number of tokens, 2 or more"):
         Packing(1)
+    with pytest.raises(ValueError, match=r"Packing\(pad_id=-1\) must be a token id"):
+        Packing(8, pad_id=-1)
     with pytest.raises(ValueError, match=r"Packing\(mode='greedy'\) is not a packing mode"):
         Packing(8, "greedy")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"document 1 of item 0 holds no tokens"):
@@ -193,6 +195,9 @@ def test_a_resume_with_another_packing_or_changed_documents_is_explained(tmp_pat
     assert other.fingerprint != saved.fingerprint
     found = other.differences(saved.summary(), saved.table)
     assert "packing.seq_len was 16, now 32" in found and "packing.mode was 'concat', now 'best_fit'" in found
+    same = [Packing(16, "concat", vocab_size=60000), Packing(16, "concat", window=7)]
+    assert all(PackedReader(docs, p).manifest().fingerprint == saved.fingerprint for p in same)  # checks only
+    assert PackedReader(docs, Packing(16, "concat", pad_id=3)).manifest().fingerprint != saved.fingerprint
     write_corpus(tmp_path, files=2, documents=4, seed=1)  # other documents, the same files
     os.utime(tmp_path / "part-0.bin")
     changed = PackedReader(IndexedTokens(str(tmp_path / "part-*.idx")), Packing(16, "concat")).manifest()
