@@ -86,6 +86,22 @@ def test_remote_benchmark_prints_the_wait_of_every_way_to_read() -> None:
         assert verdict == "met" or f"): {way} alone waits " in done.stdout, done.stdout
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_packing_benchmark_prints_tokens_per_second_listing_and_planning() -> None:
+    """``python -m benchmarks.packing --quick``: tokens/s at 0 and 2 workers (beside LitData's
+    TokensLoader, or saying it is not installed), listing time, and planning with its target."""
+    out = run_benchmark("benchmarks.packing", "--quick", timeout=280).stdout
+    rows = re.findall(r"^\| ([02]) \| ([\d,]+) \| ([\d,]+|not installed) \| ([\d.]+|-) \|$", out, re.M)
+    assert [r[0] for r in rows] == ["0", "2"] and all(int(r[1].replace(",", "")) > 0 for r in rows), out
+    assert re.search(r"Listing 100,000 documents from a Megatron index: [\d.]+ s", out), out
+    assert re.search(
+        r"Planning an epoch of [\d,]+ tokens in 1,000,000 documents .*: [\d.]+ s \(target < 2 s: (met|NOT met)\)", out
+    )
+    assert re.search(r"holds \d+ MiB \(\d+ bytes a document, linear in documents\)", out), out
+    assert re.search(r"best_fit packing of 100,000 documents: [\d.]+ s, [\d,]+ sequences, padding [\d.]+ %", out), out
+
+
 def run_benchmark(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess[str]:
     """``python -m module args`` from the repository root; fails the test unless it exits 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
