@@ -182,7 +182,15 @@ def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir
     if restored.fingerprint == manifest.fingerprint:
         old = saved.get("root", "")
         moved = f"; it moved from {old}" if old and manifest.root and old != manifest.root else ""
-        return f"{where}\nsame data    the same items, sample counts and contents{moved}: it resumes"
+        lines = [where, f"same data    the same items, sample counts and contents{moved}: it resumes"]
+        tokens = getattr(manifest.order(restored.seed, restored.epoch), "tokens", None)
+        if tokens is not None:  # packed sequences: the tokens their positions hold
+            done = tokens(restored.consumed.to_array())
+            planned = int(saved.get("packing", {}).get("tokens", 0))
+            lines.append(
+                f"tokens       {done:,} consumed of {planned:,} in epoch {restored.epoch}, {planned - done:,} remaining"
+            )
+        return "\n".join(lines)
     if restored.fingerprint == manifest.fingerprint_by_path():
         return f"{where}\nsame data    (a 0.1 checkpoint: the same paths and fingerprints): it resumes"
     changes = manifest.differences(saved, state.get("items"), shown=None)

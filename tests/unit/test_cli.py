@@ -350,6 +350,33 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def test_inspect_of_a_packed_checkpoint_gives_the_packing_and_with_data_the_tokens_consumed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """recipe=pretrain trained 5 steps of 4 sequences; inspect names the packing, and with --data
+    counts the tokens those 20 sequences hold, from the epoch's own order."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_sharding.config import CONF_DIR
+    from lightning_sharding.train import run as train
+
+    data = ["data.documents=40", "data.longest=30", "data.seq_len=16", f"data.cache_dir={tmp_path}"]
+    overrides = [*data, "data.batch_size=4", "data.num_workers=0", "data.seed=3", "trainer.max_steps=5"]
+    quiet = ["logger=none", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("train", overrides=["recipe=pretrain", *overrides, *quiet, f"out_dir={tmp_path / 'run'}"])
+    train(cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    code, out, err = run(capsys, "inspect", str(ckpt), "--data", "recipe=pretrain", *data)
+    assert code == 0, err
+    assert re.search(r"packing\s+'concat', seq_len 16: ([\d,]+) tokens of 40 documents", out), out
+    planned = int(re.search(r"seq_len 16: ([\d,]+) tokens", out).group(1).replace(",", ""))  # type: ignore[union-attr]
+    done = re.search(r"tokens\s+([\d,]+) consumed of ([\d,]+) in epoch 0, ([\d,]+) remaining", out)
+    assert done is not None, out
+    consumed, total, left = (int(g.replace(",", "")) for g in done.groups())
+    assert total == planned and consumed + left == planned and 0 < consumed <= 20 * 16
+
+
 def test_inspect_a_real_checkpoint(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
     code, out, err = run(capsys, "inspect", str(checkpoint))
     assert code == 0, err
