@@ -83,8 +83,9 @@ class Data:
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"
     allow_mixture_change: bool = False  # resume a checkpoint of another mixture at the new shares
-    # Packed token sequences (tests/jobs/tokens_data.py): {"dir", "seq_len", "mode"}; every token
-    # of the corpus is a distinct id, so a token id is the token's identity (ids 1..T, 0 pads).
+    # Packed token sequences (tests/jobs/tokens_data.py): {"dir", "seq_len", "mode"}, or "streams":
+    # [dir, ...] for a mixture of token streams; every token of the corpora is a distinct id, so a
+    # token id is the token's identity (ids 1..T, 0 pads).
     tokens: dict[str, Any] | None = None
 
 

@@ -10,6 +10,7 @@ training and in the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -168,9 +169,11 @@ class ShardedDataModule(pl.LightningDataModule):
         if not self.strategy.shuffles:  # e.g. a source, read in its own order
             self.options = self.options.replace(shuffle=False)
         self.strategy.check(self.options, owner=name)
+        if packing is not None and streams is not None:  # every stream packed the same way
+            streams = [replace(s, reader=packed(s.reader, packing, self.strategy, self.options, name)) for s in streams]
         self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size)
-        if packing is not None:
-            self._reader = packed(self._reader, packing, self.strategy, self.options, streams, name)
+        if packing is not None and streams is None:
+            self._reader = packed(self._reader, packing, self.strategy, self.options, name)
         self._val_reader = val_reader
         self._test_reader = test_reader
         self.source = source
@@ -302,15 +305,9 @@ def packed(
     packing: Packing,
     strategy: Strategy,
     options: LoaderOptions,
-    streams: Sequence[Stream] | None,
     owner: str,
 ) -> PackedReader:
     """``reader``'s documents packed by ``packing``; what cannot go with packing is refused, named."""
-    if streams is not None:
-        raise ValueError(
-            f"`{owner}(packing=..., streams=...)`: a mixture of packed token streams is not supported yet; "
-            "pack one reader (reader=...)"
-        )
     if options.transform is not None or options.collate_fn is not default_collate:
         raise ValueError(
             f"`{owner}(packing=...)` builds whole batches of sequences: transform= and collate_fn= do not "

@@ -162,30 +162,59 @@ def stream_portions(size: int, draws: int, epoch: int) -> list[Portion]:
 
 class StreamOrder:
     """One stream's ``draws`` of one epoch, mapped to ``(item, index)`` of the stream's own items
-    (``counts``, its items' sample counts): its passes and its cycle chunk (:func:`stream_portions`)."""
+    (``counts``, its items' sample counts): its passes and its cycle chunk (:func:`stream_portions`).
+
+    ``epochs``: the stream's own epochs when they are not plain (packed token sequences): its
+    samples are then their positions, and each pass or cycle is one of their orders."""
 
     def __init__(
-        self, counts: npt.ArrayLike, name: str, draws: int, seed: int, epoch: int, *, shuffle: bool = True
+        self,
+        counts: npt.ArrayLike,
+        name: str,
+        draws: int,
+        seed: int,
+        epoch: int,
+        *,
+        shuffle: bool = True,
+        epochs: Any = None,
     ) -> None:
         self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
         self.name = name
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
-        self.size = int(self.counts.sum())
+        self.epochs = epochs
+        self.size = int(self.counts.sum()) if epochs is None else int(epochs.total)
         self.portions = stream_portions(self.size, int(draws), int(epoch)) if draws else []
         self.starts = np.cumsum([0] + [g.hi - g.lo for g in self.portions]).astype(np.int64)
-        self._orders: OrderedDict[tuple[int, int], EpochOrder] = OrderedDict()
+        self._orders: OrderedDict[tuple[int, int], Any] = OrderedDict()
 
-    def portion_order(self, portion: Portion) -> EpochOrder:
-        """The order of the pass or cycle chunk ``portion`` draws from (the newest few are kept)."""
+    def portion_order(self, portion: Portion) -> Any:
+        """The order of the pass or cycle chunk ``portion`` draws from (the newest few are kept):
+        an :class:`EpochOrder`, or the stream's own epochs' order."""
         key = (portion.kind, portion.key)
         order = self._orders.get(key)
         if order is None:
             seed = stream_seed(self.seed, self.name, portion.kind)
-            order = self._orders[key] = EpochOrder(self.counts, seed, portion.key, shuffle=self.shuffle)
+            if self.epochs is None:
+                order = EpochOrder(self.counts, seed, portion.key, shuffle=self.shuffle)
+            else:
+                order = self.epochs.order(self.counts, seed, portion.key, shuffle=self.shuffle)
+            self._orders[key] = order
             if len(self._orders) > 4:
                 self._orders.popitem(last=False)
         return order
+
+    def portions_of(self, draws: npt.ArrayLike) -> list[tuple[Int64Array, Any, Int64Array]]:
+        """The draws grouped by the pass or cycle chunk they come from: ``(where, order, positions)``
+        for each, ``where`` indexing ``draws`` and ``positions`` their positions in ``order``."""
+        draw = np.asarray(draws, dtype=np.int64)
+        which = np.searchsorted(self.starts, draw, side="right") - 1
+        out = []
+        for g in np.unique(which).tolist():
+            where = np.flatnonzero(which == g)
+            portion = self.portions[g]
+            out.append((where, self.portion_order(portion), draw[where] - self.starts[g] + portion.lo))
+        return out
 
     def items_from(self, draw: int, count: int) -> Int64Array:
         """The stream's items (0-based in the stream) from the one holding ``draw`` on, in draw order,
@@ -197,6 +226,11 @@ class StreamOrder:
             portion = self.portions[g]
             order = self.portion_order(portion)
             lo = portion.lo + max(draw - int(self.starts[g]), 0)
+            if self.epochs is not None:  # another kind of order: its own look-ahead
+                found.append(order.items_from(lo, left))
+                left -= found[-1].size
+                g += 1
+                continue
             first = int(np.searchsorted(order.starts, lo, side="right")) - 1
             end = int(np.searchsorted(order.starts, portion.hi, side="left"))
             found.append(order.item_order[first : min(end, first + left)])
@@ -207,12 +241,9 @@ class StreamOrder:
     def locate(self, draws: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """The stream's item (0-based in the stream) and sample index of each draw, shape ``(n,)`` each."""
         draw = np.asarray(draws, dtype=np.int64)
-        which = np.searchsorted(self.starts, draw, side="right") - 1
         items, index = np.empty_like(draw), np.empty_like(draw)
-        for g in np.unique(which).tolist():
-            at = which == g
-            portion = self.portions[g]
-            items[at], index[at] = self.portion_order(portion).locate(draw[at] - self.starts[g] + portion.lo)
+        for where, order, positions in self.portions_of(draw):
+            items[where], index[where] = order.locate(positions)
         return items, index
 
 
@@ -236,6 +267,7 @@ class MixtureOrder:
         shuffle: bool = True,
         composition: str = "mixed",
         batch_size: int | None = None,
+        stream_epochs: Sequence[Any] = (),
     ) -> None:
         self.names = tuple(names)
         self.composition = composition
@@ -248,9 +280,12 @@ class MixtureOrder:
         self.item_offsets = np.concatenate(([0], np.cumsum(stream_items))).astype(np.int64)
         if int(self.item_offsets[-1]) != self.counts.size or len(self.names) != len(self.draws):
             raise ValueError("MixtureOrder: the streams' item counts, names and draws do not line up")
+        epochs = tuple(stream_epochs) or (None,) * len(self.names)
         self.stream_orders = [
-            StreamOrder(self.counts[a:b], name, d, self.seed, self.epoch, shuffle=self.shuffle)
-            for name, a, b, d in zip(self.names, self.item_offsets[:-1], self.item_offsets[1:], self.draws, strict=True)
+            StreamOrder(self.counts[a:b], name, d, self.seed, self.epoch, shuffle=self.shuffle, epochs=e)
+            for name, a, b, d, e in zip(
+                self.names, self.item_offsets[:-1], self.item_offsets[1:], self.draws, epochs, strict=True
+            )
         ]
         self.sizes = [s.size for s in self.stream_orders]
         self.interleave = layout(self.draws, composition, batch_size)
@@ -299,6 +334,8 @@ class Mixture:
     draws: tuple[int, ...]
     composition: str = "mixed"
     batch_size: int | None = None
+    # Each stream's own epochs when they are not plain (packed token sequences); () for none.
+    stream_epochs: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         layout(self.draws, self.composition, self.batch_size)  # checks the composition
@@ -306,6 +343,7 @@ class Mixture:
     def order(self, counts: npt.ArrayLike, seed: int, epoch: int, *, shuffle: bool = True) -> MixtureOrder:
         """The epoch order of this mixture over items of sample ``counts``."""
         mix: dict[str, Any] = {"shuffle": shuffle, "composition": self.composition, "batch_size": self.batch_size}
+        mix["stream_epochs"] = self.stream_epochs
         return MixtureOrder(self.names, counts, self.stream_items, self.draws, seed, epoch, **mix)
 
     @property
@@ -337,12 +375,17 @@ class Mixture:
         """Per stream: name, share, samples and draws per epoch (what a checkpoint keeps of the spec)."""
         counts = np.asarray(counts, dtype=np.int64)
         offsets = np.concatenate(([0], np.cumsum(self.stream_items))).astype(np.int64)
-        return [
+        rows: list[dict[str, object]] = [
             {"name": name, "share": share, "samples": int(counts[a:b].sum()), "draws": draws}
             for name, share, a, b, draws in zip(
                 self.names, self.shares, offsets[:-1], offsets[1:], self.draws, strict=True
             )
         ]
+        for row, epochs in zip(rows, self.stream_epochs, strict=False):
+            if epochs is not None:  # a packed stream: its samples are sequences, from its documents
+                row["samples"] = int(epochs.total)
+                row["packing"] = epochs.identity_summary()
+        return rows
 
     def identity(self, counts: npt.NDArray[np.int64]) -> list[Any]:
         """What the manifest's fingerprint hashes of the mixture: its streams, then a blocked composition."""
@@ -401,6 +444,10 @@ def _stream_changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -
     for name in (n for n in new if n in old):
         if old[name].get("data", new[name].get("data")) != new[name].get("data"):
             changes.append(f"stream {name!r} holds other data (its items or their fingerprints changed)")
+        if old[name].get("packing") != new[name].get("packing"):
+            was, now = old[name].get("packing") or {}, new[name].get("packing") or {}
+            fields = [f"{k} was {was.get(k)!r}, now {now.get(k)!r}" for k in {**was, **now} if was.get(k) != now.get(k)]
+            changes.append(f"stream {name!r} packing: {', '.join(fields)}")
         for key in ("share", "samples", "draws"):
             if old[name][key] != new[name][key]:
                 changes.append(f"stream {name!r} {key} was {old[name][key]!r}, now {new[name][key]!r}")

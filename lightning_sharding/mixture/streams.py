@@ -107,11 +107,25 @@ class MixtureReader(Reader):
             for it in items
         ]
 
+    @property
+    def reads_sequences(self) -> bool:  # type: ignore[override]
+        """Whether the streams are packed token sequences (every stream's reader reads them)."""
+        return all(s.reader.reads_sequences for s in self.streams)
+
     def manifest(self, batch_size: int | None = None) -> Manifest:
         """The items of every stream and the mixture that draws from them (in blocks of
-        ``batch_size``, default the one given, for a ``stratified`` or ``per_stream`` composition)."""
+        ``batch_size``, default the one given, for a ``stratified`` or ``per_stream`` composition).
+        Packed streams draw sequences: a stream's samples are its packed epochs' sequences."""
         listed = self._list()
         sizes = [sum(it.num_samples for it in items) for items in listed]
+        packed = [s.reader.reads_sequences for s in self.streams]
+        stream_epochs: tuple[Any, ...] = ()
+        if any(packed):
+            if not all(packed):
+                names = [s.name for s, p in zip(self.streams, packed, strict=True) if not p]
+                raise ValueError(f"streams {names} are not packed: pack every stream of a mixture, or none")
+            stream_epochs = tuple(s.reader.manifest().epochs for s in self.streams)
+            sizes = [int(e.total) for e in stream_epochs]
         draws = plan_draws([s.spec for s in self.streams], sizes, self.samples_per_epoch)
         mixture = Mixture(
             names=tuple(s.name for s in self.streams),
@@ -120,8 +134,34 @@ class MixtureReader(Reader):
             draws=tuple(draws),
             composition=self.composition,
             batch_size=None if self.composition == "mixed" else batch_size or self.batch_size,
+            stream_epochs=stream_epochs,
         )
         return Manifest(tuple(self.items()), mixture)
+
+    def read_sequences(self, order: Any, positions: npt.NDArray[np.int64], items: Sequence[Item]) -> Any:
+        """The batch of the mixture's ``positions``: each stream's rows read by its own packed
+        reader from the pass or cycle they come from, then joined in the batch's order."""
+        from lightning_sharding.tokens import join_packed
+
+        stream, draw = order.streams(positions)
+        offsets = order.item_offsets.tolist()
+        parts = []
+        documents = 0
+        for s, stream_order in enumerate(order.stream_orders):
+            where = np.flatnonzero(stream == s)
+            originals = self._originals(s, items[offsets[s] : offsets[s + 1]])
+            for rows, portion_order, local in stream_order.portions_of(draw[where]) if where.size else []:
+                part = self.streams[s].reader.read_sequences(portion_order, local, originals)
+                parts.append((where[rows], part, documents))
+            documents += int(stream_order.epochs.lengths.size)
+        return join_packed(parts, len(positions))
+
+    def _originals(self, s: int, items: Sequence[Item]) -> list[Item]:
+        """Stream ``s``'s own items (as its reader knows them) of the mixture's ``items`` (kept)."""
+        kept: dict[int, list[Item]] = self.__dict__.setdefault("_originals_of", {})
+        if s not in kept:
+            kept[s] = [self._origin_of(it)[1] for it in items]
+        return kept[s]
 
     def _source(self, item: Item) -> tuple[Reader, Item]:
         s, original = self._origin_of(item)

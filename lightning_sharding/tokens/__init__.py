@@ -6,6 +6,7 @@ order the core plans like any other); :mod:`~lightning_sharding.tokens.batch` bu
 holds; :mod:`~lightning_sharding.tokens.reader` joins them for ``ShardedDataModule(packing=...)``.
 """
 
+from lightning_sharding.tokens.batch import join_packed
 from lightning_sharding.tokens.documents import DocumentReader, IndexedTokens, ParquetTokens, TokenFiles, write_indexed
 from lightning_sharding.tokens.packing import MODES, PackedEpochs, PackedOrder, Packing
 from lightning_sharding.tokens.reader import PackedReader
@@ -20,5 +21,6 @@ __all__ = [
     "Packing",
     "ParquetTokens",
     "TokenFiles",
+    "join_packed",
     "write_indexed",
 ]

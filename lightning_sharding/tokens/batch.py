@@ -102,3 +102,33 @@ def packed_batch(
         "cu_seqlens": torch.from_numpy(bounds),
         "max_seqlen": int(np.diff(bounds).max()) if size else 0,
     }
+
+
+def join_packed(parts: list[tuple[Int64Array, dict[str, Any], int]], rows: int) -> dict[str, Any]:
+    """One batch of ``rows`` sequences from batches of some of them (a mixture's streams):
+    ``(where, batch, first_document)`` each, its rows going to rows ``where`` of the result and its
+    ``document_ids`` counted from ``first_document`` (documents numbered stream after stream).
+    ``cu_seqlens`` and ``max_seqlen`` are those of the joined batch."""
+    seq_len = int(parts[0][1]["input_ids"].shape[1])
+    fields = {key: torch.empty((rows, seq_len), dtype=torch.int64) for key in ("input_ids", "labels", "position_ids")}
+    document_ids = torch.empty((rows, seq_len), dtype=torch.int64)
+    for where, batch, first in parts:
+        at = torch.from_numpy(where)
+        for key, out in fields.items():
+            out[at] = batch[key]
+        docs = batch["document_ids"]
+        document_ids[at] = torch.where(docs >= 0, docs + first, docs)
+    flat_docs = document_ids.reshape(-1).numpy()
+    flat_positions = fields["position_ids"].reshape(-1).numpy()
+    size = rows * seq_len
+    starts = np.zeros(size, dtype=bool)
+    starts[::seq_len] = True  # every row starts a segment
+    starts[1:] |= flat_docs[1:] != flat_docs[:-1]  # a document (or the padding) begins
+    starts[1:] |= (flat_positions[1:] == 0) & (flat_docs[1:] >= 0)  # a piece begins
+    bounds = np.concatenate((np.flatnonzero(starts), [size])).astype(np.int32)
+    return {
+        **fields,
+        "document_ids": document_ids,
+        "cu_seqlens": torch.from_numpy(bounds),
+        "max_seqlen": int(np.diff(bounds).max()) if size else 0,
+    }

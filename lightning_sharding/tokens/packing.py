@@ -160,6 +160,16 @@ class PackedEpochs:
             }
         }
 
+    def identity_summary(self) -> dict[str, Any]:
+        """The packing fields that decide the sequences, and the documents and tokens they hold
+        (what a mixture's stream keeps of its packing, in its identity)."""
+        return {
+            **self.packing.identity(),
+            "documents": int(self.lengths.size),
+            "tokens": self.planned_tokens,
+            "lengths_digest": self._digest,
+        }
+
     def explain(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
         """The packing's fields that changed, then the documents' lengths."""
         old, new = before.get("packing"), after.get("packing")

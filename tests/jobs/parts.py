@@ -82,8 +82,9 @@ class RecordingModel(pl.LightningModule):
             # One weight per sample (of a mixture too, whose epoch may draw more or fewer); of packed
             # tokens, one per token id (tests/jobs/tokens_data.py: ids 1..T, 0 pads).
             manifest = self.trainer.datamodule.manifest  # type: ignore[attr-defined]
-            packing = getattr(manifest.epochs, "packing", None)
-            total = manifest.epochs.tokens + 1 if packing is not None else int(manifest.counts.sum())
+            packed = [manifest.epochs] if hasattr(manifest.epochs, "packing") else []
+            packed = packed or [e for e in getattr(manifest.epochs, "stream_epochs", ()) if e is not None]
+            total = sum(e.tokens for e in packed) + 1 if packed else int(manifest.counts.sum())
             self.w = torch.nn.Parameter(torch.zeros(total, dtype=torch.float64))
 
     def configure_model(self) -> None:

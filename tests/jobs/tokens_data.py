@@ -12,15 +12,19 @@ from typing import Any
 
 import numpy as np
 
+from lightning_sharding.mixture import Stream
 from lightning_sharding.tokens import IndexedTokens, Packing, write_indexed
 
 
-def write_corpus(directory: Path, files: int, documents: int, seed: int = 0, longest: int = 40) -> int:
+def write_corpus(
+    directory: Path, files: int, documents: int, seed: int = 0, longest: int = 40, first_token: int = 1
+) -> int:
     """``files`` Megatron files ``part-N.bin/.idx`` of ``documents`` documents each, of 1 to
-    ``longest`` tokens (some longer than a sequence, some shorter); returns the corpus's tokens T."""
+    ``longest`` tokens (some longer than a sequence, some shorter), token ids from ``first_token``
+    on (another corpus of a mixture starts after this one's); returns the corpus's tokens."""
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    t = 1
+    t = first_token
     for f in range(files):
         docs = []
         for _ in range(documents):
@@ -28,12 +32,17 @@ def write_corpus(directory: Path, files: int, documents: int, seed: int = 0, lon
             docs.append(np.arange(t, t + n))
             t += n
         write_indexed(str(directory / f"part-{f}"), docs, dtype=np.uint16)
-    return t - 1
+    return t - first_token
 
 
 def packed_reader(directory: str) -> IndexedTokens:
     """The corpus of ``directory`` (every ``part-*.idx``)."""
     return IndexedTokens(f"{directory}/part-*.idx")
+
+
+def packed_streams(directories: list[str]) -> list[Stream]:
+    """One stream per corpus directory, ``s0``, ``s1``..., each drawn once an epoch (``repeat=1.0``)."""
+    return [Stream(f"s{i}", packed_reader(d), repeat=1.0) for i, d in enumerate(directories)]
 
 
 def packed_spec(spec: dict[str, Any]) -> Packing:

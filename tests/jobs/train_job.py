@@ -51,9 +51,13 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
         months = sorted(str(p) for p in Path(spec["months"]).glob("month-*.npy"))
         data = dict(reader=MonthWindows(months, window=spec["window"], stride=spec["stride"], halo=spec["halo"]))
     elif spec["tokens"]:
-        from tests.jobs.tokens_data import packed_reader, packed_spec
+        from tests.jobs.tokens_data import packed_reader, packed_spec, packed_streams
 
-        data = dict(reader=packed_reader(spec["tokens"]["dir"]), packing=packed_spec(spec["tokens"]))
+        tokens = spec["tokens"]
+        if tokens.get("streams"):  # a mixture of token streams, each packed the same way
+            data = dict(streams=packed_streams(tokens["streams"]), packing=packed_spec(tokens))
+        else:
+            data = dict(reader=packed_reader(tokens["dir"]), packing=packed_spec(tokens))
     elif spec["streams"]:
         from tests.jobs.streams_data import make_streams
 

@@ -85,6 +85,34 @@ def test_every_planned_token_is_trained_once_per_epoch_across_kills_on_other_top
         np.testing.assert_array_equal(w, expected * (epoch + 1), err_msg=f"{mode}: tokens' weights after epoch {epoch}")
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(500)
+def test_a_mixture_of_two_token_streams_trains_each_planned_token_once_across_kills(tmp_path: Path) -> None:
+    """Two token streams (two corpora of distinct token ids), each packed with ``best_fit`` and
+    drawn once an epoch: 2 x 2 killed, 1 x 2 killed, 2 x 1 to the end of two epochs; every token of
+    both streams is trained exactly once per epoch, counted in the weights."""
+    first_total = write_corpus(tmp_path / "web", files=3, documents=16)
+    total = first_total + write_corpus(tmp_path / "code", files=2, documents=12, seed=1, first_token=first_total + 1)
+    streams = [str(tmp_path / "web"), str(tmp_path / "code")]
+
+    def mixed(topology: Topology) -> Job:
+        data = Data(tokens={"streams": streams, "seq_len": SEQ_LEN, "mode": "best_fit"})
+        return Job(topology, data, Loading(batch_size=3), Training(epochs=2), checks=Checks(count_weights=True))
+
+    out = tmp_path / "run"
+    seen, segments = check_resume(
+        out, mixed(Topology(2, 2)), [mixed(Topology(1, 2)), mixed(Topology(2, 1))], checkpoint_every=3
+    )
+    assert all(s.returncode != 0 for s in segments[:2]), "the first two segments were killed mid-epoch"
+    assert_exactly_once(seen, total=total, epochs=2)
+    weights = weights_at_epoch_ends(out, "seg2")
+    for epoch, w in weights.items():
+        np.testing.assert_array_equal(
+            w[1:], np.full(total, epoch + 1.0), err_msg=f"tokens' weights after epoch {epoch}"
+        )
+    assert sorted(weights) == [0, 1] and w[0] == 0.0  # the padding id is never trained
+
+
 def test_the_sequences_do_not_depend_on_ranks_workers_or_batch_size(tmp_path: Path) -> None:
     """The epoch's sequences are a function of the documents, seed, epoch and packing alone: every
     rank's batches of 3 plans tile the same sequences as one process reading them all at once."""

@@ -244,3 +244,59 @@ def test_parquet_token_lists_are_documents_of_each_row_group(tmp_path: Path) -> 
         ParquetTokens(str(tmp_path / "train.parquet"), column="tokens").lengths(items[:1])
     with pytest.raises(ValueError, match=r"column 'text' holds string, not lists of integer token ids"):
         ParquetTokens(str(tmp_path / "train.parquet"), column="text").lengths(items[:1])
+
+
+@pytest.mark.parametrize("mode", ["concat", "best_fit", "none"])
+def test_a_mixture_of_packed_streams_holds_each_planned_token_once_whatever_the_batches(
+    tmp_path: Path, mode: str
+) -> None:
+    from lightning_sharding import Stream
+    from lightning_sharding.mixture import MixtureReader
+
+    first = write_corpus(tmp_path / "a", files=2, documents=10)
+    second = write_corpus(tmp_path / "b", files=1, documents=8, seed=1, first_token=first + 1)
+
+    def mixture(packing: Packing) -> MixtureReader:
+        streams = [PackedReader(IndexedTokens(f"{tmp_path / n}/part-*.idx"), packing) for n in "ab"]
+        return MixtureReader([Stream("a", streams[0], repeat=1.0), Stream("b", streams[1], repeat=1.0)])
+
+    reader = mixture(Packing(8, mode))  # type: ignore[arg-type]
+    manifest = reader.manifest()
+    planned = set()
+    for name, n in (("a", first), ("b", second)):
+        docs = IndexedTokens(f"{tmp_path / name}/part-*.idx")
+        items, start = docs.items(), 1 if name == "a" else first + 1
+        lengths = docs.lengths(items)
+        ends = np.cumsum(lengths)
+        for length, end in zip(lengths.tolist(), ends.tolist(), strict=True):
+            kept = min(length, 8) if mode == "none" else length
+            planned.update(range(start + end - length, start + end - length + kept))
+        assert int(lengths.sum()) == n
+    for epoch in (0, 1):
+        order = manifest.order(7, epoch)
+        whole = reader.read_sequences(order, np.arange(manifest.total), manifest.items)
+        tokens = whole["input_ids"][whole["input_ids"] != 0].tolist()
+        assert len(tokens) == len(set(tokens)) and set(tokens) == planned
+        parts = [
+            reader.read_sequences(order, np.arange(lo, min(lo + 5, manifest.total)), manifest.items)
+            for lo in range(0, manifest.total, 5)
+        ]
+        for key in ("input_ids", "labels", "position_ids", "document_ids"):
+            np.testing.assert_array_equal(whole[key].numpy(), np.concatenate([p[key].numpy() for p in parts]))
+        bounds = whole["cu_seqlens"].numpy()
+        assert bounds[0] == 0 and bounds[-1] == whole["input_ids"].numel() and np.all(np.diff(bounds) > 0)
+    other = mixture(Packing(16, mode)).manifest()  # type: ignore[arg-type]
+    assert other.fingerprint != manifest.fingerprint
+    found = other.differences(manifest.summary(), manifest.table)
+    assert any("stream 'a' packing: seq_len was 8, now 16" in f for f in found), found
+
+
+def test_a_mixture_packs_every_stream_or_none(tmp_path: Path) -> None:
+    from lightning_sharding import Stream, SyntheticReader
+    from lightning_sharding.mixture import MixtureReader
+
+    write_corpus(tmp_path, files=1, documents=4)
+    packed = PackedReader(IndexedTokens(f"{tmp_path}/part-*.idx"), Packing(8))
+    mixture = MixtureReader([Stream("tokens", packed), Stream("rows", SyntheticReader(sizes=[5]))])
+    with pytest.raises(ValueError, match=r"streams \['rows'\] are not packed: pack every stream of a mixture, or none"):
+        mixture.manifest()

@@ -175,10 +175,11 @@ def test_the_ranks_of_a_replica_get_the_same_batches_and_resume_on_other_replica
 # Every kind of epoch order the planner takes, with the strategies that read it: a plain epoch, a
 # mixture in each batch composition, the rest of an epoch whose mixture changed on resume, and
 # packed token sequences.
-ORDER_KINDS = ["plain", "mixed", "stratified", "per_stream", "changed", "packed"]
+ORDER_KINDS = ["plain", "mixed", "stratified", "per_stream", "changed", "packed", "packed_mixture"]
 COMPOSITION = {
     "plain": None,
     "packed": None,
+    "packed_mixture": None,
     "mixed": "mixed",
     "stratified": "stratified",
     "per_stream": "per_stream",
@@ -206,6 +207,15 @@ def ordered_data(kind: str, tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
 
         write_corpus(tmp_path, files=3, documents=7)
         data = PackedReader(IndexedTokens(f"{tmp_path}/part-*.idx"), Packing(8, "concat"))
+    elif kind == "packed_mixture":  # two token streams, packed, at shares that repeat one and sample the other
+        from lightning_sharding.mixture import MixtureReader, Stream
+        from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
+        from tests.jobs.tokens_data import write_corpus
+
+        write_corpus(tmp_path / "a", files=2, documents=9)
+        write_corpus(tmp_path / "b", files=1, documents=6, seed=1)
+        packed = [PackedReader(IndexedTokens(f"{tmp_path / n}/part-*.idx"), Packing(8, "best_fit")) for n in "ab"]
+        data = MixtureReader([Stream("a", packed[0], repeat=1.5), Stream("b", packed[1], proportion=0.5)])
     elif kind != "changed":
         data = reader({"web": {"weight": 2}, "code": {"weight": 1}, "books": {"repeat": 2.0}}, 61, kind)
     else:  # a checkpoint of one mixture, a third of each rank's share consumed, resumed under another
@@ -224,7 +234,7 @@ def ordered_data(kind: str, tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
         )
         keeper.restore(state, global_step=4, source="changed.ckpt")
         return data, keeper.manifest, keeper.ledger.state_dict()
-    manifest = data.manifest(BATCH) if kind not in ("plain", "packed") else data.manifest()
+    manifest = data.manifest() if kind in ("plain", "packed") else data.manifest(BATCH)
     return data, manifest, Ledger(seed=SEED, total=manifest.total, manifest=manifest.summary()).state_dict()
 
 
@@ -238,7 +248,7 @@ def ordered_data(kind: str, tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
         if get_strategy(name).takes == "reader"
         and (
             kind == "plain"
-            or (kind == "packed" and get_strategy(name).packs)
+            or (kind.startswith("packed") and get_strategy(name).packs)
             or (get_strategy(name).mixes and COMPOSITION[kind] in get_strategy(name).compositions)
         )
     ],
