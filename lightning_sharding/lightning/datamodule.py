@@ -170,7 +170,7 @@ class ShardedDataModule(pl.LightningDataModule):
             self.options = self.options.replace(shuffle=False)
         self.strategy.check(self.options, owner=name)
         if packing is not None and streams is not None:  # every stream packed the same way
-            streams = [replace(s, reader=packed(s.reader, packing, self.strategy, self.options, name)) for s in streams]
+            streams = [packed_stream(s, packing, self.strategy, self.options, name) for s in streams]
         self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size)
         if packing is not None and streams is None:
             self._reader = packed(self._reader, packing, self.strategy, self.options, name)
@@ -298,6 +298,11 @@ class ShardedDataModule(pl.LightningDataModule):
 # Every loader option is an attribute too: ``dm.batch_size`` reads ``dm.options``; setting it checks again.
 for _name in LoaderOptions.names():
     setattr(ShardedDataModule, _name, OptionAttribute(_name))
+
+
+def packed_stream(stream: Stream, packing: Packing, strategy: Strategy, options: LoaderOptions, owner: str) -> Stream:
+    """``stream`` with its reader packed by ``packing``."""
+    return replace(stream, reader=packed(stream.reader, packing, strategy, options, owner))
 
 
 def packed(

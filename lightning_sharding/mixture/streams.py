@@ -10,7 +10,7 @@ positions of the mixture's epoch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,10 @@ class Stream:
     """A named reader and its share of the mixture: one of ``weight`` (relative share of what the
     other streams leave of ``samples_per_epoch``; the default, ``weight=1``), ``proportion`` (a
     fraction of the stream per epoch, up to 1), ``repeat`` (passes per epoch: 2.0 serves every
-    sample twice, 0.5 half of them) or ``choose`` (a number of samples per epoch)."""
+    sample twice, 0.5 half of them) or ``choose`` (a number of samples per epoch). A stream of
+    packed token sequences may give ``tokens`` instead (tokens per epoch, with
+    ``ShardedDataModule(packing=...)``): it draws that many tokens' worth of sequences, within one
+    sequence of it."""
 
     name: str
     reader: Reader
@@ -36,11 +39,18 @@ class Stream:
     proportion: float | None = None
     repeat: float | None = None
     choose: int | None = None
+    tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.spec  # noqa: B018 - checks the share now, naming the stream
         if not isinstance(self.reader, Reader):
             raise TypeError(f"stream {self.name!r}: reader must be a Reader, got {type(self.reader).__name__}")
+        if self.tokens is not None:
+            given = [k for k in ("weight", "proportion", "repeat", "choose") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"stream {self.name!r} sets tokens and {' and '.join(given)}; give one share")
+            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+                raise ValueError(f"stream {self.name!r}: tokens={self.tokens!r} must be a whole number of 1 or more")
 
     @property
     def spec(self) -> StreamSpec:
@@ -64,6 +74,12 @@ class MixtureReader(Reader):
         streams = tuple(streams)
         if not streams or not all(isinstance(s, Stream) for s in streams):
             raise ValueError(f"streams= needs one or more Stream(name, reader, ...), got {streams!r}")
+        for s in streams:
+            if s.tokens is not None and not s.reader.reads_sequences:
+                raise ValueError(
+                    f"stream {s.name!r}: a share in tokens (tokens={s.tokens}) needs packed token sequences: "
+                    "give ShardedDataModule(packing=Packing(...)), or a share in samples"
+                )
         names = [s.name for s in streams]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -126,10 +142,17 @@ class MixtureReader(Reader):
                 raise ValueError(f"streams {names} are not packed: pack every stream of a mixture, or none")
             stream_epochs = tuple(s.reader.manifest().epochs for s in self.streams)
             sizes = [int(e.total) for e in stream_epochs]
-        draws = plan_draws([s.spec for s in self.streams], sizes, self.samples_per_epoch)
+        specs = [s.spec for s in self.streams]
+        for i, s in enumerate(self.streams):
+            if s.tokens is not None:  # whole passes, then the rest at the stream's tokens per sequence
+                epochs = stream_epochs[i]
+                passes, rest = divmod(s.tokens, int(epochs.planned_tokens))
+                sequences = passes * int(epochs.total) + round(rest * int(epochs.total) / int(epochs.planned_tokens))
+                specs[i] = replace(specs[i], choose=max(1, sequences))
+        draws = plan_draws(specs, sizes, self.samples_per_epoch)
         mixture = Mixture(
             names=tuple(s.name for s in self.streams),
-            shares=tuple(s.spec.describe() for s in self.streams),
+            shares=tuple(s.spec.describe() if s.tokens is None else f"tokens={s.tokens}" for s in self.streams),
             stream_items=tuple(len(items) for items in listed),
             draws=tuple(draws),
             composition=self.composition,

@@ -300,3 +300,27 @@ def test_a_mixture_packs_every_stream_or_none(tmp_path: Path) -> None:
     mixture = MixtureReader([Stream("tokens", packed), Stream("rows", SyntheticReader(sizes=[5]))])
     with pytest.raises(ValueError, match=r"streams \['rows'\] are not packed: pack every stream of a mixture, or none"):
         mixture.manifest()
+
+
+def test_a_share_in_tokens_draws_that_many_tokens_within_one_sequence(tmp_path: Path) -> None:
+    from lightning_sharding import Stream
+
+    first = write_corpus(tmp_path / "a", files=2, documents=30)
+    write_corpus(tmp_path / "b", files=1, documents=30, seed=1, first_token=first + 1)
+    streams = [
+        Stream("a", IndexedTokens(f"{tmp_path / 'a'}/part-*.idx"), tokens=700),
+        Stream("b", IndexedTokens(f"{tmp_path / 'b'}/part-*.idx"), tokens=1500),  # more than it holds: repeats
+    ]
+    data = ShardedDataModule(streams=streams, packing=Packing(16, "concat"), batch_size=4, seed=2)
+    data.setup("fit")
+    reader, manifest = data.make_reader(), data.manifest
+    assert manifest is not None
+    for epoch in (0, 1):
+        batch = reader.read_sequences(manifest.order(2, epoch), np.arange(manifest.total), manifest.items)
+        tokens = batch["input_ids"][batch["input_ids"] != 0]
+        drawn = {"a": int((tokens <= first).sum()), "b": int((tokens > first).sum())}
+        assert abs(drawn["a"] - 700) <= 16 and abs(drawn["b"] - 1500) <= 16, drawn
+    with pytest.raises(ValueError, match=r"stream 'a': a share in tokens \(tokens=700\) needs packed token sequences"):
+        ShardedDataModule(streams=streams)
+    with pytest.raises(ValueError, match=r"stream 'x' sets tokens and weight; give one share"):
+        Stream("x", IndexedTokens(f"{tmp_path / 'a'}/part-*.idx"), weight=1, tokens=5)
