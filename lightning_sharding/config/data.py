@@ -123,25 +123,32 @@ class TokensData(DataOptions):
 
 
 @dataclass
-class PretrainData(DataOptions):
-    """Tokenized documents packed into sequences of ``seq_len`` tokens (language-model pretraining).
+class TokenStreamOptions:
+    """One token stream of ``data=pretrain``: Megatron files (``prefixes``: prefixes or globs of
+    ``.idx`` files), or with none ``documents`` generated documents of 8 to ``longest`` tokens in
+    ``files`` files; ``tokens``: its tokens per epoch (none: one pass)."""
 
-    ``prefixes``: Megatron indexed files (``prefix`` or globs of ``prefix.idx``); with none,
-    ``documents`` documents of 8 to ``longest`` tokens below ``vocab_size`` are generated in
-    ``files`` files. ``mode``: concat | best_fit | none.
-    """
+    name: str = MISSING
+    prefixes: list[str] | None = None
+    tokens: int | None = None
+    files: int = 2
+    documents: int = 1000
+    longest: int = 400
+
+
+@dataclass
+class PretrainData(DataOptions):
+    """Token streams of documents mixed by tokens and packed into sequences of ``seq_len`` tokens
+    (language-model pretraining). ``mode``: concat | best_fit | none."""
 
     _target_: str = "lightning_sharding.recipes.pretrain.packed_documents"
-    prefixes: list[str] | None = None
+    streams: list[TokenStreamOptions] = field(default_factory=list)
     seq_len: int = 128
     mode: str = "concat"  # concat | best_fit | none
     vocab_size: int = 256
     labels_across_documents: bool = False
     window: int = 1024  # best_fit: documents packed together at most
     pad_id: int = 0
-    files: int = 4
-    documents: int = 2000
-    longest: int = 400
 
 
 @dataclass

@@ -279,8 +279,10 @@ class ShardingCallback(pl.Callback):
         keeper.committed()
         self.worlds = gather_objects(keeper.world, keeper.world.world_size)
         if self.print_summary and trainer.is_global_zero:
-            packing = keeper.manifest.summary().get("packing")
-            print(format_summary(self.reports, keeper.options, keeper.ledger.seed, self.worlds, packing))
+            summary = keeper.manifest.summary()
+            packing = summary.get("packing")
+            streams = [s for s in summary.get("streams") or [] if "packing" in s]
+            print(format_summary(self.reports, keeper.options, keeper.ledger.seed, self.worlds, packing, streams))
 
     def summary(self) -> list[dict[str, Any]]:
         """The epoch reports as plain dicts."""

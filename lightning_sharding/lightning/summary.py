@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +36,11 @@ def format_summary(
     seed: int,
     worlds: list[World],
     packing: Mapping[str, Any] | None = None,
+    packed_streams: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """A one-screen table of what every epoch served, and where every rank ran; with ``packing``
-    (a packed manifest's summary of it), the tokens an epoch's sequences hold."""
+    (a packed manifest's summary of it), the tokens an epoch's sequences hold; with
+    ``packed_streams`` (a mixture's packed streams' summaries), each stream's share of sequences."""
     replicas = ""
     if worlds and worlds[0].data_size != len(worlds):
         replicas = f" in {worlds[0].data_size} data-parallel replicas of {worlds[0].replica_size}"
@@ -65,5 +67,16 @@ def format_summary(
             f"\npacking {packing['mode']!r}, seq_len {packing['seq_len']}: {packing['tokens']:,} tokens of "
             f"{packing['documents']:,} documents in {sequences:,} sequences an epoch (padding {packing['padding']:,} "
             f"tokens, {share:.1f} %); samples below are sequences"
+        )
+    if packed_streams:
+        first = packed_streams[0]["packing"]
+        shares = ", ".join(
+            f"{s['name']} {s['draws']:,} sequences ({s['share']}; it holds {s['samples']:,} sequences, "
+            f"{s['packing']['tokens']:,} tokens)"
+            for s in packed_streams
+        )
+        ranks += (
+            f"\npacked streams, {first['mode']!r}, seq_len {first['seq_len']}, an epoch: {shares}; "
+            "samples below are sequences"
         )
     return "\n".join([head, ranks, cols, *rows])

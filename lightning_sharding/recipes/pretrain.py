@@ -1,20 +1,23 @@
-"""Recipe ``pretrain``: tokenized documents of varied lengths, packed into sequences (strategy ``shard``).
+"""Recipe ``pretrain``: token streams of documents of varied lengths, mixed by tokens and packed
+into sequences (strategy ``shard``).
 
-The documents are Megatron indexed files (``prefix.bin`` + ``prefix.idx``); with none given, a
-corpus of ``documents`` documents of 8 to ``longest`` tokens is generated once: each document a
-noisy counter from a random start (token ``t + 1`` is usually ``t + 1 mod vocab``), so a small
-model learns it and the loss falls.
+Each stream is Megatron indexed files (``prefix.bin`` + ``prefix.idx``); a stream with none given
+gets a corpus of ``documents`` documents of 8 to ``longest`` tokens, generated once: each
+document a noisy counter from a random start (token ``t + 1`` is usually ``t + 1 mod vocab``), so
+a small model learns it and the loss falls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lightning_sharding.lightning.datamodule import ShardedDataModule
+from lightning_sharding.mixture import Stream
 from lightning_sharding.recipes.data import datamodule, generated
 from lightning_sharding.tokens import IndexedTokens, Packing, write_indexed
 
@@ -35,29 +38,37 @@ def write_documents(directory: Path, files: int, documents: int, longest: int, v
         write_indexed(str(directory / f"part-{f:05d}"), docs, dtype=np.uint16)
 
 
+def _write(files: int, documents: int, longest: int, vocab_size: int, seed: int, directory: Path) -> None:
+    write_documents(directory, files, documents, longest, vocab_size, seed=seed)
+
+
 def packed_documents(
     *,
-    prefixes: list[str] | None,
+    streams: list[Mapping[str, Any]],
     seq_len: int,
     mode: str,
     vocab_size: int,
     labels_across_documents: bool,
     window: int,
     pad_id: int,
-    files: int,
-    documents: int,
-    longest: int,
     sharding: Mapping[str, Any],
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
-    """``data=pretrain``: Megatron files (generated when ``prefixes`` is empty) packed into ``seq_len``."""
-    if not prefixes:
-        name = f"documents-{files}x{documents}-l{longest}-v{vocab_size}"
-        where = generated(
-            options["cache_dir"], name, lambda d: write_documents(d, files, documents, longest, vocab_size)
-        )
-        prefixes = [str(where / "part-*.idx")]
+    """``data=pretrain``: token streams of Megatron files (each generated when its ``prefixes``
+    are empty), each at its share in tokens (one pass without one), packed into ``seq_len``."""
+    if not streams:
+        raise ValueError("data.streams is empty: give one or more {name, prefixes or documents, tokens}")
+    mixed = []
+    for k, stream in enumerate(streams):
+        prefixes = stream.get("prefixes")
+        if not prefixes:
+            files, documents, longest = stream["files"], stream["documents"], stream["longest"]
+            name = f"documents-{stream['name']}-{files}x{documents}-l{longest}-v{vocab_size}"
+            where = generated(options["cache_dir"], name, partial(_write, files, documents, longest, vocab_size, k))
+            prefixes = [str(where / "part-*.idx")]
+        share = {"tokens": stream["tokens"]} if stream.get("tokens") else {"repeat": 1.0}
+        mixed.append(Stream(stream["name"], IndexedTokens(list(prefixes)), **share))
     packing = Packing(
         seq_len=seq_len,
         mode=mode,  # type: ignore[arg-type]  # checked by Packing
@@ -66,5 +77,6 @@ def packed_documents(
         window=window,
         pad_id=pad_id,
     )
-    reader = IndexedTokens(list(prefixes))
-    return datamodule(options, sharding, reader=reader, packing=packing, audit_dir=audit_dir)
+    if len(mixed) == 1 and mixed[0].tokens is None:  # one stream, one pass: no mixture to draw
+        return datamodule(options, sharding, reader=mixed[0].reader, packing=packing, audit_dir=audit_dir)
+    return datamodule(options, sharding, streams=mixed, packing=packing, audit_dir=audit_dir)

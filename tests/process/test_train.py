@@ -65,19 +65,27 @@ def test_every_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str)
 def test_recipe_pretrain_trains_packed_documents_and_prints_their_tokens(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """recipe=pretrain: generated documents packed into sequences, a causal transformer; the
-    summary gives the tokens an epoch's sequences hold, which are every token of the corpus."""
+    """recipe=pretrain: two generated token streams, one at a share in tokens and one drawn once,
+    packed into sequences for a causal transformer; the summary gives each stream's sequences, and
+    the one drawn once draws every sequence of its corpus."""
     from lightning_sharding.tokens import IndexedTokens
 
-    overrides = ["data.documents=60", "data.longest=50", "data.seq_len=32", "data.batch_size=8", "data.num_workers=0"]
+    streams = "data.streams=[{name:web,documents:60,longest:50,tokens:1000},{name:code,documents:20,longest:30}]"
+    overrides = [streams, "data.seq_len=32", "data.batch_size=8", "data.num_workers=0"]
     result = run(make(tmp_path, "recipe=pretrain", *overrides, "trainer.max_epochs=1", "data.seed=5"))
-    corpus = IndexedTokens(str(next((tmp_path / "cache" / "datasets").iterdir()) / "part-*.idx"))
-    tokens = int(corpus.lengths(corpus.items()).sum())
-    sequences = -(-tokens // 32)
-    assert [e["consumed"] for e in result["epochs"]] == [sequences]
-    assert f"packing 'concat', seq_len 32: {tokens:,} tokens of 60 documents in {sequences:,} sequences" in (
-        capsys.readouterr().out
+    code = next(p for p in (tmp_path / "cache" / "datasets").iterdir() if "-code-" in p.name)
+    corpus = IndexedTokens(str(code / "part-*.idx"))
+    code_sequences = -(-int(corpus.lengths(corpus.items()).sum()) // 32)
+    out = capsys.readouterr().out
+    summary = (
+        r"packed streams, 'concat', seq_len 32, an epoch: web (\d+) sequences \(tokens=1000; "
+        r".*code (\d+) sequences \(repeat=1.0; it holds (\d+) sequences"
     )
+    line = re.search(summary, out)
+    assert line is not None, out
+    web, code_drawn, code_total = (int(g) for g in line.groups())
+    assert code_drawn == code_total == code_sequences and abs(web * 32 - 1000) <= 32
+    assert [e["consumed"] for e in result["epochs"]] == [web + code_drawn]
 
 
 def test_tokens_outside_the_vocabulary_are_named_with_the_file(tmp_path: Path) -> None:

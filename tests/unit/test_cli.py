@@ -360,7 +360,7 @@ def test_inspect_of_a_packed_checkpoint_gives_the_packing_and_with_data_the_toke
     from lightning_sharding.config import CONF_DIR
     from lightning_sharding.train import run as train
 
-    data = ["data.documents=40", "data.longest=30", "data.seq_len=16", f"data.cache_dir={tmp_path}"]
+    data = ["data.streams=[{name:web,documents:40,longest:30}]", "data.seq_len=16", f"data.cache_dir={tmp_path}"]
     overrides = [*data, "data.batch_size=4", "data.num_workers=0", "data.seed=3", "trainer.max_steps=5"]
     quiet = ["logger=none", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
@@ -491,7 +491,8 @@ def test_plan_of_packed_documents_gives_each_rank_and_worker_its_tokens(
 ) -> None:
     from lightning_sharding.tokens import IndexedTokens
 
-    overrides = ["data.documents=80", "data.longest=60", "data.seq_len=16", f"data.cache_dir={tmp_path}"]
+    one_stream = "data.streams=[{name:web,documents:80,longest:60}]"
+    overrides = [one_stream, "data.seq_len=16", f"data.cache_dir={tmp_path}"]
     code, out, err = run(capsys, "plan", "recipe=pretrain", *overrides, "--world-size", "2", "--workers", "2")
     assert code == 0, err
     corpus = IndexedTokens(str(next((tmp_path / "datasets").iterdir()) / "part-*.idx"))
