@@ -238,6 +238,11 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
             "allow_mixture_change continues a mixture under new streams or shares, but "
             f"{'the data is' if mixture is None else 'the checkpoint holds'} no mixture; use allow_data_change=True"
         )
+    if mixture.stream_epochs or any("packing" in s for s in old):
+        raise MixtureChangeError(
+            "allow_mixture_change does not yet continue a mixture of packed token streams under new streams or "
+            "shares; resume with the checkpoint's streams and shares, or use allow_data_change=True"
+        )
     summary = manifest.summary()
     now = {s["name"]: s for s in summary["streams"]}
     _refuse_renamed(old, now)

@@ -324,3 +324,21 @@ def test_a_share_in_tokens_draws_that_many_tokens_within_one_sequence(tmp_path: 
         ShardedDataModule(streams=streams)
     with pytest.raises(ValueError, match=r"stream 'x' sets tokens and weight; give one share"):
         Stream("x", IndexedTokens(f"{tmp_path / 'a'}/part-*.idx"), weight=1, tokens=5)
+
+
+def test_a_packed_mixture_under_other_shares_is_refused_by_name_not_changed(tmp_path: Path) -> None:
+    """allow_mixture_change does not yet continue packed streams: the resume is refused, naming why."""
+    from lightning_sharding import Stream
+    from lightning_sharding.core.ledger import Ledger
+    from lightning_sharding.mixture import MixtureChangeError, MixtureReader, change_mixture
+
+    write_corpus(tmp_path, files=2, documents=6)
+
+    def manifest(repeat: float) -> Manifest:
+        reader = PackedReader(IndexedTokens(f"{tmp_path}/part-*.idx"), Packing(8))
+        return MixtureReader([Stream("a", reader, repeat=repeat)]).manifest()
+
+    before = manifest(1.0)
+    state = Ledger(seed=1, total=before.total, manifest=before.summary()).state_dict()
+    with pytest.raises(MixtureChangeError, match=r"does not yet continue a mixture of packed token streams"):
+        change_mixture(state, manifest(2.0), shuffle=True)
