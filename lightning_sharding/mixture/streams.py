@@ -140,7 +140,11 @@ class MixtureReader(Reader):
             if not all(packed):
                 names = [s.name for s, p in zip(self.streams, packed, strict=True) if not p]
                 raise ValueError(f"streams {names} are not packed: pack every stream of a mixture, or none")
-            stream_epochs = tuple(s.reader.manifest().epochs for s in self.streams)
+            # Each stream's packed epochs over the items listed above (listed once: no second digest).
+            stream_epochs = tuple(
+                s.reader.epochs(items)  # type: ignore[attr-defined]  # a reader that reads sequences packs
+                for s, items in zip(self.streams, listed, strict=True)
+            )
             sizes = [int(e.total) for e in stream_epochs]
         specs = [s.spec for s in self.streams]
         for i, s in enumerate(self.streams):

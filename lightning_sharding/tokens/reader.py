@@ -43,8 +43,12 @@ class PackedReader(Reader):
     def manifest(self) -> Manifest:
         """The files, each document's length (from the reader's index) and the packing."""
         items = tuple(self.items())
-        counts = Manifest(items).counts
-        return Manifest(items, PackedEpochs(self.documents.lengths(items), counts, self.packing))
+        return Manifest(items, self.epochs(items))
+
+    def epochs(self, items: Sequence[Item]) -> PackedEpochs:
+        """The packed epochs of ``items`` (already listed): each document's length and the packing."""
+        counts = Manifest(tuple(items)).counts
+        return PackedEpochs(self.documents.lengths(items), counts, self.packing)
 
     def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
         """Document ``index`` of ``item`` (packed batches come from :meth:`read_sequences`)."""
