@@ -55,7 +55,10 @@ class Topology:
 
     world_size: int = 2
     num_workers: int = 2
-    launcher: str = "spawn"  # "spawn": Lightning's ddp_spawn; "torchrun": one torchrun per node
+    # How the ranks start. "ddp": Lightning's own launcher (strategy "ddp": the job's script runs again
+    # for each further rank; two interpreters for two ranks, the cheapest); "spawn": Lightning's
+    # ddp_spawn (a launcher process spawns every rank); "torchrun": one torchrun per node.
+    launcher: str = "ddp"
     num_nodes: int = 1
     # Model replicas of this many ranks (tensor parallel): by the strategy's distributed_sampler_kwargs
     # (tests/jobs/parts.py::ReplicatedDDP), or with `data_parallel_override` by ShardedDataModule(data_parallel=)
@@ -302,7 +305,7 @@ def run_at_once(root: Path, jobs: dict[str, Job]) -> dict[str, Segment]:
 
 def _launch(topology: Topology, config: Path, env: dict[str, str]) -> tuple[int, str]:
     """Start the job's processes (one, or one torchrun per node), wait with a timeout, kill on expiry."""
-    if topology.launcher == "spawn":
+    if topology.launcher in ("spawn", "ddp"):
         commands = [[sys.executable, str(JOB), str(config)]]
     else:
         per_node = topology.world_size // topology.num_nodes

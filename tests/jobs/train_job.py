@@ -185,6 +185,8 @@ def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any
         strategy, devices = "auto", 1
     elif topology["launcher"] == "torchrun":  # one process per rank, started by torchrun on each node
         strategy, devices = "ddp", world // nodes
+    elif topology["launcher"] == "ddp":  # Lightning's own launcher: this script runs again for each further rank
+        strategy, devices = ("ddp" if world > 1 else "auto"), world
     else:
         strategy, devices = ("ddp_spawn" if world > 1 else "auto"), world
     if topology["model_parallel"]:  # started like ddp: the script runs again for each further rank

@@ -1,4 +1,8 @@
-"""Exactly-once under a real Lightning Trainer, DDP over gloo (2 ranks) and spawned DataLoader workers."""
+"""Exactly-once under a real Lightning Trainer, DDP over gloo (2 ranks) and spawned DataLoader workers.
+
+The ranks start as the harness starts them by default, with Lightning's own launcher (strategy
+``ddp``); the kill-and-resume case below runs under ``ddp_spawn``, where Lightning pickles the
+DataModule and callbacks into ranks that a launcher process spawns."""
 
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ def test_mid_epoch_checkpoint_kill_and_resume_is_exactly_once_with_persistent_wo
     Two epochs, so the resumed run also crosses an epoch boundary with the same (persistent)
     workers. Fresh workers resume in every other kill-and-resume test (test_elastic, test_faults).
     """
-    job = Job(loading=Loading(persistent_workers=True), training=Training(epochs=2))
+    job = Job(Topology(launcher="spawn"), loading=Loading(persistent_workers=True), training=Training(epochs=2))
     seen, segments = check_resume(tmp_path, job, [job], checkpoint_every=4)
     assert_exactly_once(seen, TOTAL, epochs=2)
     # The killed segment really trained past its checkpoint: those steps are the ones re-served.

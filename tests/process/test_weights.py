@@ -66,12 +66,13 @@ def _resume_each_elsewhere(out: Path, checkpoints: list[Path], job: Job) -> None
 
 
 def test_checkpoints_saved_from_any_hook_hold_what_the_weights_hold(tmp_path: Path) -> None:
-    """2 ranks x 2 workers, 2 epochs, no accumulation. Saves come from a user callback before and
+    """2 ranks x 2 workers under ddp_spawn, 2 epochs, no accumulation. Saves come from a user callback before and
     after ShardingCallback, the LightningModule's on_train_batch_end, Lightning's SLURM handler on
     SIGUSR1 inside a step (after backward, before the optimizer step) and between steps,
     ModelCheckpoint every 4 steps and every epoch, and ModelCheckpoint at validation end with an
     integer val_check_interval that falls on each epoch's last batch."""
     job = Job(
+        Topology(launcher="spawn"),  # Lightning's ddp_spawn (the accumulation case below runs under torchrun)
         loading=Loading(persistent_workers=True),  # workers (train and validation) start once, not at every epoch
         training=Training(epochs=2),
         saves=Saves(
@@ -142,5 +143,7 @@ def test_checkpoints_inside_an_accumulation_window_and_on_exception(tmp_path: Pa
     same = job.but(
         saves=Saves(), faults=Faults(), training=dict(resume_from=str(tmp_path / "saves" / "seg0-on-exception.ckpt"))
     )
-    run_segment(tmp_path, "same", same)
+    resumed = run_segment(tmp_path, "same", same)
     assert_weights_count_once(weights_at_epoch_ends(tmp_path, "same"), TOTAL, epochs=1)
+    # One torchrun, two ranks on one node: the summary's rank map says so.
+    assert "ranks: rank 0 = node 0 local 0 | rank 1 = node 0 local 1" in resumed.output
