@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -21,7 +19,7 @@ import pytest
 from lightning_sharding import EpochOrder, Ledger, Manifest, RangeSet, SyntheticReader, World, plan_epoch
 from lightning_sharding.lightning.dali import DaliStrategy, merge_layout
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import ROOT, Job, Loading, Topology, Training, assert_exactly_once, check_resume, free_port
+from tests.harness import Job, Loading, Topology, Training, assert_exactly_once, check_resume
 from tests.jobs.dali_parts import RecordingReader, add_image
 
 needs_dali = pytest.mark.needs("nvidia.dali")
@@ -191,25 +189,6 @@ def test_resume_under_lightning_on_other_ranks_and_workers(tmp_path: Path) -> No
     report: Any = segments[-1].report
     assert report["datamodule"] == "DaliDataModule"
     assert [e["consumed"] for e in report["epochs"]] == [sum(SIZES)] * 2
-
-
-@needs_dali
-@pytest.mark.processes
-@pytest.mark.timeout(180)
-def test_the_dali_example_of_the_docs_runs_as_copied(tmp_path: Path) -> None:
-    page = ROOT / "docs" / "how-to" / "dali.md"  # the README's example moved to the docs (issue 36)
-    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    example = [b for b in blocks if "DaliDataModule(" in b]
-    assert len(example) == 1, "docs/how-to/dali.md lost its DALI example"
-    script = tmp_path / "dali_example.py"
-    script.write_text(example[0])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if re.match(r"\s+0\s+1024\s", line)]
-    assert [(r[0], r[2]) for r in rows] == [("0", "1024")], proc.stdout[-2000:]
 
 
 def test_missing_dali_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,10 +7,6 @@ Trainer, DDP over gloo, spawned DataLoader workers and dispatch processes.
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +25,6 @@ from lightning_sharding.strategies._dispatch_process import Chunk, SourceError, 
 from lightning_sharding.strategies.dispatch import DispatchLoader
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
-    ROOT,
     Data,
     Job,
     Loading,
@@ -37,7 +32,6 @@ from tests.harness import (
     Training,
     assert_exactly_once,
     check_resume,
-    free_port,
     kept_records,
     run_segment,
     served_per_epoch,
@@ -241,21 +235,3 @@ def test_a_tcp_stream_resumes_at_least_once_from_its_commits(tmp_path: Path) -> 
     assert "samples fetched but not served per rank: [1, 0]" in segments[-1].output
     assert not any(96 in r["ids"] for r in kept_records(segments[-1], None))
     assert torch.tensor(server.commits).max().item() >= 48 and np.all(np.diff([c[1] for c in server.commits]) >= 0)
-
-
-@pytest.mark.processes
-@pytest.mark.timeout(240)
-def test_the_dispatch_example_of_the_docs_runs_as_copied(tmp_path: Path) -> None:
-    page = ROOT / "docs" / "how-to" / "dispatch.md"  # the README's example moved to the docs (issue 36)
-    blocks = re.findall(r"```python\n(# dispatch example.*?)```", page.read_text(), flags=re.S)
-    assert len(blocks) == 1, "docs/how-to/dispatch.md lost its dispatch example"
-    script = tmp_path / "dispatch_example.py"
-    script.write_text(blocks[0])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # Summary rows: epoch, samples, consumed, ...: both epochs consumed all 1000 rows.
-    rows = [line.split()[:3] for line in proc.stdout.splitlines() if re.match(r"\s+\d+\s+1000\s", line)]
-    assert rows == [["0", "1000", "1000"], ["1", "1000", "1000"]], proc.stdout[-2000:]

@@ -1,13 +1,10 @@
 """Elastic resume: a checkpoint written on one (ranks, workers) resumes on any other, exactly-once.
 
-Every case runs real processes: Lightning's ddp_spawn or torchrun, DDP over gloo, spawned workers.
+Every case runs real processes: Lightning's launcher or torchrun, DDP over gloo, spawned workers.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +20,6 @@ from tests.harness import (
     assert_exactly_once,
     assert_weights_count_once,
     check_resume,
-    free_port,
-    kept_records,
-    run_segment,
-    served_per_epoch,
     weights_of_run,
 )
 
@@ -88,44 +81,13 @@ def test_a_checkpoint_at_an_epoch_end_resumes_into_a_fresh_epoch(tmp_path: Path)
     assert all(r["epoch"] == 1 for recs in segments[1].records.values() for r in recs)
 
 
-def test_torchrun_two_nodes_on_one_machine_resumes_a_ddp_spawn_checkpoint(tmp_path: Path, trained_2x2: Path) -> None:
+def test_torchrun_two_nodes_on_one_machine_resumes_a_checkpoint_of_lightnings_launcher(
+    tmp_path: Path, trained_2x2: Path
+) -> None:
     """Two `torchrun --nnodes=2 --node_rank={0,1}` launches with a rendezvous on 127.0.0.1, resuming
-    (a copy of) the session's shared 2x2 ddp_spawn segment (tests/process/conftest.py)."""
+    (a copy of) the session's shared 2x2 segment, trained under Lightning's launcher (tests/process/conftest.py)."""
     then = FIRST_2X2.on(2, 1, launcher="torchrun", num_nodes=2)
     seen, segments = check_resume(tmp_path, FIRST_2X2, [then], checkpoint_every=3, trained=trained_2x2)
     assert_exactly_once(seen, TOTAL, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), TOTAL, epochs=1)
     assert "ranks: rank 0 = node 0 local 0 | rank 1 = node 1 local 0" in segments[-1].output
-
-
-def test_torchrun_single_node_serves_every_sample_once(tmp_path: Path) -> None:
-    segment = run_segment(tmp_path, "run", Job(Topology(2, 2, launcher="torchrun")))
-    assert_exactly_once(served_per_epoch(kept_records(segment, None)), TOTAL, epochs=1)
-    assert "ranks: rank 0 = node 0 local 0 | rank 1 = node 0 local 1" in segment.output
-
-
-def _entry_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-
-
-def test_readme_rescale_commands_work(tmp_path: Path) -> None:
-    """The README's 'Changing cluster size' commands (smaller data): 2 ranks x 2 workers stopped
-    after 4 steps, resumed on 1 rank x 1 worker; the audit of both runs is exactly-once."""
-    common = ["data.num_items=4", "data.samples_per_item=60", "data.batch_size=16", "audit.enabled=true"]
-    common += ["trainer.enable_progress_bar=false", f"out_dir={tmp_path}", "data.multiprocessing_context=spawn"]
-    first = [sys.executable, "-m", "lightning_sharding.train", *common]
-    first += ["trainer.devices=2", "trainer.strategy=ddp", "data.num_workers=2", "trainer.max_steps=4"]
-    first += ["checkpoint_every_n_steps=2"]
-    proc = subprocess.run(first, cwd=tmp_path, env=_entry_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    last = tmp_path / "checkpoints" / "last.ckpt"
-    second = [sys.executable, "-m", "lightning_sharding.train", *common, "data.num_workers=1", f"ckpt_path={last}"]
-    second += ["trainer.max_epochs=1"]
-    proc = subprocess.run(second, cwd=tmp_path, env=_entry_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "world 1 rank(s) x 1 worker(s)" in proc.stdout
-    audit = subprocess.run(
-        [sys.executable, "-m", "lightning_sharding.cli", "audit", str(tmp_path)], capture_output=True, text=True
-    )
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    assert "    0       240       240          0        0" in audit.stdout
