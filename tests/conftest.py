@@ -22,3 +22,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     if any(getattr(value, "reader", value) == "parquet" for value in params.values() if not hasattr(value, "shape")):
         require("pyarrow")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``LSH_SKIPPED_TO=FILE``, append the id of every skipped test to FILE (one a line): CI
+    runs the README's test command without the extras, then exactly these tests with every extra
+    (.ci/run). Under pytest-xdist the controller writes the list, once for each test."""
+    path = os.environ.get("LSH_SKIPPED_TO")
+    if path and report.skipped and os.environ.get("PYTEST_XDIST_WORKER") is None:
+        with open(path, "a") as out:
+            out.write(report.nodeid + "\n")
