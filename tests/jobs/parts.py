@@ -120,6 +120,7 @@ class RecordingModel(pl.LightningModule):
             "pad": int(pad.sum()),
             "k": batch_idx + 1,
             "bar": train_total(self.trainer.progress_bar_callback),
+            "pid": os.getpid(),  # the rank's process: the owner named in its /dev/shm files
         }
         path = f"{self.log_path}-rank{self.trainer.global_rank}.jsonl"
         with open(path, "a") as f:
