@@ -27,6 +27,11 @@ EXTRA_OF = {
     "moto": "dev",
     "boto3": "dev",
     "jsonargparse": "dev",
+    "webdataset": "dev",
+    "PIL": "image",
+    "simplejpeg": "image",
+    "soundfile": "audio",
+    "av": "video",
 }
 STRICT_ENV = "LSH_REQUIRE_EXTRAS"
 

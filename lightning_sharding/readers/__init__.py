@@ -6,6 +6,7 @@ The file readers import fsspec (and pyarrow for Parquet) only when used, so the 
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.jsonl import JsonlReader
+from lightning_sharding.readers.media import AudioDecoder, ImageDecoder, VideoDecoder, decoders
 from lightning_sharding.readers.npy import NpyReader
 from lightning_sharding.readers.parquet import ParquetReader
 from lightning_sharding.readers.synthetic import SyntheticReader
@@ -22,7 +23,9 @@ FILE_READERS: dict[str, type[FileReader]] = {
 
 __all__ = [
     "FILE_READERS",
+    "AudioDecoder",
     "FileReader",
+    "ImageDecoder",
     "JsonlReader",
     "NpyReader",
     "NpyWindows",
@@ -30,5 +33,7 @@ __all__ = [
     "Reader",
     "SyntheticReader",
     "TarReader",
+    "VideoDecoder",
     "WindowedReader",
+    "decoders",
 ]

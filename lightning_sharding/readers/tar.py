@@ -79,7 +79,11 @@ class TarReader(FileReader):
 
     Args:
         urls: shards: a path, ``s3://`` URL, glob or list (see :class:`FileReader`).
-        decode: decode fields by extension with :data:`DECODERS` (``False`` keeps raw ``bytes``).
+        decode: decode fields by extension: ``True`` with :data:`DECODERS` (arrays, JSON, text,
+            class labels; images, audio and video stay ``bytes``), an image spec such as
+            ``"torchrgb8"`` or ``"pil"`` to decode images too (WebDataset's words; extra ``[image]``),
+            a map of extension -> decoder (:func:`~lightning_sharding.readers.media.decoders` adds
+            audio and video), or ``False`` to keep every field's raw ``bytes``.
         fields: keep only these extensions (``None`` keeps all).
         **options: :class:`FileReader` options (``storage_options``, ``cache_dir``, ...).
     """
@@ -90,14 +94,18 @@ class TarReader(FileReader):
         self,
         urls: str | list[str],
         *,
-        decode: bool | Mapping[str, Callable[[bytes], Any]] = True,
+        decode: bool | str | Mapping[str, Callable[[bytes], Any]] = True,
         fields: list[str] | None = None,
         **options: Any,
     ) -> None:
         super().__init__(urls, **options)
-        self.decoders: Mapping[str, Callable[[bytes], Any]] = (
-            DECODERS if decode is True else (decode if isinstance(decode, Mapping) else {})
-        )
+        self.decoders: Mapping[str, Callable[[bytes], Any]]
+        if isinstance(decode, str):
+            from lightning_sharding.readers.media import decoders
+
+            self.decoders = decoders(image=decode)
+        else:
+            self.decoders = DECODERS if decode is True else (decode if isinstance(decode, Mapping) else {})
         self.fields = None if fields is None else set(fields)
 
     def scan(self, info: FileInfo) -> FileIndex:
@@ -155,18 +163,19 @@ class TarReader(FileReader):
         """Cut the sample's members out of its bytes with the offsets the index recorded."""
         key, base = str(idx["key"][index]), int(idx["start"][index])
         sample: dict[str, Any] = {"__key__": key, "__url__": url}
-        members = range(int(idx["first_member"][index]), int(idx["first_member"][index + 1]))
-        try:
-            for m in members:
-                ext = str(idx["field"][m])
-                if self.fields is not None and ext not in self.fields:
-                    continue
-                lo = int(idx["offset"][m]) - base
-                raw = blob[lo : lo + int(idx["size"][m])]
+        for m in range(int(idx["first_member"][index]), int(idx["first_member"][index + 1])):
+            ext = str(idx["field"][m])
+            if self.fields is not None and ext not in self.fields:
+                continue
+            lo = int(idx["offset"][m]) - base
+            raw = blob[lo : lo + int(idx["size"][m])]
+            try:
                 if len(raw) != int(idx["size"][m]):
-                    raise ValueError(f"field {ext!r} is truncated")
-                decoder = self.decoders.get(ext.rsplit(".", 1)[-1])
+                    raise ValueError(f"{len(raw)} of its {int(idx['size'][m])} bytes were read")
+                decoder = self.decoders.get(ext.rsplit(".", 1)[-1].lower())
                 sample[ext] = decoder(raw) if decoder is not None else raw
-        except Exception as err:
-            raise ValueError(f"{url}: sample {index} (key {key!r}) is corrupt: {err}") from err
+            except Exception as err:
+                raise ValueError(
+                    f"{url}: sample {index} (key {key!r}) is corrupt: field {ext!r}: {type(err).__name__}: {err}"
+                ) from err
         return sample
