@@ -22,6 +22,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     if any(getattr(value, "reader", value) == "parquet" for value in params.values() if not hasattr(value, "shape")):
         require("pyarrow")
+    # The images recipe and data option (JPEG shards written with Pillow, decoded with simplejpeg) need [image].
+    if "images" in {value for value in params.values() if isinstance(value, str)}:
+        require("PIL", "simplejpeg")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

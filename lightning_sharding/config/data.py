@@ -152,6 +152,26 @@ class PretrainData(DataOptions):
 
 
 @dataclass
+class ImagesData(DataOptions):
+    """JPEG images with class labels in WebDataset tar shards (``urls``; with none, ``num_items``
+    shards of ``samples_per_item`` generated ``image_size`` squares of ``classes`` classes),
+    decoded in the workers, random-resized-cropped to ``crop`` and flipped from each sample's seed."""
+
+    _target_: str = "lightning_sharding.recipes.images.image_shards"
+    urls: list[str] | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    num_items: int = 8
+    samples_per_item: int = 64
+    image_size: int = 64
+    classes: int = 4
+    crop: int = 48
+
+    def known_total(self) -> int | None:
+        """Known for the generated shards only."""
+        return None if self.urls else self.num_items * self.samples_per_item
+
+
+@dataclass
 class SqliteData(DataOptions):
     """Rows of a SQLite query, read by one dispatch process per rank (a non-replicable source).
 

@@ -16,6 +16,7 @@ from omegaconf import II, MISSING
 
 from lightning_sharding.config.data import (
     FilesData,
+    ImagesData,
     MixtureData,
     MonthsData,
     PretrainData,
@@ -96,6 +97,16 @@ class ForecasterModel:
 
 
 @dataclass
+class ImageClassifierModel:
+    """A small CNN for the ``images`` data: ``image (B, 3, H, W) uint8`` -> ``classes`` logits."""
+
+    _target_: str = "lightning_sharding.recipes.models.ImageClassifier"
+    classes: int = II("data.classes")
+    width: int = 16
+    learning_rate: float = 1e-2
+
+
+@dataclass
 class CausalLM:
     """A tiny causal transformer over packed sequences, attention kept inside each document."""
 
@@ -170,6 +181,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "months_schema": MonthsData,
         "tokens_schema": TokensData,
         "pretrain_schema": PretrainData,
+        "images_schema": ImagesData,
         "sqlite_schema": SqliteData,
         "mixture_schema": MixtureData,
     },
@@ -184,6 +196,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "forecaster_schema": ForecasterModel,
         "token_model_schema": TokenModel,
         "causal_lm_schema": CausalLM,
+        "image_classifier_schema": ImageClassifierModel,
     },
     "callbacks": {"callbacks_schema": CallbacksConfig},
     "logger": {"logger_schema": LoggerConfig},

@@ -145,3 +145,33 @@ class CausalLM(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW."""
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["learning_rate"])
+
+
+class ImageClassifier(pl.LightningModule):
+    """A small CNN: ``image (B, 3, H, W)`` ``uint8`` -> logits of ``classes``, cross-entropy with ``label``."""
+
+    def __init__(self, classes: int, width: int, learning_rate: float) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, width, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(2 * width, classes),
+        )
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Cross-entropy of the class logits, over the real samples."""
+        logits = self.net(batch["image"].float() / 255.0 - 0.5)
+        loss = _real(batch, torch.nn.functional.cross_entropy(logits, batch["label"], reduction="none"))
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Adam."""
+        return torch.optim.Adam(self.parameters(), lr=self.hparams["learning_rate"])

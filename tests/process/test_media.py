@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import re
 import tarfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,49 @@ def test_audio_formats_and_video_frame_choices() -> None:
     assert abs(first - 0) < 6 and abs(last - 220 % 200) < 6
     with pytest.raises(ValueError, match=r"the video has 12 frames; frame 12 was asked for"):
         VideoDecoder(frames=[3, 12])(clip)
+
+
+def crops_by_key(loader_options: dict[str, Any], reader: TarReader, world_size: int) -> dict[str, bytes]:
+    """Every sample's augmented image bytes, by key, over all ranks of one epoch."""
+    from lightning_sharding.recipes.images import RandomResizedCrop
+
+    crop = RandomResizedCrop(20)
+    keyed = partial(keep_key, crop)
+    manifest = Manifest.from_items(reader.items())
+    out: dict[str, bytes] = {}
+    for rank in range(world_size):
+        ledger = Ledger(seed=9, total=manifest.total, manifest=manifest.summary())
+        loader = ShardedLoader.build(
+            reader,
+            manifest.items,
+            ledger,
+            world=World(rank, world_size),
+            options=LoaderOptions(batch_size=4, transform=keyed, **loader_options),
+        )
+        for batch in loader:
+            for key, image, pad in zip(batch["key"], batch["image"], batch["is_padding"], strict=True):
+                if not pad:
+                    assert key not in out, f"{key} served twice"
+                    out[key] = image.numpy().tobytes()
+    return out
+
+
+def keep_key(crop: Any, sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    return {**crop(sample, ctx), "key": sample["__key__"]}
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_the_images_recipes_crops_are_the_same_on_any_topology(tmp_path: Path) -> None:
+    """recipe=images draws each crop and flip from the sample's seed: one rank with two spawned
+    workers and two ranks without workers crop every image alike, so a resumed epoch on another
+    topology trains the images an uninterrupted one would."""
+    from lightning_sharding.recipes.images import write_image_shards
+
+    (tmp_path / "shards").mkdir()
+    write_image_shards(tmp_path / "shards", shards=3, per_shard=10, size=32, classes=4)
+    reader = TarReader(str(tmp_path / "shards" / "*.tar"), decode="rgb8", cache_dir=tmp_path / "cache")
+    workers = crops_by_key({"num_workers": 2, "multiprocessing_context": "spawn"}, reader, world_size=1)
+    ranks = crops_by_key({"num_workers": 0}, reader, world_size=2)
+    assert len(workers) == 30 and workers == ranks
+    assert len(set(workers.values())) == 30  # the crops differ from image to image

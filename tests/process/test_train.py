@@ -32,6 +32,7 @@ TINY: dict[str, tuple[list[str], int]] = {
     "parquet": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
     "npy": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
     "jsonl": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
+    "images": (["data.num_items=2", "data.samples_per_item=20", "data.image_size=32", "data.crop=24"], 40),
 }
 
 

@@ -23,6 +23,7 @@ PARTNER = {
     "forecaster": "months",
     "token_model": "tokens",
     "causal_lm": "pretrain",
+    "image_classifier": "images",
 }
 
 

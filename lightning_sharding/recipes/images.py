@@ -1,0 +1,159 @@
+"""Recipe ``images``: JPEG images with class labels in WebDataset tar shards, decoded in the
+workers, cropped and flipped at random from each sample's seed (strategy ``shard``).
+
+With no ``urls``, ``num_items`` shards of ``samples_per_item`` JPEGs are generated once: each
+``image_size`` square shows stripes whose angle is its class, with a random phase, colour and
+noise, so a small CNN learns it in an epoch. Your own shards need a ``jpg`` (or ``png``,
+``webp``, ...) and a ``cls`` field per sample, as ``webdataset.ShardWriter`` writes them.
+
+The augmentation, :class:`RandomResizedCrop`, draws from ``SampleContext.sample_seed``: a sample
+is cropped the same way whichever rank or worker reads it, so a resumed epoch is the epoch an
+uninterrupted run would have trained.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import tarfile
+from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.core.world import SampleContext
+from lightning_sharding.lightning.datamodule import ShardedDataModule
+from lightning_sharding.readers.tar import TarReader
+from lightning_sharding.recipes.data import cache_root, datamodule, generated
+
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+
+
+def striped_image(label: int, classes: int, size: int, rng: np.random.Generator) -> npt.NDArray[np.uint8]:
+    """A ``size`` square of stripes at angle ``pi * label / classes``, random phase, colour and noise."""
+    angle = math.pi * label / classes
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32)
+    wave = np.sin((x * math.cos(angle) + y * math.sin(angle)) * (2 * math.pi / 8) + rng.uniform(0, 2 * math.pi))
+    colour = rng.uniform(60, 200, 3).astype(np.float32)
+    pixels = 128 + wave[..., None] * (colour - 128) + rng.normal(0, 10, (size, size, 3))
+    image: npt.NDArray[np.uint8] = np.clip(pixels, 0, 255).astype(np.uint8)
+    return image
+
+
+def write_image_shards(directory: Path, shards: int, per_shard: int, size: int, classes: int, seed: int = 0) -> None:
+    """``shards`` WebDataset shards ``part-NNNNN.tar`` of ``per_shard`` samples ``{jpg, cls}``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for s in range(shards):
+        with tarfile.open(directory / f"part-{s:05d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(per_shard):
+                label = int(rng.integers(classes))
+                jpeg = io.BytesIO()
+                Image.fromarray(striped_image(label, classes, size, rng)).save(jpeg, format="JPEG", quality=90)
+                for ext, data in (("jpg", jpeg.getvalue()), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"sample{s * per_shard + i:08d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+
+class RandomResizedCrop:
+    """Crop a random area (``scale`` of the image, aspect ``ratio``) and resize it to ``size``,
+    then flip left-right with probability ``flip``; the randomness is the sample's seed.
+
+    As torchvision's ``RandomResizedCrop``: ten tries at an area and a log-uniform aspect ratio
+    that fit, else the central crop of the nearest allowed ratio. The crop and resize are one
+    Pillow ``resize`` with a ``box``, bilinear, with its reducing gap for large shrinks.
+    A sample ``{<image field>, "cls"}`` becomes ``{"image": uint8 (3, size, size), "label": int}``.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip: float = 0.5,
+    ) -> None:
+        if size < 1 or not 0 < scale[0] <= scale[1] <= 1 or not 0 < ratio[0] <= ratio[1] or not 0 <= flip <= 1:
+            raise ValueError(
+                f"RandomResizedCrop(size={size}, scale={scale}, ratio={ratio}, flip={flip}): need size >= 1, "
+                "0 < scale[0] <= scale[1] <= 1, 0 < ratio[0] <= ratio[1] and 0 <= flip <= 1"
+            )
+        self.size, self.scale, self.ratio, self.flip = size, scale, ratio, flip
+
+    def box(self, width: int, height: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+        """``(left, top, right, bottom)`` of the crop in an image of ``width`` x ``height``."""
+        area = width * height
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            target = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_ratio))
+            w = round(math.sqrt(target * aspect))
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                left = int(rng.integers(0, width - w + 1))
+                top = int(rng.integers(0, height - h + 1))
+                return left, top, left + w, top + h
+        aspect = width / height
+        if aspect < self.ratio[0]:
+            w, h = width, round(width / self.ratio[0])
+        elif aspect > self.ratio[1]:
+            w, h = round(height * self.ratio[1]), height
+        else:
+            w, h = width, height
+        left, top = (width - w) // 2, (height - h) // 2
+        return left, top, left + w, top + h
+
+    def __call__(self, sample: Mapping[str, Any], ctx: SampleContext) -> dict[str, Any]:
+        """The cropped, resized and maybe flipped image as a CHW ``uint8`` tensor, and its label."""
+        import torch
+        from PIL import Image
+
+        field = next((f for f in IMAGE_FIELDS if f in sample), None)
+        if field is None:
+            raise KeyError(f"sample {sample.get('__key__')!r} has no image field ({', '.join(IMAGE_FIELDS)})")
+        pixels = sample[field]
+        image = pixels if isinstance(pixels, Image.Image) else Image.fromarray(np.asarray(pixels))
+        rng = np.random.default_rng(ctx.sample_seed)
+        box = self.box(*image.size, rng)
+        crop = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box, reducing_gap=2.0)
+        array = np.asarray(crop.convert("RGB"))
+        if rng.random() < self.flip:
+            array = array[:, ::-1]
+        return {"image": torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1))), "label": int(sample["cls"])}
+
+
+def _write(shards: int, per_shard: int, size: int, classes: int, directory: Path) -> None:
+    write_image_shards(directory, shards, per_shard, size, classes)
+
+
+def image_shards(
+    *,
+    urls: list[str] | None,
+    storage_options: Mapping[str, Any],
+    num_items: int,
+    samples_per_item: int,
+    image_size: int,
+    classes: int,
+    crop: int,
+    sharding: Mapping[str, Any],
+    audit_dir: str | None = None,
+    **options: Any,
+) -> ShardedDataModule:
+    """``data=images``: JPEG tar shards (generated when ``urls`` is empty) decoded to RGB arrays in
+    the workers, then :class:`RandomResizedCrop` to ``crop`` with a flip."""
+    if not urls:
+        name = f"images-{num_items}x{samples_per_item}-s{image_size}-c{classes}"
+        where = generated(options["cache_dir"], name, partial(_write, num_items, samples_per_item, image_size, classes))
+        urls = [str(where / "part-*.tar")]
+    reader = TarReader(
+        list(urls),
+        decode="rgb8",
+        fields=[*IMAGE_FIELDS, "cls"],
+        storage_options=dict(storage_options),
+        cache_dir=cache_root(options["cache_dir"]),
+    )
+    return datamodule(options, sharding, reader=reader, transform=RandomResizedCrop(crop), audit_dir=audit_dir)
