@@ -7,6 +7,7 @@ The loader tests run real spawned DataLoader workers; the process tests run the 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -39,9 +40,22 @@ from tests.jobs.windows_data import MonthWindows, write_months
 MONTHS = (37, 41, 29, 53, 40)
 
 
-def shm_files() -> set[str]:
-    """Broadcast segments in /dev/shm (not the batch slots another test's pooled loader may hold)."""
-    return {p.name for p in SHM_DIR.glob("lsh-*") if not re.search(r"-w\d+\.\d+-s\d+-g\d+$", p.name)}
+def shm_files(*owners: int) -> set[str]:
+    """Broadcast segments in /dev/shm (not the batch slots a pooled loader may hold); with ``owners``,
+    only the segments those pids made (``lsh-<run>-<pid>.<start>-...``): a broadcast test in the
+    other test process may hold segments of its own at the same time."""
+    names = {p.name for p in SHM_DIR.glob("lsh-*") if not re.search(r"-w\d+\.\d+-s\d+-g\d+$", p.name)}
+    return {n for n in names if any(f"-{pid}." in n for pid in owners)} if owners else names
+
+
+def mine() -> set[str]:
+    """The segments this test process made (its in-process loaders own them)."""
+    return shm_files(os.getpid())
+
+
+def owner_pids(segment: Segment) -> set[int]:
+    """The pids of a segment's ranks, as their records name them."""
+    return {r["pid"] for recs in segment.records.values() for r in recs}
 
 
 def build(
@@ -66,7 +80,6 @@ def build(
 @pytest.mark.timeout(120)
 def test_workers_crop_disjoint_windows_of_the_same_item_from_one_copy(tmp_path: Path) -> None:
     paths = write_months(tmp_path, [60, 60, 60])
-    before = shm_files()
     loader = build(paths, num_workers=2, prefetch_items=1)
     counts = [it.num_samples for it in Manifest.from_items(MonthWindows(paths, window=4).items()).items]
     first_ids = np.concatenate(([0], np.cumsum(counts)))
@@ -75,7 +88,7 @@ def test_workers_crop_disjoint_windows_of_the_same_item_from_one_copy(tmp_path: 
     batches = list[dict[str, Any]]()
     for batch in loader:
         assert loader.sampler.pool is not None
-        live_max = max(live_max, len(shm_files() - before))
+        live_max = max(live_max, len(mine()))
         batches.append(batch)
     for i, batch in enumerate(batches):
         workers = set(batch["worker"].tolist())
@@ -92,24 +105,23 @@ def test_workers_crop_disjoint_windows_of_the_same_item_from_one_copy(tmp_path: 
         assert per_worker[0] | per_worker[1] == set(range(first_ids[item], first_ids[item + 1]))
     # One segment per item in use plus one prefetched; none once the epoch is over.
     assert 1 <= live_max <= 2
-    assert shm_files() - before == set()
+    assert mine() == set()
 
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_an_abandoned_or_failed_epoch_unlinks_its_segments(tmp_path: Path) -> None:
     paths = write_months(tmp_path, list(MONTHS))
-    before = shm_files()
     loader = build(paths, num_workers=1, prefetch_items=2)
     it = iter(loader)
     next(it)
-    assert len(shm_files() - before) >= 1
+    assert len(mine()) >= 1
     loader.close()  # what teardown does
-    assert shm_files() - before == set()
+    assert mine() == set()
     with pytest.raises(ZeroDivisionError):
         for _ in loader:
             raise ZeroDivisionError("a failing training step")  # closes the loader's generator
-    assert shm_files() - before == set()
+    assert mine() == set()
 
 
 def test_a_transform_runs_per_window_with_its_sample_context(tmp_path: Path) -> None:
@@ -157,7 +169,8 @@ def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothi
     assert killed, "the SIGKILLed run held no segment: this test would not test the sweep"
     assert all("-r0-" in n or "-r1-" in n for n in killed), sorted(killed)
     assert not killed & shm_files(), f"segments of the killed run survived the next run: {sorted(killed & shm_files())}"
-    assert left[1] == set(), f"segments survived the next run: {sorted(left[1])}"
+    resumed = {n for n in left[1] if any(f"-{pid}." in n for pid in owner_pids(segments[1]))}
+    assert resumed == set(), f"segments survived the next run: {sorted(resumed)}"
 
 
 @pytest.mark.processes
@@ -170,7 +183,9 @@ def test_an_exception_in_training_leaves_no_segment(tmp_path: Path) -> None:
     assert "RaiseAtStep: deliberate failure after step 4" in segment.output
     held = set(json.loads((tmp_path / "held-rank0.json").read_text()))
     assert held, "the run held no segment when it failed: this test would not test the cleanup"
-    assert not held & shm_files() and shm_files() - before == set()
+    pids = {int(m.group(1)) for n in held if (m := re.search(r"^lsh-[^-]+-(\d+)\.", n))}
+    assert pids, sorted(held)
+    assert not held & shm_files() and shm_files(*pids) - before == set()
 
 
 @pytest.mark.processes
@@ -191,9 +206,9 @@ def test_two_runs_at_once_do_not_collide(tmp_path: Path) -> None:
     for segment in results.values():
         assert_exactly_once(served_per_epoch(kept_records(segment, None)), total, epochs=2)
     # Only the files these two runs' ranks own: a broadcast test in the other test process may hold its own now.
-    owners = {f"-{r['pid']}." for segment in results.values() for recs in segment.records.values() for r in recs}
+    owners = set().union(*(owner_pids(segment) for segment in results.values()))
     assert len(owners) == 2, owners
-    assert {n for n in shm_files() - before if any(o in n for o in owners)} == set()
+    assert shm_files(*owners) - before == set()
 
 
 @pytest.mark.processes
