@@ -1,6 +1,6 @@
 """Which library decodes JPEG fastest here: ``python -m benchmarks.decode [--quick] [--repeats R]``.
 
-The choice behind ``lightning_sharding/readers/media.py``: generated 256x256 photos-like JPEGs
+The choice behind ``lightning_sharding/readers/decoding.py``: generated 256x256 photos-like JPEGs
 (quality 90, 4:2:0, written by Pillow), decoded to an RGB ``uint8`` array on one core, by every
 decoder that loads on this machine: Pillow, Pillow with ``draft`` (libjpeg's scaled decoding to
 half size, what a crop to 128 allows), simplejpeg (full size and scaled), OpenCV headless,
@@ -90,7 +90,7 @@ def decoders() -> dict[str, Decode]:
         found["torchvision.io"] = lambda data: decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     except Exception:  # noqa: BLE001 - the registry's torchvision fails to load beside the CPU torch in many ways
         pass
-    from lightning_sharding.readers.media import ImageDecoder
+    from lightning_sharding.readers.decoding import ImageDecoder
 
     found["ours: ImageDecoder('torchrgb8')"] = ImageDecoder("torchrgb8")
     return found
@@ -115,7 +115,9 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, decode in found.items():
             rounds[name].append(rate(decode, images))
-    print(f"JPEG decode, {SIZE}x{SIZE} RGB, {len(images)} images of {np.mean([len(d) for d in images]) / 1024:.0f} KiB,")
+    print(
+        f"JPEG decode, {SIZE}x{SIZE} RGB, {len(images)} images of {np.mean([len(d) for d in images]) / 1024:.0f} KiB,"
+    )
     print(f"one core, median of {args.repeats} rounds (ratio: median of per-round ratios to Pillow)\n")
     print(f"| {'decoder':34} | images/s | x Pillow |")
     print(f"|{'-' * 36}|---------:|---------:|")

@@ -155,7 +155,8 @@ class PretrainData(DataOptions):
 class ImagesData(DataOptions):
     """JPEG images with class labels in WebDataset tar shards (``urls``; with none, ``num_items``
     shards of ``samples_per_item`` generated ``image_size`` squares of ``classes`` classes),
-    decoded in the workers, random-resized-cropped to ``crop`` and flipped from each sample's seed."""
+    decoded in the workers, random-resized-cropped to ``crop`` and flipped from each sample's seed;
+    ``batch_path``: per batch rather than per sample."""
 
     _target_: str = "lightning_sharding.recipes.images.image_shards"
     urls: list[str] | None = None
@@ -165,6 +166,7 @@ class ImagesData(DataOptions):
     image_size: int = 64
     classes: int = 4
     crop: int = 48
+    batch_path: bool = False  # decode each batch's JPEGs straight into one array (DecodeCropBatch)
 
     def known_total(self) -> int | None:
         """Known for the generated shards only."""

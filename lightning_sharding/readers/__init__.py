@@ -4,9 +4,9 @@ The file readers import fsspec (and pyarrow for Parquet) only when used, so the 
 """
 
 from lightning_sharding.readers.base import Reader
+from lightning_sharding.readers.decoding import AudioDecoder, ImageDecoder, VideoDecoder, decoders
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.jsonl import JsonlReader
-from lightning_sharding.readers.media import AudioDecoder, ImageDecoder, VideoDecoder, decoders
 from lightning_sharding.readers.npy import NpyReader
 from lightning_sharding.readers.parquet import ParquetReader
 from lightning_sharding.readers.synthetic import SyntheticReader

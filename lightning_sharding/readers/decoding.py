@@ -1,4 +1,5 @@
-"""Images, audio and video inside sample files, decoded by file extension in the DataLoader workers.
+"""A sample's files decoded by their extension, in the DataLoader workers: arrays, JSON, text and
+class labels (:data:`DECODERS`, what ``TarReader(decode=True)`` uses), and images, audio and video.
 
 :func:`decoders` builds the extension -> decoder map that :class:`~lightning_sharding.TarReader`
 takes as ``decode=``; ``decode="torchrgb8"`` (or any other image spec) is short for
@@ -19,12 +20,55 @@ loader's ``on_error`` decides whether the sample is skipped (counted) or trainin
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+_NPY_HEADERS: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], int]] = {}
+
+
+def _decode_npy(data: bytes) -> Any:
+    # Samples of one shard share a handful of .npy headers: parse each once, then view the bytes.
+    if data[:8] == b"\x93NUMPY\x01\x00" and len(data) >= 10:
+        end = 10 + int.from_bytes(data[8:10], "little")
+        known = _NPY_HEADERS.get(data[:end])
+        if known is None:
+            f = io.BytesIO(data[:end])
+            np.lib.format.read_magic(f)
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            if fortran or dtype.hasobject or len(_NPY_HEADERS) > 1024:
+                return np.load(io.BytesIO(data), allow_pickle=False)
+            known = _NPY_HEADERS[data[:end]] = (dtype, shape, end)
+        dtype, shape, offset = known
+        count = int(np.prod(shape, dtype=np.int64))
+        if len(data) - offset == count * dtype.itemsize:
+            return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def _decode_text(data: bytes) -> str:
+    return data.decode("utf-8")
+
+
+def _decode_int(data: bytes) -> int:
+    return int(data.decode("ascii").strip())
+
+
+#: How field bytes are decoded, by extension; any other extension stays ``bytes``.
+DECODERS: dict[str, Callable[[bytes], Any]] = {
+    "npy": _decode_npy,
+    "json": json.loads,
+    "txt": _decode_text,
+    "text": _decode_text,
+    "cls": _decode_int,
+    "cls2": _decode_int,
+    "index": _decode_int,
+}
+
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "pbm", "tif", "tiff")
 AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "ogg")
@@ -217,8 +261,6 @@ def decoders(
     ``json``, ``txt``, ``cls``, ...; or ``base``), plus images as ``image`` says (an image spec, or
     ``None`` to keep their bytes), audio (``"torch"`` or ``"numpy"``) and ``video`` (a
     :class:`VideoDecoder`) when asked for."""
-    from lightning_sharding.readers.tar import DECODERS
-
     table = dict(DECODERS if base is None else base)
     if image is not None:
         table.update(dict.fromkeys(IMAGE_EXTENSIONS, ImageDecoder(image)))

@@ -7,8 +7,6 @@ never the shard from its start.
 
 from __future__ import annotations
 
-import io
-import json
 import tarfile
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,53 +16,12 @@ import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.world import ShardContext
+from lightning_sharding.readers.decoding import DECODERS, decoders
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
 from lightning_sharding.readers.storage import FileInfo, filesystem
 
 _BLOCK = 512
-
-
-_NPY_HEADERS: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], int]] = {}
-
-
-def _decode_npy(data: bytes) -> Any:
-    # Samples of one shard share a handful of .npy headers: parse each once, then view the bytes.
-    if data[:8] == b"\x93NUMPY\x01\x00" and len(data) >= 10:
-        end = 10 + int.from_bytes(data[8:10], "little")
-        known = _NPY_HEADERS.get(data[:end])
-        if known is None:
-            f = io.BytesIO(data[:end])
-            np.lib.format.read_magic(f)
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            if fortran or dtype.hasobject or len(_NPY_HEADERS) > 1024:
-                return np.load(io.BytesIO(data), allow_pickle=False)
-            known = _NPY_HEADERS[data[:end]] = (dtype, shape, end)
-        dtype, shape, offset = known
-        count = int(np.prod(shape, dtype=np.int64))
-        if len(data) - offset == count * dtype.itemsize:
-            return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
-    return np.load(io.BytesIO(data), allow_pickle=False)
-
-
-def _decode_text(data: bytes) -> str:
-    return data.decode("utf-8")
-
-
-def _decode_int(data: bytes) -> int:
-    return int(data.decode("ascii").strip())
-
-
-#: How field bytes are decoded, by extension; any other extension stays ``bytes``.
-DECODERS: dict[str, Callable[[bytes], Any]] = {
-    "npy": _decode_npy,
-    "json": json.loads,
-    "txt": _decode_text,
-    "text": _decode_text,
-    "cls": _decode_int,
-    "cls2": _decode_int,
-    "index": _decode_int,
-}
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -82,7 +39,7 @@ class TarReader(FileReader):
         decode: decode fields by extension: ``True`` with :data:`DECODERS` (arrays, JSON, text,
             class labels; images, audio and video stay ``bytes``), an image spec such as
             ``"torchrgb8"`` or ``"pil"`` to decode images too (WebDataset's words; extra ``[image]``),
-            a map of extension -> decoder (:func:`~lightning_sharding.readers.media.decoders` adds
+            a map of extension -> decoder (:func:`~lightning_sharding.readers.decoding.decoders` adds
             audio and video), or ``False`` to keep every field's raw ``bytes``.
         fields: keep only these extensions (``None`` keeps all).
         **options: :class:`FileReader` options (``storage_options``, ``cache_dir``, ...).
@@ -101,8 +58,6 @@ class TarReader(FileReader):
         super().__init__(urls, **options)
         self.decoders: Mapping[str, Callable[[bytes], Any]]
         if isinstance(decode, str):
-            from lightning_sharding.readers.media import decoders
-
             self.decoders = decoders(image=decode)
         else:
             self.decoders = DECODERS if decode is True else (decode if isinstance(decode, Mapping) else {})

@@ -13,7 +13,7 @@ from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.sources import Source
 from lightning_sharding.readers.storage import scheme_of
-from lightning_sharding.strategies.options import Transform
+from lightning_sharding.strategies.options import BatchTransform, Transform
 
 # The loader options of config.DataOptions that go to ShardedDataModule unchanged.
 _PASSED = (
@@ -66,6 +66,7 @@ def datamodule(
     reader: Reader | None = None,
     source: Source | None = None,
     transform: Transform | None = None,
+    batch_transform: BatchTransform | None = None,
     audit_dir: str | None = None,
     **data: Any,
 ) -> ShardedDataModule:
@@ -76,7 +77,14 @@ def datamodule(
     kwargs["data_root_map"] = dict(options.get("root_map") or {})
     strategy = dict(sharding)
     return ShardedDataModule(
-        reader, source=source, transform=transform, audit_dir=audit_dir, **data, **kwargs, **strategy
+        reader,
+        source=source,
+        transform=transform,
+        batch_transform=batch_transform,
+        audit_dir=audit_dir,
+        **data,
+        **kwargs,
+        **strategy,
     )
 
 

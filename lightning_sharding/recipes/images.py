@@ -8,7 +8,9 @@ noise, so a small CNN learns it in an epoch. Your own shards need a ``jpg`` (or 
 
 The augmentation, :class:`RandomResizedCrop`, draws from ``SampleContext.sample_seed``: a sample
 is cropped the same way whichever rank or worker reads it, so a resumed epoch is the epoch an
-uninterrupted run would have trained.
+uninterrupted run would have trained. :class:`DecodeCropBatch` is the batch path of the same work
+(``data.batch_path=true``): the JPEGs stay bytes through the reader, and one ``batch_transform``
+decodes each at the smallest scale its crop allows, straight into one ``uint8`` batch array.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.core.world import SampleContext
+from lightning_sharding.core.world import BatchContext, SampleContext
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.tar import TarReader
 from lightning_sharding.recipes.data import cache_root, datamodule, generated
@@ -126,6 +128,69 @@ class RandomResizedCrop:
         return {"image": torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1))), "label": int(sample["cls"])}
 
 
+class DecodeCropBatch:
+    """A ``batch_transform``: the batch's JPEG bytes (field ``field``) -> ``"image"``, one ``uint8``
+    tensor ``(B, 3, size, size)`` cropped, resized and flipped as :class:`RandomResizedCrop` does, and
+    the ``label`` field as ``"label"``. It draws from ``BatchContext.sample_seeds``, so a row's crop
+    depends only on the seed, epoch and position, on any rank, worker or topology.
+
+    Each JPEG is decoded by simplejpeg at the smallest of libjpeg-turbo's scales (1/8 to 1) that
+    still gives the crop at least ``size`` pixels a side, so a small crop of a large image decodes
+    a fraction of its pixels; other formats are decoded whole by Pillow. The rows go straight into
+    the batch array: nothing is collated. Needs the ``[image]`` extra and ``TarReader(decode=True)``
+    (images stay ``bytes``). A file that does not decode fails the batch, naming the row's key.
+    """
+
+    def __init__(self, size: int, field: str = "jpg", label: str = "cls", flip: float = 0.5, **crop: Any) -> None:
+        self.crop = RandomResizedCrop(size, flip=flip, **crop)
+        self.field = field
+        self.label = label
+
+    def __call__(self, batch: Mapping[str, Any], ctx: BatchContext) -> dict[str, Any]:
+        """The batch with ``"image"`` and ``"label"`` in place of the encoded field and the label field."""
+        import torch
+
+        encoded = batch[self.field]
+        size = self.crop.size
+        out = np.empty((len(encoded), 3, size, size), dtype=np.uint8)
+        for row, (data, seed) in enumerate(zip(encoded, ctx.sample_seeds.tolist(), strict=True)):
+            try:
+                out[row] = self._one(bytes(data), np.random.default_rng(seed)).transpose(2, 0, 1)
+            except Exception as err:
+                key = batch["__key__"][row] if "__key__" in batch else row
+                raise ValueError(f"row {row} (key {key!r}), field {self.field!r}: {type(err).__name__}: {err}") from err
+        rest = {k: v for k, v in batch.items() if k not in (self.field, self.label)}
+        return {**rest, "image": torch.from_numpy(out), "label": batch[self.label]}
+
+    def _one(self, data: bytes, rng: np.random.Generator) -> npt.NDArray[np.uint8]:
+        from PIL import Image
+
+        size = self.crop.size
+        if data[:3] == b"\xff\xd8\xff":
+            import simplejpeg
+
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            left, top, right, bottom = self.crop.box(width, height, rng)
+            shrink = size / min(right - left, bottom - top)  # the scale at which the crop is `size` a side
+            pixels = simplejpeg.decode_jpeg(
+                data,
+                colorspace="RGB",
+                min_width=math.ceil(width * min(shrink, 1.0)),
+                min_height=math.ceil(height * min(shrink, 1.0)),
+            )
+            sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
+            image = Image.fromarray(pixels)
+            box: tuple[float, float, float, float] = (left * sx, top * sy, right * sx, bottom * sy)
+        else:
+            with Image.open(io.BytesIO(data)) as opened:
+                image = opened.convert("RGB")
+            box = self.crop.box(*image.size, rng)
+        resized = np.asarray(image.resize((size, size), Image.Resampling.BILINEAR, box=box, reducing_gap=2.0))
+        if rng.random() < self.crop.flip:
+            resized = resized[:, ::-1]
+        return resized
+
+
 def _write(shards: int, per_shard: int, size: int, classes: int, directory: Path) -> None:
     write_image_shards(directory, shards, per_shard, size, classes)
 
@@ -139,21 +204,26 @@ def image_shards(
     image_size: int,
     classes: int,
     crop: int,
+    batch_path: bool,
     sharding: Mapping[str, Any],
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
-    """``data=images``: JPEG tar shards (generated when ``urls`` is empty) decoded to RGB arrays in
-    the workers, then :class:`RandomResizedCrop` to ``crop`` with a flip."""
+    """``data=images``: JPEG tar shards (generated when ``urls`` is empty), cropped to ``crop`` with a
+    flip: decoded per sample in the workers then :class:`RandomResizedCrop`, or with ``batch_path``
+    kept as bytes and decoded into the batch by :class:`DecodeCropBatch`."""
     if not urls:
         name = f"images-{num_items}x{samples_per_item}-s{image_size}-c{classes}"
         where = generated(options["cache_dir"], name, partial(_write, num_items, samples_per_item, image_size, classes))
         urls = [str(where / "part-*.tar")]
     reader = TarReader(
         list(urls),
-        decode="rgb8",
+        decode=True if batch_path else "rgb8",
         fields=[*IMAGE_FIELDS, "cls"],
         storage_options=dict(storage_options),
         cache_dir=cache_root(options["cache_dir"]),
     )
+    if batch_path:
+        per_batch = DecodeCropBatch(crop)
+        return datamodule(options, sharding, reader=reader, batch_transform=per_batch, audit_dir=audit_dir)
     return datamodule(options, sharding, reader=reader, transform=RandomResizedCrop(crop), audit_dir=audit_dir)

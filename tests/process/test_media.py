@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_sharding import Ledger, Manifest, TarReader, World
-from lightning_sharding.readers.media import IMAGE_SPECS, AudioDecoder, ImageDecoder, VideoDecoder, decoders
+from lightning_sharding.readers.decoding import IMAGE_SPECS, AudioDecoder, ImageDecoder, VideoDecoder, decoders
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
 
@@ -273,3 +273,71 @@ def test_the_images_recipes_crops_are_the_same_on_any_topology(tmp_path: Path) -
     ranks = crops_by_key({"num_workers": 0}, reader, world_size=2)
     assert len(workers) == 30 and workers == ranks
     assert len(set(workers.values())) == 30  # the crops differ from image to image
+
+
+def batch_crops_by_key(reader: TarReader, world_size: int, **loader_options: Any) -> dict[str, bytes]:
+    """Every image of one epoch through DecodeCropBatch, by key, over all ranks."""
+    from lightning_sharding.recipes.images import DecodeCropBatch
+
+    manifest = Manifest.from_items(reader.items())
+    out: dict[str, bytes] = {}
+    for rank in range(world_size):
+        ledger = Ledger(seed=9, total=manifest.total, manifest=manifest.summary())
+        options = LoaderOptions(batch_size=4, batch_transform=DecodeCropBatch(20), **loader_options)
+        loader = ShardedLoader.build(reader, manifest.items, ledger, world=World(rank, world_size), options=options)
+        for batch in loader:
+            assert batch["image"].dtype == torch.uint8 and batch["image"].shape[1:] == (3, 20, 20)
+            for key, image, pad in zip(batch["__key__"], batch["image"], batch["is_padding"], strict=True):
+                if not pad:
+                    assert key not in out, f"{key} served twice"
+                    out[key] = image.numpy().tobytes()
+    return out
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_the_batch_path_decodes_into_one_array_with_the_same_crops_on_any_topology(tmp_path: Path) -> None:
+    from lightning_sharding.recipes.images import write_image_shards
+
+    (tmp_path / "shards").mkdir()
+    write_image_shards(tmp_path / "shards", shards=3, per_shard=10, size=64, classes=4)
+    reader = TarReader(str(tmp_path / "shards" / "*.tar"), cache_dir=tmp_path / "cache")  # images stay bytes
+    workers = batch_crops_by_key(reader, 1, num_workers=2, multiprocessing_context="spawn")
+    ranks = batch_crops_by_key(reader, 2, num_workers=0)
+    assert len(workers) == 30 and workers == ranks
+    assert len(set(workers.values())) == 30
+
+
+def test_the_batch_path_decodes_at_the_scale_a_crop_allows_and_matches_a_full_decode() -> None:
+    """A crop of a large JPEG is decoded at libjpeg-turbo's smaller scale; the result is the full
+    decode's crop to within the filters' differences, and a PNG takes Pillow's whole decode."""
+    from PIL import Image
+
+    from lightning_sharding.core.world import BatchContext, ShardContext
+    from lightning_sharding.recipes.images import DecodeCropBatch, RandomResizedCrop, striped_image
+
+    rng = np.random.default_rng(0)
+    pictures = [striped_image(i % 4, 4, 256, rng) for i in range(6)]
+    batch = {
+        "jpg": [encode(p, "JPEG") for p in pictures[:5]] + [encode(pictures[5], "PNG")],
+        "__key__": [f"k{i}" for i in range(6)],
+        "cls": torch.arange(6) % 4,
+    }
+    shard = ShardContext(rank=0, world_size=1, worker_id=0, num_workers=1, epoch=0, seed=3)
+    ctx = BatchContext(shard, positions=np.arange(6, dtype=np.int64), num_padding=0)
+    decoded = DecodeCropBatch(16, scale=(0.5, 1.0))(batch, ctx)
+    assert torch.equal(decoded["label"], batch["cls"]) and decoded["__key__"] == batch["__key__"]
+    out = decoded["image"]
+    assert out.shape == (6, 3, 16, 16) and out.dtype == torch.uint8 and out.is_contiguous()
+    crop = RandomResizedCrop(16, scale=(0.5, 1.0))
+    for row, seed in enumerate(ctx.sample_seeds.tolist()):
+        row_rng = np.random.default_rng(seed)
+        full = Image.open(io.BytesIO(batch["jpg"][row])).convert("RGB")
+        box = crop.box(*full.size, row_rng)
+        expected = np.asarray(full.resize((16, 16), Image.Resampling.BILINEAR, box=box, reducing_gap=2.0))
+        if row_rng.random() < crop.flip:
+            expected = expected[:, ::-1]
+        diff = np.abs(out[row].numpy().transpose(1, 2, 0).astype(int) - expected.astype(int)).mean()
+        assert diff < 12, (row, diff)
+    with pytest.raises(ValueError, match=r"row 2 \(key 'k2'\), field 'jpg'"):
+        DecodeCropBatch(16)({**batch, "jpg": [*batch["jpg"][:2], b"\xff\xd8\xff not a jpeg", *batch["jpg"][3:]]}, ctx)

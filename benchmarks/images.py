@@ -1,0 +1,295 @@
+"""JPEG training input, side by side: ``python -m benchmarks.images [--quick] [--repeats R]``.
+
+Generated 256x256 photo-like JPEGs with labels (``benchmarks.decode.photos``, 20,000; 2,000 with
+``--quick``) in WebDataset tar shards of 1,000 written by ``webdataset.ShardWriter``. Every system
+does the same per-sample work: decode to RGB, random-resized-crop to 224 and flip (one Pillow
+``resize`` with a box, as ``lightning_sharding.recipes.images.RandomResizedCrop``), then batches
+of 64 as a ``uint8`` tensor ``(64, 3, 224, 224)`` and labels; one rank, 0, 1 and 2 workers:
+
+- ours: ``TarReader(decode="rgb8")`` (simplejpeg) with the crop as ``transform``, strategy shard;
+- ours, batch path: the JPEGs stay bytes and ``DecodeCropBatch`` decodes each at the smallest scale
+  its crop allows, straight into the batch array;
+- ``webdataset.WebLoader``: ``WebDataset`` with its own ``split_by_node`` / ``split_by_worker``,
+  ``shuffle(1000)``, ``decode("pil")`` and the same crop;
+- Hugging Face ``datasets``: the images in Parquet (an ``Image`` column), ``to_iterable_dataset``
+  with a shard per file and ``split_dataset_by_node``, shuffled with a buffer of 1,000, the same
+  crop in a ``map``; a ``DataLoader`` batches it.
+
+Figures are images/s over one epoch after each worker's first batch (start-up excluded), the
+median of R rounds; the systems run alternately, round by round, and each ratio is the median of
+the per-round ratios. ``--profile`` then trains the ``images`` recipe's CNN on the same shards at 2
+workers with a Lightning ``Trainer`` under pyinstrument, and prints the share of the training
+process's time spent waiting for batches (Lightning's data fetcher) and where the rest goes.
+The target of issue 37: ours at least 1.0x webdataset and ``datasets`` at
+2 workers. Only ours resumes mid-epoch exactly: webdataset restarts the epoch's shards, and an
+``IterableDataset`` of ``datasets`` resumes from its ``state_dict`` at shard granularity under
+workers with a shuffle buffer it does not keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.decode import photos  # noqa: E402
+from lightning_sharding import Ledger, Manifest, TarReader, World  # noqa: E402
+from lightning_sharding.recipes.images import DecodeCropBatch, RandomResizedCrop  # noqa: E402
+from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
+from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402
+
+BATCH, CROP, PER_SHARD, CLASSES = 64, 224, 1000, 10
+TARGET = 1.0
+CROPPER = RandomResizedCrop(CROP)
+
+
+def write_data(root: Path, n: int) -> tuple[list[str], list[str]]:
+    """The same images as tar shards (webdataset's writer) and as Parquet files (an image column)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import webdataset
+
+    (root / "tar").mkdir(parents=True)
+    (root / "parquet").mkdir()
+    images = photos(min(n, 500))  # 500 distinct pictures, repeated: decoding cost is per image, not per picture
+    with webdataset.ShardWriter(str(root / "tar" / "part-%05d.tar"), maxcount=PER_SHARD, verbose=0) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"img{i:07d}", "jpg": images[i % len(images)], "cls": i % CLASSES})
+    for s in range(-(-n // PER_SHARD)):
+        rows = range(s * PER_SHARD, min(n, (s + 1) * PER_SHARD))
+        table = pa.table(
+            {
+                "image": [{"bytes": images[i % len(images)], "path": None} for i in rows],
+                "label": [i % CLASSES for i in rows],
+            }
+        )
+        pq.write_table(table, root / "parquet" / f"part-{s:05d}.parquet")
+    return sorted(str(p) for p in (root / "tar").glob("*.tar")), sorted(str(p) for p in (root / "parquet").glob("*"))
+
+
+def crop_pil(image: Any, rng: random.Random) -> torch.Tensor:
+    """The crop and flip of :data:`CROPPER`, drawn from a Python RNG (the peers have no sample seed)."""
+    from PIL import Image
+
+    generator = np.random.default_rng(rng.getrandbits(64))
+    box = CROPPER.box(*image.size, generator)
+    out = np.asarray(image.convert("RGB").resize((CROP, CROP), Image.Resampling.BILINEAR, box=box, reducing_gap=2.0))
+    if generator.random() < 0.5:
+        out = out[:, ::-1]
+    return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1)))
+
+
+# -- ours ---------------------------------------------------------------------------------------
+
+
+def _ours(tars: list[str], workers: int, batch_path: bool) -> Iterable[Any]:
+    cache = Path(tars[0]).parent.parent / "cache"
+    reader = TarReader(tars, decode=True if batch_path else "rgb8", fields=["jpg", "cls"], cache_dir=cache)
+    manifest = Manifest.from_items(reader.items())
+    ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
+    work: dict[str, Any] = {"batch_transform": DecodeCropBatch(CROP)} if batch_path else {"transform": CROPPER}
+    options = LoaderOptions(
+        batch_size=BATCH, num_workers=workers, multiprocessing_context="spawn" if workers else None, **work
+    )
+    return ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=options)
+
+
+def ours(tars: list[str], parquets: list[str], workers: int) -> Iterable[Any]:
+    """Per sample: simplejpeg decodes each JPEG whole in the reader, the crop runs as ``transform``."""
+    return _ours(tars, workers, batch_path=False)
+
+
+def ours_batch(tars: list[str], parquets: list[str], workers: int) -> Iterable[Any]:
+    """The batch path: JPEGs stay bytes, ``DecodeCropBatch`` decodes each at its crop's scale into the batch."""
+    return _ours(tars, workers, batch_path=True)
+
+
+# -- webdataset ---------------------------------------------------------------------------------
+
+
+class WdsCrop:
+    """``(pil image, label)`` -> ``{"image", "label"}`` (picklable: module level)."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+
+    def __call__(self, sample: tuple[Any, int]) -> dict[str, Any]:
+        image, label = sample
+        return {"image": crop_pil(image, self.rng), "label": label}
+
+
+def webdataset_loader(tars: list[str], parquets: list[str], workers: int) -> Iterable[Any]:
+    import webdataset as wds
+
+    dataset = (
+        wds.WebDataset(tars, shardshuffle=len(tars), nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker)
+        .shuffle(1000)
+        .decode("pil")
+        .to_tuple("jpg", "cls")
+        .map(WdsCrop())
+        .batched(BATCH, partial=True)
+    )
+    return wds.WebLoader(
+        dataset, batch_size=None, num_workers=workers, multiprocessing_context="spawn" if workers else None
+    )
+
+
+# -- Hugging Face datasets ----------------------------------------------------------------------
+
+
+_HF_RNG = random.Random(0)
+
+
+def hf_crop(example: dict[str, Any]) -> dict[str, Any]:
+    return {"image": crop_pil(example["image"], _HF_RNG), "label": example["label"]}
+
+
+def hf_loader(tars: list[str], parquets: list[str], workers: int) -> Iterable[Any]:
+    from datasets import Image, load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    data = load_dataset("parquet", data_files=parquets, split="train", streaming=True)
+    data = data.cast_column("image", Image())  # decoded to PIL when read (pyarrow wrote no HF metadata)
+    data = split_dataset_by_node(data, rank=0, world_size=1).shuffle(seed=0, buffer_size=1000)
+    data = data.map(hf_crop).with_format("torch")
+    return torch.utils.data.DataLoader(
+        data, batch_size=BATCH, num_workers=workers, multiprocessing_context="spawn" if workers else None
+    )
+
+
+OURS, OURS_BATCH = "lightning_sharding", "lightning_sharding, batch path"
+SYSTEMS: dict[str, Callable[[list[str], list[str], int], Iterable[Any]]] = {
+    OURS: ours,
+    OURS_BATCH: ours_batch,
+    "webdataset.WebLoader": webdataset_loader,
+    "HF datasets (streaming Parquet)": hf_loader,
+}
+
+
+def images_in(batch: dict[str, Any]) -> int:
+    """The batch's images, not counting ours' padding rows (the epoch's last batch is padded)."""
+    assert batch["image"].shape[1:] == (3, CROP, CROP), batch["image"].shape
+    padding = batch.get("is_padding")
+    return len(batch["label"]) - (int(padding.sum()) if padding is not None else 0)
+
+
+def rate(loader: Iterable[Any], workers: int) -> tuple[float, int]:
+    """Images/s after each worker's first batch, and the images of the whole epoch."""
+    it = iter(loader)
+    seen = sum(images_in(next(it)) for _ in range(max(1, workers)))
+    n = 0
+    start = time.perf_counter()
+    for batch in it:
+        n += images_in(batch)
+    return n / (time.perf_counter() - start), seen + n
+
+
+def _inclusive(frame: Any, match: Callable[[Any], bool]) -> float:
+    """Seconds under the outermost frames that ``match`` (not counted twice when they nest)."""
+    if match(frame):
+        return float(frame.time)
+    return sum(_inclusive(child, match) for child in frame.children)
+
+
+def profile(tars: list[str], steps: int) -> None:
+    """Train the recipe's CNN at 2 workers; profile ``steps`` steps after the workers' first batches."""
+    import lightning.pytorch as pl
+    from pyinstrument import Profiler
+
+    from lightning_sharding import ShardedDataModule
+    from lightning_sharding.recipes.models import ImageClassifier
+
+    profiler = Profiler(interval=0.001)
+
+    class Window(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == 2:  # each worker has delivered once: start-up is behind
+                profiler.start()
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            profiler.stop()
+
+    reader = TarReader(tars, decode="rgb8", fields=["jpg", "cls"], cache_dir=Path(tars[0]).parent.parent / "cache")
+    data = ShardedDataModule(
+        reader, batch_size=BATCH, num_workers=2, multiprocessing_context="spawn", transform=CROPPER, seed=0
+    )
+    trainer = pl.Trainer(
+        max_steps=steps + 2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Window()],
+    )
+    trainer.fit(ImageClassifier(classes=CLASSES, width=16, learning_rate=0.01), datamodule=data)
+    root = profiler.last_session.root_frame()
+    total = float(root.time)
+    waiting = _inclusive(root, lambda f: f.function == "__next__" and "fetchers" in (f.file_path or ""))
+    forward = _inclusive(root, lambda f: f.function == "training_step")
+    backward = _inclusive(root, lambda f: f.function == "backward")
+    print(f"\nThe training process over {steps} steps of {BATCH} at 2 workers (pyinstrument, {total:.1f} s):\n")
+    print("| where | seconds | share |")
+    print("|---|---:|---:|")
+    for name, seconds in (
+        ("waiting for the next batch (Lightning's data fetcher)", waiting),
+        ("training_step (forward and loss)", forward),
+        ("backward", backward),
+        ("the rest (optimizer, Lightning's loop and hooks)", total - waiting - forward - backward),
+    ):
+        print(f"| {name} | {seconds:.2f} | {seconds / total:.0%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2,000 images, not 20,000")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS", help="then profile STEPS training steps")
+    parser.add_argument("--no-compare", action="store_true", help="only the profile")
+    args = parser.parse_args()
+    n = 2000 if args.quick else 20000
+    with tempfile.TemporaryDirectory() as tmp:
+        tars, parquets = write_data(Path(tmp), n)
+        if args.no_compare:
+            profile(tars, args.profile or 30)
+            return
+        print(f"{n} JPEGs 256x256, decode + random-resized-crop {CROP} + flip, batch {BATCH}, 1 rank; images/s")
+        print(f"(median of {args.repeats} rounds; ratio: ours / theirs, median of the per-round ratios)\n")
+        print("| workers | system | images/s | ours / it | ours, batch path / it | target (ours / it) | met |")
+        print("|---:|---|---:|---:|---:|---:|---|")
+        for workers in args.workers:
+            rounds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+            for _ in range(args.repeats):
+                for name, build in SYSTEMS.items():
+                    value, total = rate(build(tars, parquets, workers), workers)
+                    assert total == n, f"{name} served {total} of {n} images in an epoch"
+                    rounds[name].append(value)
+            for name, values in rounds.items():
+                figure = f"| {workers} | {name} | {statistics.median(values):.0f} |"
+                if name in (OURS, OURS_BATCH):
+                    print(f"{figure} | | | |")
+                    continue
+                ratio, batch_ratio = (
+                    statistics.median(a / b for a, b in zip(rounds[ours], values, strict=True))
+                    for ours in (OURS, OURS_BATCH)
+                )
+                target, met = (f"{TARGET:.1f}", "yes" if ratio >= TARGET else "no") if workers == 2 else ("", "")
+                print(f"{figure} {ratio:.2f} | {batch_ratio:.2f} | {target} | {met} |")
+        if args.profile:
+            profile(tars, args.profile)
+
+
+if __name__ == "__main__":
+    main()
