@@ -175,6 +175,16 @@ SYSTEMS: dict[str, Callable[[list[str], list[str], int], Iterable[Any]]] = {
     "webdataset.WebLoader": webdataset_loader,
     "HF datasets (streaming Parquet)": hf_loader,
 }
+NEEDS = {"webdataset.WebLoader": "webdataset", "HF datasets (streaming Parquet)": "datasets"}
+
+
+def installed(name: str) -> bool:
+    """Whether the peer ``name`` imports here (a missing one is a row saying so, never a figure)."""
+    try:
+        __import__(NEEDS.get(name, "lightning_sharding"))
+    except ImportError:
+        return False
+    return True
 
 
 def images_in(batch: dict[str, Any]) -> int:
@@ -254,12 +264,13 @@ def profile(tars: list[str], steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2,000 images, not 20,000")
+    parser.add_argument("--images", type=int, default=0, help="this many images (a smoke run)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS", help="then profile STEPS training steps")
     parser.add_argument("--no-compare", action="store_true", help="only the profile")
     args = parser.parse_args()
-    n = 2000 if args.quick else 20000
+    n = args.images or (2000 if args.quick else 20000)
     with tempfile.TemporaryDirectory() as tmp:
         tars, parquets = write_data(Path(tmp), n)
         if args.no_compare:
@@ -269,10 +280,11 @@ def main() -> None:
         print(f"(median of {args.repeats} rounds; ratio: ours / theirs, median of the per-round ratios)\n")
         print("| workers | system | images/s | ours / it | ours, batch path / it | target (ours / it) | met |")
         print("|---:|---|---:|---:|---:|---:|---|")
+        here = {name: build for name, build in SYSTEMS.items() if installed(name)}
         for workers in args.workers:
-            rounds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+            rounds: dict[str, list[float]] = {name: [] for name in here}
             for _ in range(args.repeats):
-                for name, build in SYSTEMS.items():
+                for name, build in here.items():
                     value, total = rate(build(tars, parquets, workers), workers)
                     assert total == n, f"{name} served {total} of {n} images in an epoch"
                     rounds[name].append(value)
@@ -287,6 +299,8 @@ def main() -> None:
                 )
                 target, met = (f"{TARGET:.1f}", "yes" if ratio >= TARGET else "no") if workers == 2 else ("", "")
                 print(f"{figure} {ratio:.2f} | {batch_ratio:.2f} | {target} | {met} |")
+            for name in SYSTEMS.keys() - here.keys():
+                print(f"| {workers} | {name} | not installed (benchmarks/requirements.txt) | | | | |")
         if args.profile:
             profile(tars, args.profile)
 

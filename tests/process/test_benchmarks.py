@@ -102,6 +102,23 @@ def test_packing_benchmark_prints_tokens_per_second_listing_and_planning() -> No
     assert re.search(r"best_fit packing of 100,000 documents: [\d.]+ s, [\d,]+ sequences, padding [\d.]+ %", out), out
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+@pytest.mark.needs("PIL", "simplejpeg", "webdataset")
+def test_image_benchmarks_print_every_decoder_and_every_system_with_ratios() -> None:
+    """``benchmarks.decode`` (decoders against Pillow) and ``benchmarks.images`` (ours, per sample
+    and batch path, beside webdataset and HF ``datasets``, or saying one is not installed)."""
+    out = run_benchmark("benchmarks.decode", "--quick", "--repeats", "1", timeout=120).stdout
+    rows = dict(re.findall(r"^\| (.+?) +\| +(\d+) \| +[\d.]+ \|$", out, re.M))
+    assert {"Pillow", "simplejpeg", "ours: ImageDecoder('torchrgb8')"} <= set(rows) and all(map(int, rows.values()))
+    out = run_benchmark("benchmarks.images", "--images", "192", "--repeats", "1", "--workers", "0", timeout=240).stdout
+    ours = re.findall(r"^\| 0 \| (lightning_sharding(?:, batch path)?) \| (\d+) \| \| \| \| \|$", out, re.M)
+    assert [name for name, _ in ours] == ["lightning_sharding", "lightning_sharding, batch path"], out
+    peer = r"webdataset\.WebLoader|HF datasets \(streaming Parquet\)"
+    peers = re.findall(rf"^\| 0 \| ({peer}) \| (\d+ \| [\d.]+ \| [\d.]+|not installed)", out, re.M)
+    assert sorted(name for name, _ in peers) == ["HF datasets (streaming Parquet)", "webdataset.WebLoader"], out
+
+
 def run_benchmark(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess[str]:
     """``python -m module args`` from the repository root; fails the test unless it exits 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
