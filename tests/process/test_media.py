@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from lightning_sharding import Ledger, Manifest, TarReader, World
+from lightning_sharding.core.world import BatchContext, ShardContext
 from lightning_sharding.readers.decoding import IMAGE_SPECS, AudioDecoder, ImageDecoder, VideoDecoder, decoders
+from lightning_sharding.recipes.images import DecodeCropBatch, RandomResizedCrop, striped_image, write_image_shards
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
 
@@ -102,7 +104,10 @@ def add_worker(sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
     return {**sample, "worker": ctx.shard.worker_id}
 
 
-MEDIA = decoders(image="torchrgb8", audio="torch", video=VideoDecoder(frames=3))
+def media() -> dict[str, Any]:
+    """Images as uint8 CHW tensors, audio as tensors and 3 frames of each video (built in the test:
+    a decoder checks its library is installed, and the module imports without the extras)."""
+    return decoders(image="torchrgb8", audio="torch", video=VideoDecoder(frames=3))
 
 
 def serve(reader: TarReader, **options: Any) -> list[tuple[dict[str, Any], Any]]:
@@ -121,7 +126,7 @@ def test_spawned_workers_decode_every_kind_of_file_of_shards_a_third_party_wrote
 
     urls = write_shards(tmp_path / "shards", n=20, per_shard=6)
     assert len(urls) == 4
-    reader = TarReader(urls, decode=MEDIA, cache_dir=tmp_path / "cache")
+    reader = TarReader(urls, decode=media(), cache_dir=tmp_path / "cache")
     delivered = serve(
         reader, batch_size=4, num_workers=2, multiprocessing_context="spawn", transform=add_worker, shuffle=True
     )
@@ -229,61 +234,14 @@ def test_audio_formats_and_video_frame_choices() -> None:
         VideoDecoder(frames=[3, 12])(clip)
 
 
-def crops_by_key(loader_options: dict[str, Any], reader: TarReader, world_size: int) -> dict[str, bytes]:
-    """Every sample's augmented image bytes, by key, over all ranks of one epoch."""
-    from lightning_sharding.recipes.images import RandomResizedCrop
-
-    crop = RandomResizedCrop(20)
-    keyed = partial(keep_key, crop)
+def crops_by_key(reader: TarReader, world_size: int, **loader_options: Any) -> dict[str, bytes]:
+    """Every image of one epoch (cropped to 20 by the options' transform or batch_transform), by
+    key, over all ranks."""
     manifest = Manifest.from_items(reader.items())
     out: dict[str, bytes] = {}
     for rank in range(world_size):
         ledger = Ledger(seed=9, total=manifest.total, manifest=manifest.summary())
-        loader = ShardedLoader.build(
-            reader,
-            manifest.items,
-            ledger,
-            world=World(rank, world_size),
-            options=LoaderOptions(batch_size=4, transform=keyed, **loader_options),
-        )
-        for batch in loader:
-            for key, image, pad in zip(batch["key"], batch["image"], batch["is_padding"], strict=True):
-                if not pad:
-                    assert key not in out, f"{key} served twice"
-                    out[key] = image.numpy().tobytes()
-    return out
-
-
-def keep_key(crop: Any, sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    return {**crop(sample, ctx), "key": sample["__key__"]}
-
-
-@pytest.mark.processes
-@pytest.mark.timeout(300)
-def test_the_images_recipes_crops_are_the_same_on_any_topology(tmp_path: Path) -> None:
-    """recipe=images draws each crop and flip from the sample's seed: one rank with two spawned
-    workers and two ranks without workers crop every image alike, so a resumed epoch on another
-    topology trains the images an uninterrupted one would."""
-    from lightning_sharding.recipes.images import write_image_shards
-
-    (tmp_path / "shards").mkdir()
-    write_image_shards(tmp_path / "shards", shards=3, per_shard=10, size=32, classes=4)
-    reader = TarReader(str(tmp_path / "shards" / "*.tar"), decode="rgb8", cache_dir=tmp_path / "cache")
-    workers = crops_by_key({"num_workers": 2, "multiprocessing_context": "spawn"}, reader, world_size=1)
-    ranks = crops_by_key({"num_workers": 0}, reader, world_size=2)
-    assert len(workers) == 30 and workers == ranks
-    assert len(set(workers.values())) == 30  # the crops differ from image to image
-
-
-def batch_crops_by_key(reader: TarReader, world_size: int, **loader_options: Any) -> dict[str, bytes]:
-    """Every image of one epoch through DecodeCropBatch, by key, over all ranks."""
-    from lightning_sharding.recipes.images import DecodeCropBatch
-
-    manifest = Manifest.from_items(reader.items())
-    out: dict[str, bytes] = {}
-    for rank in range(world_size):
-        ledger = Ledger(seed=9, total=manifest.total, manifest=manifest.summary())
-        options = LoaderOptions(batch_size=4, batch_transform=DecodeCropBatch(20), **loader_options)
+        options = LoaderOptions(batch_size=4, **loader_options)
         loader = ShardedLoader.build(reader, manifest.items, ledger, world=World(rank, world_size), options=options)
         for batch in loader:
             assert batch["image"].dtype == torch.uint8 and batch["image"].shape[1:] == (3, 20, 20)
@@ -294,16 +252,35 @@ def batch_crops_by_key(reader: TarReader, world_size: int, **loader_options: Any
     return out
 
 
+def keep_key(crop: Any, sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    return {**crop(sample, ctx), "__key__": sample["__key__"]}
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_the_images_recipes_crops_are_the_same_on_any_topology(tmp_path: Path) -> None:
+    """recipe=images draws each crop and flip from the sample's seed: one rank with two spawned
+    workers and two ranks without workers crop every image alike, so a resumed epoch on another
+    topology trains the images an uninterrupted one would."""
+    (tmp_path / "shards").mkdir()
+    write_image_shards(tmp_path / "shards", shards=3, per_shard=10, size=32, classes=4)
+    reader = TarReader(str(tmp_path / "shards" / "*.tar"), decode="rgb8", cache_dir=tmp_path / "cache")
+    crop = partial(keep_key, RandomResizedCrop(20))
+    workers = crops_by_key(reader, 1, transform=crop, num_workers=2, multiprocessing_context="spawn")
+    ranks = crops_by_key(reader, 2, transform=crop, num_workers=0)
+    assert len(workers) == 30 and workers == ranks
+    assert len(set(workers.values())) == 30  # the crops differ from image to image
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_the_batch_path_decodes_into_one_array_with_the_same_crops_on_any_topology(tmp_path: Path) -> None:
-    from lightning_sharding.recipes.images import write_image_shards
-
     (tmp_path / "shards").mkdir()
     write_image_shards(tmp_path / "shards", shards=3, per_shard=10, size=64, classes=4)
     reader = TarReader(str(tmp_path / "shards" / "*.tar"), cache_dir=tmp_path / "cache")  # images stay bytes
-    workers = batch_crops_by_key(reader, 1, num_workers=2, multiprocessing_context="spawn")
-    ranks = batch_crops_by_key(reader, 2, num_workers=0)
+    crop = DecodeCropBatch(20)
+    workers = crops_by_key(reader, 1, batch_transform=crop, num_workers=2, multiprocessing_context="spawn")
+    ranks = crops_by_key(reader, 2, batch_transform=crop, num_workers=0)
     assert len(workers) == 30 and workers == ranks
     assert len(set(workers.values())) == 30
 
@@ -312,9 +289,6 @@ def test_the_batch_path_decodes_at_the_scale_a_crop_allows_and_matches_a_full_de
     """A crop of a large JPEG is decoded at libjpeg-turbo's smaller scale; the result is the full
     decode's crop to within the filters' differences, and a PNG takes Pillow's whole decode."""
     from PIL import Image
-
-    from lightning_sharding.core.world import BatchContext, ShardContext
-    from lightning_sharding.recipes.images import DecodeCropBatch, RandomResizedCrop, striped_image
 
     rng = np.random.default_rng(0)
     pictures = [striped_image(i % 4, 4, 256, rng) for i in range(6)]
