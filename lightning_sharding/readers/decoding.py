@@ -96,7 +96,8 @@ IMAGE_SPECS: dict[str, tuple[str, str | None, str]] = {
 }
 
 
-def _need(module: str, extra: str, what: str) -> Any:
+def need(module: str, extra: str, what: str) -> Any:
+    """Import ``module``, or raise naming the extra that installs it (``what`` needs it)."""
     try:
         return __import__(module)
     except ImportError as err:
@@ -122,7 +123,7 @@ class ImageDecoder:
     def __init__(self, spec: str = "torchrgb8") -> None:
         if spec not in IMAGE_SPECS:
             raise ValueError(f"unknown image spec {spec!r}: use one of {', '.join(IMAGE_SPECS)} (WebDataset's names)")
-        _need("PIL.Image", "image", "images")
+        need("PIL.Image", "image", "images")
         self.spec = spec
         self.container, self.etype, self.mode = IMAGE_SPECS[spec]
         # simplejpeg decodes JPEG to RGB or gray straight into an array, faster than Pillow.
@@ -172,7 +173,7 @@ class AudioDecoder:
     def __init__(self, output: str = "torch") -> None:
         if output not in ("torch", "numpy"):
             raise ValueError(f"unknown audio output {output!r}: use 'torch' or 'numpy'")
-        _need("soundfile", "audio", "audio")
+        need("soundfile", "audio", "audio")
         self.output = output
 
     def __call__(self, data: bytes) -> tuple[Any, int]:
@@ -208,7 +209,7 @@ class VideoDecoder:
             raise ValueError(f"unknown video output {self.output!r}: use 'torch' or 'numpy'")
         if isinstance(self.frames, int) and self.frames < 1:
             raise ValueError(f"frames={self.frames}: ask for at least 1 frame, or None for all")
-        _need("av", "video", "video")
+        need("av", "video", "video")
 
     def __call__(self, data: bytes) -> Any:
         """The chosen frames of the file's first video stream."""

@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from lightning_sharding.core.world import BatchContext, SampleContext
 from lightning_sharding.lightning.datamodule import ShardedDataModule
+from lightning_sharding.readers.decoding import need
 from lightning_sharding.readers.tar import TarReader
 from lightning_sharding.recipes.data import cache_root, datamodule, generated
 
@@ -47,6 +48,7 @@ def striped_image(label: int, classes: int, size: int, rng: np.random.Generator)
 
 def write_image_shards(directory: Path, shards: int, per_shard: int, size: int, classes: int, seed: int = 0) -> None:
     """``shards`` WebDataset shards ``part-NNNNN.tar`` of ``per_shard`` samples ``{jpg, cls}``."""
+    need("PIL.Image", "image", "the generated images")
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -142,6 +144,8 @@ class DecodeCropBatch:
     """
 
     def __init__(self, size: int, field: str = "jpg", label: str = "cls", flip: float = 0.5, **crop: Any) -> None:
+        need("simplejpeg", "image", "JPEG batches")  # in the main process, naming the extra, not in a worker
+        need("PIL.Image", "image", "images")
         self.crop = RandomResizedCrop(size, flip=flip, **crop)
         self.field = field
         self.label = label
