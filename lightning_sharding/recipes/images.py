@@ -18,7 +18,8 @@ from __future__ import annotations
 import io
 import math
 import tarfile
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,8 @@ class RandomResizedCrop:
     then flip left-right with probability ``flip``; the randomness is the sample's seed.
 
     As torchvision's ``RandomResizedCrop``: ten tries at an area and a log-uniform aspect ratio
-    that fit, else the central crop of the nearest allowed ratio. The crop and resize are one
-    Pillow ``resize`` with a ``box``, bilinear, with its reducing gap for large shrinks.
+    that fit, else the central crop of the nearest allowed ratio. The crop is resized by
+    :func:`resize_crop` (antialiased bilinear, as torchvision and Pillow filter).
     A sample ``{<image field>, "cls"}`` becomes ``{"image": uint8 (3, size, size), "label": int}``.
     """
 
@@ -113,21 +114,35 @@ class RandomResizedCrop:
 
     def __call__(self, sample: Mapping[str, Any], ctx: SampleContext) -> dict[str, Any]:
         """The cropped, resized and maybe flipped image as a CHW ``uint8`` tensor, and its label."""
-        import torch
         from PIL import Image
 
         field = next((f for f in IMAGE_FIELDS if f in sample), None)
         if field is None:
             raise KeyError(f"sample {sample.get('__key__')!r} has no image field ({', '.join(IMAGE_FIELDS)})")
         pixels = sample[field]
-        image = pixels if isinstance(pixels, Image.Image) else Image.fromarray(np.asarray(pixels))
+        array = np.asarray(pixels.convert("RGB") if isinstance(pixels, Image.Image) else pixels)
         rng = np.random.default_rng(ctx.sample_seed)
-        box = self.box(*image.size, rng)
-        crop = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box, reducing_gap=2.0)
-        array = np.asarray(crop.convert("RGB"))
-        if rng.random() < self.flip:
-            array = array[:, ::-1]
-        return {"image": torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1))), "label": int(sample["cls"])}
+        box = self.box(array.shape[1], array.shape[0], rng)
+        image = resize_crop(array, box, self.size, flip=rng.random() < self.flip)
+        return {"image": image, "label": int(sample["cls"])}
+
+
+def resize_crop(pixels: npt.NDArray[np.uint8], box: Sequence[float], size: int, flip: bool) -> Any:
+    """``pixels`` (``uint8`` HWC) cropped to ``box`` (left, top, right, bottom; rounded to whole
+    pixels), resized to ``size`` x ``size`` with antialiased bilinear filtering (Pillow's ``BILINEAR``
+    rule) and maybe flipped, as a CHW ``uint8`` tensor. Torch's ``uint8`` kernel does it without
+    converting the pixels to floats: about twice as fast as Pillow's ``resize`` on this machine."""
+    import torch
+
+    left, top, right, bottom = (round(v) for v in box)
+    region = pixels[top : max(bottom, top + 1), left : max(right, left + 1)]
+    with warnings.catch_warnings():  # Pillow's and simplejpeg's arrays are read-only: nothing writes here
+        warnings.simplefilter("ignore", UserWarning)
+        crop = torch.from_numpy(region)
+    out = torch.nn.functional.interpolate(
+        crop.permute(2, 0, 1).unsqueeze(0), size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )[0]
+    return out.flip(-1) if flip else out.contiguous()
 
 
 class DecodeCropBatch:
@@ -156,17 +171,18 @@ class DecodeCropBatch:
 
         encoded = batch[self.field]
         size = self.crop.size
-        out = np.empty((len(encoded), 3, size, size), dtype=np.uint8)
+        out = torch.empty((len(encoded), 3, size, size), dtype=torch.uint8)
         for row, (data, seed) in enumerate(zip(encoded, ctx.sample_seeds.tolist(), strict=True)):
             try:
-                out[row] = self._one(bytes(data), np.random.default_rng(seed)).transpose(2, 0, 1)
+                out[row] = self._one(bytes(data), np.random.default_rng(seed))
             except Exception as err:
                 key = batch["__key__"][row] if "__key__" in batch else row
                 raise ValueError(f"row {row} (key {key!r}), field {self.field!r}: {type(err).__name__}: {err}") from err
         rest = {k: v for k, v in batch.items() if k not in (self.field, self.label)}
-        return {**rest, "image": torch.from_numpy(out), "label": batch[self.label]}
+        return {**rest, "image": out, "label": batch[self.label]}
 
-    def _one(self, data: bytes, rng: np.random.Generator) -> npt.NDArray[np.uint8]:
+    def _one(self, data: bytes, rng: np.random.Generator) -> Any:
+        """One image, cropped and resized: a CHW ``uint8`` tensor."""
         from PIL import Image
 
         size = self.crop.size
@@ -183,16 +199,12 @@ class DecodeCropBatch:
                 min_height=math.ceil(height * min(shrink, 1.0)),
             )
             sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
-            image = Image.fromarray(pixels)
             box: tuple[float, float, float, float] = (left * sx, top * sy, right * sx, bottom * sy)
         else:
             with Image.open(io.BytesIO(data)) as opened:
-                image = opened.convert("RGB")
-            box = self.crop.box(*image.size, rng)
-        resized = np.asarray(image.resize((size, size), Image.Resampling.BILINEAR, box=box, reducing_gap=2.0))
-        if rng.random() < self.crop.flip:
-            resized = resized[:, ::-1]
-        return resized
+                pixels = np.asarray(opened.convert("RGB"))
+            box = self.crop.box(pixels.shape[1], pixels.shape[0], rng)
+        return resize_crop(pixels, box, size, flip=rng.random() < self.crop.flip)
 
 
 def _write(shards: int, per_shard: int, size: int, classes: int, directory: Path) -> None:
