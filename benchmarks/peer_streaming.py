@@ -37,6 +37,7 @@ from streaming.base.dataset import StreamingDataset  # noqa: E402
 from streaming.base.format.mds.writer import MDSWriter  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from benchmarks.peers import tar_samples  # noqa: E402
 from benchmarks.throughput import BATCH, DIM, Work, rows_of  # noqa: E402
 
 
@@ -47,17 +48,29 @@ def prepare(pattern: str, out: Path) -> None:
                 writer.write({"row": np.asarray(row)})
 
 
-class WorkedRows(StreamingDataset):  # type: ignore[misc]
-    def __init__(self, local: str, work: Work, batch: int) -> None:
+def prepare_tars(tars: list[str], out: Path) -> None:
+    """The JPEGs and labels of WebDataset ``tars`` as MDS shards (``jpg`` as raw bytes, ``cls`` int)."""
+    with MDSWriter(out=str(out), columns={"jpg": "bytes", "cls": "int"}, size_limit=64 << 20) as writer:
+        for tar in tars:
+            for sample in tar_samples(tar):
+                writer.write(sample)
+
+
+class Worked(StreamingDataset):  # type: ignore[misc]
+    """Streaming's dataset with the benchmark's work applied to each sample's ``field`` (``None``:
+    the whole sample)."""
+
+    def __init__(self, local: str, work: Work, batch: int, field: str | None = "row") -> None:
         super().__init__(local=local, shuffle=True, shuffle_seed=0, batch_size=batch)
-        self.work = work
+        self.work, self.field = work, field
 
     def __getitem__(self, index: int) -> Any:
-        return self.work(super().__getitem__(index)["row"])
+        sample = super().__getitem__(index)
+        return self.work(sample if self.field is None else sample[self.field])
 
 
-def loader(out: Path, workers: int, work: Work, batch: int = BATCH) -> Iterable[Any]:
+def loader(out: Path, workers: int, work: Work, batch: int = BATCH, field: str | None = "row") -> Iterable[Any]:
     context = "spawn" if workers else None
     return DataLoader(
-        WorkedRows(str(out), work, batch), batch_size=batch, num_workers=workers, multiprocessing_context=context
+        Worked(str(out), work, batch, field), batch_size=batch, num_workers=workers, multiprocessing_context=context
     )

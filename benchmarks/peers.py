@@ -4,12 +4,14 @@ printed in the table (never a figure) while the rest of the suite runs."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+import tarfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from benchmarks.throughput import Work
+from lightning_sharding.readers.tar import split_name
 
 PEERS = {"LitData": "benchmarks.peer_litdata", "MosaicML Streaming": "benchmarks.peer_streaming"}
 
@@ -29,3 +31,26 @@ def builder(module: ModuleType, out: Path) -> Any:
         return module.loader(out, workers, work, batch)  # type: ignore[no-any-return]
 
     return build
+
+
+def tar_samples(path: str) -> Iterator[dict[str, Any]]:
+    """One WebDataset tar shard's samples as ``{"jpg": bytes, "cls": int}``: what the peers' own
+    writers get, so they store the same JPEG bytes (never re-encoded) and labels as the tar."""
+    sample: dict[str, Any] = {}
+    key = None
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            name, field = split_name(member.name)
+            if name != key and sample:
+                yield sample
+                sample = {}
+            key = name
+            blob = tar.extractfile(member).read()  # type: ignore[union-attr]
+            if field == "jpg":
+                sample["jpg"] = blob
+            elif field == "cls":
+                sample["cls"] = int(blob)
+    if sample:
+        yield sample

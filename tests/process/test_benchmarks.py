@@ -114,9 +114,26 @@ def test_image_benchmarks_print_every_decoder_and_every_system_with_ratios() -> 
     out = run_benchmark("benchmarks.images", "--images", "192", "--repeats", "1", "--workers", "0", timeout=240).stdout
     ours = re.findall(r"^\| 0 \| (lightning_sharding(?:, batch path)?) \| (\d+) \| \| \| \| \|$", out, re.M)
     assert [name for name, _ in ours] == ["lightning_sharding", "lightning_sharding, batch path"], out
-    peer = r"webdataset\.WebLoader|HF datasets \(streaming Parquet\)"
-    peers = re.findall(rf"^\| 0 \| ({peer}) \| (\d+ \| [\d.]+ \| [\d.]+|not installed)", out, re.M)
-    assert sorted(name for name, _ in peers) == ["HF datasets (streaming Parquet)", "webdataset.WebLoader"], out
+    names = ["HF datasets (streaming Parquet)", "LitData", "MosaicML Streaming", "webdataset.WebLoader"]
+    peer = "|".join(map(re.escape, names))
+    # a figure and both ratios, or (a peer not installed here) the reason, never a figure
+    peers = re.findall(rf"^\| 0 \| ({peer}) \| (\d+ \| [\d.]+ \| [\d.]+ \||[^|\d][^|]+\|)", out, re.M)
+    assert sorted(name for name, _ in peers) == names, out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.needs("PIL", "webdataset", "moto", "s3fs")
+def test_first_batch_benchmark_times_every_system_local_and_on_s3() -> None:
+    """``benchmarks.first_batch``: ours cold and warm, webdataset and LitData (or why not), from a
+    local directory and from the loopback S3 server, each a time and two ratios."""
+    out = run_benchmark(
+        "benchmarks.first_batch", "--shards", "24", "--repeats", "1", "--workers", "0", timeout=240
+    ).stdout
+    figures_or_why = r"[\d.]+ \| [\d.]+ \| [\d.]+|[^|\d][^|]+"
+    rows = re.findall(rf"^\| (local|S3 \(loopback\)) \| ([^|]+?) \| ({figures_or_why}) \|", out, re.M)
+    systems = ["lightning_sharding, cold", "lightning_sharding, warm", "webdataset.WebLoader", "LitData"]
+    assert [(where, name) for where, name, _ in rows] == [(w, s) for w in ("local", "S3 (loopback)") for s in systems]
+    assert all(float(figures.split("|")[0]) > 0 for _, name, figures in rows if name.startswith("lightning")), out
 
 
 def run_benchmark(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess[str]:
