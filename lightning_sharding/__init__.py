@@ -41,6 +41,7 @@ _EXPORTS = {
     "NpyWindows": "readers",
     "Order": "core.order",
     "PackedReader": "tokens",
+    "Phase": "mixture",
     "Packing": "tokens",
     "ParquetReader": "readers",
     "ParquetTokens": "tokens",
@@ -91,6 +92,7 @@ __all__ = [
     "PackedReader",
     "Packing",
     "ParquetReader",
+    "Phase",
     "ParquetTokens",
     "plan_epoch",
     "register_strategy",
@@ -128,7 +130,7 @@ if TYPE_CHECKING:
     from lightning_sharding.lightning.keeper import ReplicaMismatchError
     from lightning_sharding.lightning.release import ReleaseProcessGroup
     from lightning_sharding.lightning.summary import EpochReport
-    from lightning_sharding.mixture import Stream
+    from lightning_sharding.mixture import Phase, Stream
     from lightning_sharding.readers import (
         FileReader,
         JsonlReader,

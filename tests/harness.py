@@ -85,6 +85,7 @@ class Data:
     streams: tuple[dict[str, Any], ...] | None = None
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"
+    schedule: tuple[dict[str, Any], ...] | None = None  # a share schedule: [{"start", "shares"}, ...]
     allow_mixture_change: bool = False  # resume a checkpoint of another mixture at the new shares
     # Packed token sequences (tests/jobs/tokens_data.py): {"dir", "seq_len", "mode"}, or "streams":
     # [dir, ...] for a mixture of token streams; every token of the corpora is a distinct id, so a

@@ -147,6 +147,16 @@ def _mixture_lines(order: MixtureOrder, shares: Sequence[str], width: int = 64) 
         f"  {letter} {name}: {share}, {draws} draws an epoch from {size} samples"
         for letter, name, share, draws, size in zip(letters, order.names, shares, order.draws, order.sizes, strict=True)
     ]
+    phased = getattr(order.interleave, "phase_draws", None)
+    if phased:  # a share schedule: each phase's positions, draws per stream, and its start
+        bounds = getattr(order.interleave, "bounds").tolist()  # noqa: B009 - a Phased layout's, not every Layout's
+        for k, row in enumerate(phased):
+            draws = ", ".join(f"{name} {d}" for name, d in zip(order.names, row, strict=True) if d)
+            lines.append(f"phase {k}: positions {bounds[k]}..{bounds[k + 1] - 1}: {draws or 'nothing'}")
+            if bounds[k + 1] > bounds[k]:
+                stream, _ = order.streams(np.arange(bounds[k], min(bounds[k] + width, bounds[k + 1])))
+                lines.append(f"  its first positions: {''.join(letters[s] for s in stream.tolist())}")
+        return lines
     blocks = order.blocks
     if blocks is None:
         stream, _ = order.streams(np.arange(min(width, order.total)))

@@ -213,6 +213,15 @@ class StreamOptions:
 
 
 @dataclass
+class PhaseOptions:
+    """One phase of ``data.schedule``: from ``start`` (a fraction of the epoch) on, the streams draw
+    at ``shares`` (stream name -> weight; a stream not named draws nothing in the phase)."""
+
+    start: float = 0.0
+    shares: dict[str, float] = MISSING
+
+
+@dataclass
 class MixtureData(DataOptions):
     """Several streams of files mixed at chosen shares into epochs of ``samples_per_epoch``
     (none: what the shares imply). See docs/how-to/mixtures.md."""
@@ -221,6 +230,8 @@ class MixtureData(DataOptions):
     streams: list[StreamOptions] = field(default_factory=list)
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"  # mixed | stratified | per_stream
+    # A share schedule: phases, each from a fraction of the epoch on, with its own shares (recipe=anneal).
+    schedule: list[PhaseOptions] | None = None
     # Resume a checkpoint of other shares or streams: its consumed samples stay consumed, the rest of
     # its epoch is drawn at the new shares (docs/how-to/mixtures.md).
     allow_mixture_change: bool = False

@@ -26,7 +26,7 @@ from lightning_sharding.core.world import DataParallel, World, check_data_parall
 from lightning_sharding.distributed.agreement import agree
 from lightning_sharding.lightning.callbacks import ShardingCallback
 from lightning_sharding.lightning.keeper import LedgerKeeper
-from lightning_sharding.mixture import Stream, reader_of
+from lightning_sharding.mixture import Phase, Stream, reader_of
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.shared_index import collective
 from lightning_sharding.readers.sources import Source
@@ -88,6 +88,10 @@ class ShardedDataModule(pl.LightningDataModule):
         streams, samples_per_epoch, batch_composition: a mixture of readers at chosen shares instead
             of ``reader`` (see :class:`~lightning_sharding.mixture.streams.Stream`), the samples of an epoch, and
             ``"mixed"``, ``"stratified"`` or ``"per_stream"`` batches (see the README's "Mixtures").
+        schedule: a share schedule for ``streams``: :class:`~lightning_sharding.mixture.schedule.Phase`
+            objects (or ``{"start", "shares"}`` mappings), each from a fraction of the epoch on with
+            its own shares, so an epoch can end with an annealing phase (see
+            :mod:`~lightning_sharding.mixture.schedule`). Batch composition ``"mixed"``.
         data_parallel: ``(rank, size)`` of this rank's model replica among all replicas, or a
             function of the trainer returning it, for meshes Lightning cannot see. By default the
             strategy's ``distributed_sampler_kwargs``: every rank under DDP/FSDP, the data-parallel
@@ -133,6 +137,7 @@ class ShardedDataModule(pl.LightningDataModule):
         samples_per_epoch: int | None = None,
         batch_composition: str = "mixed",
         packing: Packing | None = None,
+        schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -171,7 +176,7 @@ class ShardedDataModule(pl.LightningDataModule):
         self.strategy.check(self.options, owner=name)
         if packing is not None and streams is not None:  # every stream packed the same way
             streams = [packed_stream(s, packing, self.strategy, self.options, name) for s in streams]
-        self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size)
+        self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size, schedule)
         if packing is not None and streams is None:
             self._reader = packed(self._reader, packing, self.strategy, self.options, name)
         self._val_reader = val_reader

@@ -29,7 +29,8 @@ _EXPORTS = {
     "changed_counts": "change",
     "check_blocks": "composition",
     "layout": "composition",
-    "layout_of_summary": "composition",
+    "layout_of_summary": "schedule",
+    "Phase": "schedule",
     "plan_draws": "order",
     "reader_of": "streams",
 }
@@ -52,6 +53,7 @@ __all__ = [
     "check_blocks",
     "layout",
     "layout_of_summary",
+    "Phase",
     "plan_draws",
     "reader_of",
 ]
@@ -64,7 +66,7 @@ if TYPE_CHECKING:
         change_mixture,
         changed_counts,
     )
-    from lightning_sharding.mixture.composition import COMPOSITIONS, check_blocks, layout, layout_of_summary
+    from lightning_sharding.mixture.composition import COMPOSITIONS, check_blocks, layout
     from lightning_sharding.mixture.order import (
         SHARES,
         Mixture,
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
         mixture_of,
         plan_draws,
     )
+    from lightning_sharding.mixture.schedule import Phase, layout_of_summary
     from lightning_sharding.mixture.streams import MixtureReader, Stream, reader_of
 
 

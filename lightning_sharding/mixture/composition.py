@@ -23,7 +23,7 @@ is the same on every topology, and a changed batch size is a changed mixture).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -179,12 +179,6 @@ def layout(draws: Sequence[int], composition: str = "mixed", batch_size: int | N
     if batch_size is None or batch_size < 1:
         raise ValueError(f"batch_composition={composition!r} needs the batch size, got {batch_size!r}")
     return Stratified(draws, batch_size) if composition == "stratified" else PerStream(draws, batch_size)
-
-
-def layout_of_summary(streams: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> Layout:
-    """The layout a saved manifest summary or audit header describes: its ``streams``' draws and
-    its ``composition`` and ``batch_size`` (absent for ``mixed``)."""
-    return layout([int(s["draws"]) for s in streams], summary.get("composition", "mixed"), summary.get("batch_size"))
 
 
 def check_blocks(manifest: Any, batch_size: int) -> None:

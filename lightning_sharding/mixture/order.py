@@ -35,6 +35,7 @@ import numpy.typing as npt
 from lightning_sharding.core.blocks import Blocks
 from lightning_sharding.core.order import EpochOrder, derive_seed
 from lightning_sharding.mixture.composition import apportion, blocks_of, layout
+from lightning_sharding.mixture.schedule import Phased, schedule_changes
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -268,6 +269,7 @@ class MixtureOrder:
         composition: str = "mixed",
         batch_size: int | None = None,
         stream_epochs: Sequence[Any] = (),
+        phases: Sequence[Sequence[int]] = (),
     ) -> None:
         self.names = tuple(names)
         self.composition = composition
@@ -288,7 +290,7 @@ class MixtureOrder:
             )
         ]
         self.sizes = [s.size for s in self.stream_orders]
-        self.interleave = layout(self.draws, composition, batch_size)
+        self.interleave = Phased(phases) if phases else layout(self.draws, composition, batch_size)
         self.prefix = self.interleave.prefix
         self.streams = self.interleave.streams
         self.blocks: Blocks | None = blocks_of(self.interleave)
@@ -336,14 +338,27 @@ class Mixture:
     batch_size: int | None = None
     # Each stream's own epochs when they are not plain (packed token sequences); () for none.
     stream_epochs: tuple[Any, ...] = ()
+    # A share schedule (mixture.schedule): each phase's start, shares and draws; () for fixed shares.
+    schedule: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         layout(self.draws, self.composition, self.batch_size)  # checks the composition
+        if self.schedule and self.composition != "mixed":
+            raise ValueError(
+                f"a share schedule needs batch_composition='mixed', not {self.composition!r}: its phases cut "
+                "the epoch where their fractions say, not at batch blocks"
+            )
+
+    @property
+    def phases(self) -> tuple[tuple[int, ...], ...]:
+        """Each phase's draws of each stream (``()`` without a schedule)."""
+        return tuple(tuple(int(d) for d in p["draws"]) for p in self.schedule)
 
     def order(self, counts: npt.ArrayLike, seed: int, epoch: int, *, shuffle: bool = True) -> MixtureOrder:
         """The epoch order of this mixture over items of sample ``counts``."""
         mix: dict[str, Any] = {"shuffle": shuffle, "composition": self.composition, "batch_size": self.batch_size}
         mix["stream_epochs"] = self.stream_epochs
+        mix["phases"] = self.phases
         return MixtureOrder(self.names, counts, self.stream_items, self.draws, seed, epoch, **mix)
 
     @property
@@ -358,15 +373,18 @@ class Mixture:
 
     @property
     def blocks(self) -> Blocks | None:
-        """The blocks every batch must follow (``None`` for ``mixed``)."""
-        return blocks_of(layout(self.draws, self.composition, self.batch_size))
+        """The blocks every batch must follow (``None`` for ``mixed``, scheduled or not)."""
+        return None if self.schedule else blocks_of(layout(self.draws, self.composition, self.batch_size))
 
     def blocks_at(self, epoch: int) -> Blocks | None:
         """The blocks of any epoch's batches: :attr:`blocks`."""
         return self.blocks
 
     def composition_summary(self) -> dict[str, object]:
-        """The composition as a checkpoint keeps it (empty for ``mixed``, as before compositions)."""
+        """The composition as a checkpoint keeps it (empty for ``mixed``, as before compositions),
+        and the share schedule (absent without one, as before schedules)."""
+        if self.schedule:
+            return {"schedule": [dict(p) for p in self.schedule]}
         if self.composition == "mixed":
             return {}
         return {"composition": self.composition, "batch_size": self.batch_size}
@@ -432,6 +450,8 @@ class Mixture:
             was, now = before.get(name, default), after.get(name, default)
             if before.get("streams") and after.get("streams") and was != now:
                 diffs.append(f"the mixture's {name} was {was!r}, now {now!r}")
+        if before.get("streams") and after.get("streams"):
+            diffs += schedule_changes(before.get("schedule") or [], after.get("schedule") or [])
         return diffs
 
 

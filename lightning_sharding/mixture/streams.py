@@ -9,7 +9,7 @@ positions of the mixture's epoch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +20,7 @@ from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.world import ShardContext
 from lightning_sharding.mixture.composition import COMPOSITIONS
 from lightning_sharding.mixture.order import Mixture, StreamSpec, plan_draws
+from lightning_sharding.mixture.schedule import Phase, phase_draws, phases_of, schedule_summary
 from lightning_sharding.readers.base import Columns, Reader
 
 
@@ -61,7 +62,9 @@ class Stream:
 class MixtureReader(Reader):
     """The readers of ``streams`` as one reader whose manifest draws ``samples_per_epoch`` samples
     an epoch (default: what the streams' shares imply) at the streams' shares, composed into
-    batches of ``batch_size`` by ``composition`` (``"mixed"``, ``"stratified"`` or ``"per_stream"``)."""
+    batches of ``batch_size`` by ``composition`` (``"mixed"``, ``"stratified"`` or ``"per_stream"``).
+    With a ``schedule`` (:class:`~lightning_sharding.mixture.schedule.Phase` list), the epoch keeps
+    its size and each phase draws at its own shares (:mod:`~lightning_sharding.mixture.schedule`)."""
 
     def __init__(
         self,
@@ -70,6 +73,7 @@ class MixtureReader(Reader):
         *,
         composition: str = "mixed",
         batch_size: int | None = None,
+        schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
     ) -> None:
         streams = tuple(streams)
         if not streams or not all(isinstance(s, Stream) for s in streams):
@@ -88,6 +92,12 @@ class MixtureReader(Reader):
             raise ValueError(f"batch_composition={composition!r} is not one of {list(COMPOSITIONS)}")
         if composition != "mixed" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_composition={composition!r} needs a batch_size of 1 or more, got {batch_size!r}")
+        self.phases = phases_of(schedule, names) if schedule is not None else ()
+        if self.phases and composition != "mixed":
+            raise ValueError(
+                f"a share schedule needs batch_composition='mixed', not {composition!r}: its phases cut the epoch "
+                "at fractions of it, not at batch blocks"
+            )
         self.streams = streams
         self.samples_per_epoch = samples_per_epoch
         self.composition = composition
@@ -154,6 +164,12 @@ class MixtureReader(Reader):
                 sequences = passes * int(epochs.total) + round(rest * int(epochs.total) / int(epochs.planned_tokens))
                 specs[i] = replace(specs[i], choose=max(1, sequences))
         draws = plan_draws(specs, sizes, self.samples_per_epoch)
+        schedule: tuple[dict[str, Any], ...] = ()
+        if self.phases:  # the epoch keeps its size; each phase splits its part at its own shares
+            names = [s.name for s in self.streams]
+            rows = phase_draws(self.phases, names, sum(draws))
+            schedule = tuple(schedule_summary(self.phases, rows))
+            draws = [sum(column) for column in zip(*rows, strict=True)]
         mixture = Mixture(
             names=tuple(s.name for s in self.streams),
             shares=tuple(s.spec.describe() if s.tokens is None else f"tokens={s.tokens}" for s in self.streams),
@@ -162,6 +178,7 @@ class MixtureReader(Reader):
             composition=self.composition,
             batch_size=None if self.composition == "mixed" else batch_size or self.batch_size,
             stream_epochs=stream_epochs,
+            schedule=schedule,
         )
         return Manifest(tuple(self.items()), mixture)
 
@@ -244,10 +261,13 @@ def reader_of(
     owner: str,
     composition: str = "mixed",
     batch_size: int | None = None,
+    schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
 ) -> Reader | None:
     """The DataModule's training reader: ``reader`` as it is, or the mixture of ``streams`` composed
-    by ``composition`` into batches of ``batch_size``; a reader with ``samples_per_epoch`` is a
-    mixture of that one stream (named ``"data"``)."""
+    by ``composition`` into batches of ``batch_size`` (with a share ``schedule``); a reader with
+    ``samples_per_epoch`` is a mixture of that one stream (named ``"data"``)."""
+    if streams is None and schedule is not None:
+        raise ValueError(f"`{owner}(schedule=...)` changes the shares of a mixture's streams: give `streams=[...]`")
     if streams is None:
         if composition != "mixed":
             raise ValueError(
@@ -260,4 +280,4 @@ def reader_of(
         raise ValueError(f"`{owner}`: give `reader=` or `streams=`, not both (a reader is one stream of a mixture)")
     if isinstance(streams, (Stream, Reader)) or not isinstance(streams, Sequence):
         raise ValueError(f"`{owner}(streams=...)` takes a list of Stream(name, reader, ...), got {streams!r}")
-    return MixtureReader(streams, samples_per_epoch, composition=composition, batch_size=batch_size)
+    return MixtureReader(streams, samples_per_epoch, composition=composition, batch_size=batch_size, schedule=schedule)

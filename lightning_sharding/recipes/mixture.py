@@ -17,13 +17,15 @@ def mixture(
     samples_per_epoch: int | None,
     batch_composition: str,
     allow_mixture_change: bool,
+    schedule: Sequence[Mapping[str, Any]] | None = None,
     storage_options: Mapping[str, Any],
     dim: int,
     sharding: Mapping[str, Any],
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
-    """A :class:`ShardedDataModule` over ``streams`` (see ``config.data.StreamOptions``)."""
+    """A :class:`ShardedDataModule` over ``streams`` (see ``config.data.StreamOptions``), with a
+    share ``schedule`` when given (``config.data.PhaseOptions``)."""
     from lightning_sharding.mixture import Stream
     from lightning_sharding.recipes.synthetic_files import to_regression
 
@@ -60,4 +62,5 @@ def mixture(
         samples_per_epoch=samples_per_epoch,
         batch_composition=batch_composition,
         allow_mixture_change=allow_mixture_change,
+        schedule=None if schedule is None else [{"start": p["start"], "shares": dict(p["shares"])} for p in schedule],
     )

@@ -47,9 +47,10 @@ def planned_ids(
     epoch: int,
     composition: str = "mixed",
     batch_size: int | None = None,
+    schedule: Any = None,
 ) -> Counter[int]:
     """How often each sample id is planned in ``epoch``: every draw of the mixture's order, once."""
-    return Counter(_ids(specs, samples_per_epoch, seed, epoch, composition, batch_size)[0].tolist())
+    return Counter(_ids(specs, samples_per_epoch, seed, epoch, composition, batch_size, schedule)[0].tolist())
 
 
 def planned_blocks(
@@ -70,9 +71,12 @@ def _ids(
     epoch: int,
     composition: str,
     batch_size: int | None,
+    schedule: Any = None,
 ) -> tuple[Any, Any]:
     """The sample id at each position of the epoch, and the block of each position (zeros: none)."""
-    reader = MixtureReader(make_streams(specs), samples_per_epoch, composition=composition, batch_size=batch_size)
+    reader = MixtureReader(
+        make_streams(specs), samples_per_epoch, composition=composition, batch_size=batch_size, schedule=schedule
+    )
     manifest = reader.manifest()
     positions = np.arange(manifest.total)
     items, index = manifest.order(seed, epoch).locate(positions)

@@ -65,6 +65,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
             streams=make_streams(spec["streams"]),
             samples_per_epoch=spec["samples_per_epoch"],
             batch_composition=spec["batch_composition"],
+            schedule=spec["schedule"],
             allow_mixture_change=spec["allow_mixture_change"],
         )
     elif spec["files"]:

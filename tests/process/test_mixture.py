@@ -82,6 +82,44 @@ def test_a_mixture_resumes_on_other_topologies_serving_each_planned_draw_once(tm
     assert {i for e in (0, 1) for i in seen[e] if i < 107} == set(range(107))
 
 
+SCHEDULE = (  # three phases: web and code, then all three, then an annealing tail without web
+    {"start": 0.0, "shares": {"web": 1, "code": 1}},
+    {"start": 0.5, "shares": {"web": 3, "code": 1, "books": 1}},
+    {"start": 0.8, "shares": {"books": 1, "code": 1}},
+)
+
+
+def test_a_share_schedule_resumes_on_other_topologies_training_each_planned_draw_once(tmp_path: Path) -> None:
+    """A schedule of three phases, killed mid-epoch on 2 x 2 and resumed on 1 x 2 then 2 x 1: every
+    epoch trains exactly its planned draws, phase by phase, in the weights."""
+    job = mixture_job(STREAMS, epochs=2, schedule=SCHEDULE)
+    then = [job.on(world_size=1), job.on(num_workers=1)]
+    seen, segments = check_resume(tmp_path, job, then, checkpoint_every=3)
+    weights = weights_of_run(tmp_path, segments)
+    previous = np.zeros(sum(sum(s["sizes"]) for s in STREAMS))
+    for epoch in (0, 1):
+        planned = planned_ids(list(STREAMS), PER_EPOCH, SEED, epoch, schedule=list(SCHEDULE))
+        assert sum(planned.values()) == PER_EPOCH and seen[epoch] == planned, f"epoch {epoch}"
+        expected = np.zeros_like(previous)
+        expected[list(planned)] = list(planned.values())
+        assert np.array_equal(weights[epoch] - previous, expected), f"epoch {epoch}"
+        previous = weights[epoch]
+        # The phases' shares, by the planned ids: web is down-sampled, code and books repeat.
+        web, code, books = (
+            sum(n for i, n in planned.items() if lo <= i < hi) for lo, hi in ((0, 107), (107, 147), (147, 158))
+        )
+        assert (web, code, books) == (65, 61, 24), f"epoch {epoch}"
+    results = audit([tmp_path])
+    table = format_audit(results)
+    assert all(r.ok and r.complete for r in results), table
+    for r in results:
+        assert [(s.name, s.expected, s.consumed, s.duplicates) for s in r.streams] == [
+            ("web", 65, 65, 0),
+            ("code", 61, 61, 0),
+            ("books", 24, 24, 0),
+        ], table
+
+
 def test_a_stratified_mixture_resumes_on_other_topologies_with_every_batch_at_the_shares(tmp_path: Path) -> None:
     # 18 batches of 8 (each web 5, code 1 or 2, books 1 or 2) and one of 6, on 2 ranks x 2 workers
     job = mixture_job(STREAMS, epochs=1, batch_composition="stratified")

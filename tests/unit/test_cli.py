@@ -260,6 +260,23 @@ def test_plan_of_a_mixture_counts_each_streams_samples_per_rank_and_worker(
     assert "1000 samples in a mixture of 3 streams" in out and "dropped = 1000 samples" in out
 
 
+def test_plan_of_recipe_anneal_shows_each_phase_and_its_draws(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``recipe=anneal``: web and code 3:1 for 70 % of the epoch (1024 positions), then code and books."""
+    from lightning_sharding.cli.plan import _compose, _manifest
+
+    overrides = [f"data.cache_dir={tmp_path}", "recipe=anneal"]
+    code, out, err = run(capsys, "plan", *overrides, "--world-size", "2", "--workers", "2", "--seed", "3")
+    assert code == 0, err
+    assert "phase 0: positions 0..715: web 537, code 179" in out, out
+    assert "phase 1: positions 716..1023: code 154, books 154" in out, out
+    order = _manifest(_compose(overrides), 64).order(3, 0)
+    firsts = re.findall(r"its first positions: ([WCB]+)", out)
+    assert firsts == ["".join("WCB"[s] for s in order.streams(np.arange(lo, lo + 64))[0].tolist()) for lo in (0, 716)]
+    assert set(firsts[0]) == {"W", "C"} and set(firsts[1]) == {"C", "B"}
+
+
 @pytest.mark.needs("matplotlib")
 def test_plan_plot_of_a_mixture_draws_its_streams(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from matplotlib.image import imread

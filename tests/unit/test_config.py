@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, InstantiationException
 from omegaconf import DictConfig
 
 from lightning_sharding.config import CONF_DIR, ConfigError, check_config, resolve_ckpt_path
@@ -220,6 +220,18 @@ def test_ckpt_path_last_takes_the_newest_checkpoint(tmp_path: Path) -> None:
         (where / name).write_bytes(b"")
         os.utime(where / name, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
     assert resolve_ckpt_path(make(tmp_path, "ckpt_path=last")) == str(where / "epoch=0-step=4.ckpt")
+
+
+def test_a_schedule_reaches_the_datamodule_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    cfg = make(tmp_path, "recipe=anneal", "data.num_workers=0")
+    schedule = build_datamodule(cfg).make_reader().manifest().summary()["schedule"]
+    assert [(p["start"], p["shares"]) for p in schedule] == [
+        (0.0, {"web": 3.0, "code": 1.0}),
+        (0.7, {"code": 1.0, "books": 1.0}),
+    ]
+    cfg = make(tmp_path, "recipe=anneal", "data.num_workers=0", "data.schedule.1.start=0")
+    with pytest.raises(InstantiationException, match=r"schedule phase 1 starts at 0.0, not after phase 0 \(0.0\)"):
+        build_datamodule(cfg)
 
 
 def test_allow_mixture_change_reaches_the_datamodule(tmp_path: Path) -> None:

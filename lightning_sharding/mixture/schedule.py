@@ -1,0 +1,182 @@
+"""Share schedules: a mixture whose shares change at chosen points of every epoch (a curriculum,
+an annealing phase that upweights some streams for the last part of the epoch).
+
+A schedule is a list of :class:`Phase`, each from a fraction of the epoch on (the first from 0),
+with its own shares: weights over the streams' names; a stream a phase does not name draws nothing
+in it. An epoch of ``N`` positions is cut at ``floor(start * N)``. A phase's positions are split
+over the streams by its shares (largest remainders) and laid out by the interleave inside the
+phase (:class:`Phased`).
+
+A stream's draws go on from phase to phase: its epoch order is one sequence of passes and cycle
+chunks (:class:`~lightning_sharding.mixture.order.StreamOrder`) over all its draws of the epoch, so
+a phase draws what the phases before it did not serve, and no sample is served twice in an epoch
+unless the phases together ask more of a stream than it holds. Like every order, the epoch is a pure
+function of (streams, schedule, seed, epoch): a resume on any topology serves the positions an
+uninterrupted run would, and the ledger, the plan and the audit work on positions as for any mixture.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.mixture.composition import Layout, apportion, layout
+from lightning_sharding.mixture.interleave import Interleave
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """From ``start`` (a fraction of the epoch, ``0 <= start < 1``) on, the streams draw at ``shares``
+    (stream name -> weight; streams not named draw nothing)."""
+
+    start: float
+    shares: Mapping[str, float]
+
+    def __post_init__(self) -> None:
+        where = f"Phase(start={self.start!r})"
+        if isinstance(self.start, bool) or not isinstance(self.start, (int, float)) or not 0 <= self.start < 1:
+            raise ValueError(f"{where}: start is a fraction of the epoch, 0 <= start < 1")
+        if not isinstance(self.shares, Mapping) or not self.shares:
+            raise ValueError(f"{where}: shares must map stream names to weights, got {self.shares!r}")
+        for name, share in self.shares.items():
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+                raise ValueError(f"{where}: the share of stream {name!r} is {share!r}; give a number >= 0")
+        if sum(self.shares.values()) <= 0:
+            raise ValueError(f"{where}: the shares {dict(self.shares)} sum to nothing; give one stream a share > 0")
+
+
+def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str]) -> tuple[Phase, ...]:
+    """``schedule`` as :class:`Phase` objects (mappings ``{"start": ..., "shares": {...}}`` too, as
+    Hydra gives them), checked against the streams' ``names``: the first starts at 0, starts
+    increase, and every share names a stream."""
+    phases = []
+    for i, phase in enumerate(schedule):
+        if isinstance(phase, Mapping):
+            unknown = sorted(set(phase) - {"start", "shares"})
+            if unknown or "shares" not in phase:
+                raise ValueError(
+                    f"schedule phase {i}: {dict(phase)!r} needs `shares` (and `start`), not {unknown or 'nothing'}"
+                )
+            phase = Phase(float(phase.get("start", 0.0)), dict(phase["shares"]))
+        if not isinstance(phase, Phase):
+            raise ValueError(f"schedule phase {i} is {phase!r}; give Phase(start, shares) or a mapping")
+        phases.append(phase)
+    if not phases:
+        raise ValueError("schedule=[] has no phase; give None for fixed shares, or one Phase(0, {...}) or more")
+    if phases[0].start != 0:
+        raise ValueError(f"the schedule's first phase starts at {phases[0].start}; it must start at 0")
+    for i in range(1, len(phases)):
+        if phases[i].start <= phases[i - 1].start:
+            raise ValueError(
+                f"schedule phase {i} starts at {phases[i].start}, not after phase {i - 1} ({phases[i - 1].start}): "
+                "list the phases in order of their starts"
+            )
+    for i, phase in enumerate(phases):
+        unknown = sorted(set(phase.shares) - set(names))
+        if unknown:
+            raise ValueError(f"schedule phase {i} names {unknown}, which are not streams; the streams: {list(names)}")
+    return tuple(phases)
+
+
+def phase_draws(phases: Sequence[Phase], names: Sequence[str], total: int) -> list[list[int]]:
+    """Each phase's draws of each stream in an epoch of ``total`` positions (phases with no
+    position, in a short epoch, draw nothing)."""
+    bounds = [math.floor(p.start * total) for p in phases] + [total]
+    out = []
+    for phase, lo, hi in zip(phases, bounds[:-1], bounds[1:], strict=True):
+        shares = [float(phase.shares.get(name, 0.0)) for name in names]
+        out.append(apportion(hi - lo, shares) if hi > lo else [0] * len(names))
+    return out
+
+
+def schedule_summary(phases: Sequence[Phase], draws: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
+    """The schedule as a checkpoint keeps it: each phase's start, shares and draws per stream."""
+    return [
+        {"start": p.start, "shares": dict(p.shares), "draws": [int(d) for d in row]}
+        for p, row in zip(phases, draws, strict=True)
+    ]
+
+
+class Phased:
+    """The layout of a scheduled epoch: phase after phase, each an :class:`Interleave` of its
+    draws, every stream's draw numbers going on from the phases before (a Layout, see
+    :mod:`~lightning_sharding.mixture.composition`)."""
+
+    def __init__(self, draws: Sequence[Sequence[int]]) -> None:
+        rows = [tuple(int(d) for d in row) for row in draws]
+        if not rows or len({len(r) for r in rows}) != 1:
+            raise ValueError(f"Phased needs one row of draws per phase, all of one length, got {rows}")
+        self.phase_draws = tuple(rows)
+        self.offsets: Int64Array = np.cumsum([[0] * len(rows[0]), *rows], axis=0).astype(np.int64)
+        self.draws = tuple(int(d) for d in self.offsets[-1])
+        self.total = sum(self.draws)
+        self.bounds: Int64Array = np.cumsum([0] + [sum(r) for r in rows]).astype(np.int64)
+        self.phases = [Interleave(r) if sum(r) else None for r in rows]
+
+    def phase_of(self, positions: npt.ArrayLike) -> Int64Array:
+        """The phase of each position (a phase with no position never holds one)."""
+        return np.searchsorted(self.bounds, np.asarray(positions, dtype=np.int64), side="right") - 1
+
+    def streams(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """Stream and draw (in the stream's epoch order) of each position, shape ``(n,)`` each."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= self.total):
+            bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
+            raise ValueError(f"epoch position {bad} is outside [0, {self.total})")
+        stream, draw = np.empty_like(pos), np.empty_like(pos)
+        which = self.phase_of(pos)
+        for k in np.unique(which).tolist():
+            where = which == k
+            inner = self.phases[k]
+            assert inner is not None
+            s, d = inner.streams(pos[where] - self.bounds[k])
+            stream[where], draw[where] = s, d + self.offsets[k][s]
+        return stream, draw
+
+    def prefix(self, position: int) -> list[int]:
+        """Each stream's draws among the first ``position`` positions."""
+        if not 0 <= position <= self.total:
+            raise ValueError(f"mixture position {position} is outside [0, {self.total}]")
+        if position == self.total:
+            return list(self.draws)
+        k = int(self.phase_of(position))
+        inner = self.phases[k]
+        assert inner is not None
+        within = inner.prefix(position - int(self.bounds[k]))
+        return [int(o) + w for o, w in zip(self.offsets[k], within, strict=True)]
+
+
+def schedule_changes(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> list[str]:
+    """How two saved schedules differ, one phrase per phase (none: the same schedule)."""
+    if [(p["start"], p["shares"]) for p in before] == [(p["start"], p["shares"]) for p in after]:
+        return []
+    if not before or not after:
+        return [f"the mixture's share schedule was {_show(before)}, now {_show(after)}"]
+    changes = []
+    for k in range(max(len(before), len(after))):
+        was = _show(before[k : k + 1]) if k < len(before) else "absent"
+        now = _show(after[k : k + 1]) if k < len(after) else "absent"
+        if was != now:
+            changes.append(f"schedule phase {k} was {was}, now {now}")
+    return changes
+
+
+def _show(schedule: Sequence[Mapping[str, Any]]) -> str:
+    if not schedule:
+        return "none (fixed shares)"
+    return "; ".join(f"from {p['start']:g}: {dict(p['shares'])}" for p in schedule)
+
+
+def layout_of_summary(streams: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> Layout:
+    """The layout a saved manifest summary or audit header describes: its share ``schedule``'s
+    phases, or its ``streams``' draws under its ``composition`` and ``batch_size`` (absent for ``mixed``)."""
+    if summary.get("schedule"):
+        return Phased([p["draws"] for p in summary["schedule"]])
+    return layout([int(s["draws"]) for s in streams], summary.get("composition", "mixed"), summary.get("batch_size"))

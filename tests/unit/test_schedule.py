@@ -1,0 +1,137 @@
+"""Share schedules (lightning_sharding.mixture.schedule): each phase draws at its own shares, from
+what the epoch's earlier phases did not serve, as a pure function of the streams, schedule, seed
+and epoch; bad schedules are named."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from lightning_sharding import Phase, ShardedDataModule
+from lightning_sharding.mixture import MixtureReader, layout_of_summary
+from lightning_sharding.mixture.schedule import Phased
+from tests.jobs.streams_data import make_streams
+
+STREAMS = [
+    {"name": "web", "sizes": [37, 41, 29], "weight": 3},  # 107 samples
+    {"name": "code", "sizes": [23, 17], "weight": 1},  # 40 samples
+    {"name": "books", "sizes": [11], "repeat": 2.0},  # 11 samples
+]
+SCHEDULE = [
+    Phase(0, {"web": 1, "code": 1}),
+    Phase(0.5, {"web": 3, "code": 1, "books": 1}),
+    Phase(0.8, {"books": 1, "code": 1}),  # an annealing tail: web draws nothing here
+]
+
+
+def scheduled(schedule=SCHEDULE, per_epoch: int = 150):  # type: ignore[no-untyped-def]
+    return MixtureReader(make_streams(STREAMS), per_epoch, schedule=schedule).manifest()
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 5])
+def test_each_phase_draws_at_its_shares_and_each_stream_draws_its_epoch_order_once(epoch: int) -> None:
+    manifest = scheduled()
+    order = manifest.order(7, epoch)
+    assert order.total == 150
+    stream, draw = order.streams(np.arange(150))
+    # The phases cut the epoch at floor(start * 150): 0, 75, 120; each splits its part at its shares.
+    assert [Counter(stream[lo:hi].tolist()) for lo, hi in ((0, 75), (75, 120), (120, 150))] == [
+        {0: 38, 1: 37},
+        {0: 27, 1: 9, 2: 9},
+        {1: 15, 2: 15},
+    ]
+    mixture = manifest.epochs
+    assert mixture.draws == (65, 61, 24)  # each stream's draws over the phases
+    for s, total in enumerate(mixture.draws):  # a stream's draws go on from phase to phase, each once
+        assert sorted(draw[stream == s].tolist()) == list(range(total))
+    for p in (0, 1, 74, 75, 76, 119, 120, 149, 150):  # prefixes agree with the positions
+        assert order.prefix(p) == [int((stream[:p] == s).sum()) for s in range(3)]
+
+
+def test_a_stream_serves_each_sample_once_in_an_epoch_until_the_phases_ask_for_more_than_it_holds() -> None:
+    manifest = scheduled()
+    order = manifest.order(3, 0)
+    stream, _ = order.streams(np.arange(150))
+    items, index = order.locate(np.arange(150))
+    starts = np.concatenate(([0], np.cumsum(manifest.counts)))
+    ids = starts[items] + index
+    served = {s: Counter(ids[stream == s].tolist()) for s in range(3)}
+    assert max(served[0].values()) == 1 and len(served[0]) == 65  # web: 65 of its 107, each once
+    assert sorted(Counter(served[1].values()).items()) == [(1, 19), (2, 21)]  # code: 61 draws of 40
+    assert sorted(Counter(served[2].values()).items()) == [(2, 9), (3, 2)]  # books: 24 of 11
+
+
+def test_the_order_is_the_same_whoever_builds_it_and_changes_with_the_seed_and_epoch() -> None:
+    a, b = scheduled().order(11, 2), scheduled().order(11, 2)
+    positions = np.arange(150)
+    assert all(np.array_equal(x, y) for x, y in zip(a.locate(positions), b.locate(positions), strict=True))
+    other = scheduled().order(11, 3).locate(positions)
+    assert not np.array_equal(a.locate(positions)[0], other[0])
+
+
+def test_the_saved_summary_rebuilds_the_layout_and_a_changed_schedule_is_explained() -> None:
+    manifest = scheduled()
+    summary = manifest.summary()
+    saved = layout_of_summary(summary["streams"], summary)
+    assert isinstance(saved, Phased)
+    positions = np.arange(150)
+    assert all(
+        np.array_equal(x, y)
+        for x, y in zip(saved.streams(positions), manifest.order(0, 0).streams(positions), strict=True)
+    )
+    other = scheduled([SCHEDULE[0], Phase(0.6, {"books": 1})])
+    changes = manifest.epochs.explain(manifest.summary(), other.summary())
+    assert any("schedule phase 1 was from 0.5" in c and "now from 0.6" in c for c in changes), changes
+    assert any("schedule phase 2 was from 0.8" in c and "absent" in c for c in changes), changes
+    assert manifest.fingerprint != other.fingerprint  # a checkpoint of one schedule is refused under the other
+
+
+def test_a_fixed_mixture_is_unchanged_by_the_schedule_code() -> None:
+    fixed = MixtureReader(make_streams(STREAMS), 150).manifest()
+    assert fixed.epochs.draws == (96, 32, 22) and not fixed.epochs.schedule
+    assert "schedule" not in fixed.summary()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        ([], r"schedule=\[\] has no phase"),
+        ([Phase(0.2, {"web": 1})], r"first phase starts at 0.2; it must start at 0"),
+        ([Phase(0, {"web": 1}), Phase(0.5, {"code": 1}), Phase(0.4, {"web": 1})], r"phase 2 starts at 0.4, not after"),
+        ([Phase(0, {"web": 1, "news": 2})], r"phase 0 names \['news'\], which are not streams"),
+        ([{"start": 0, "shares": {"web": 1}, "weight": 2}], r"schedule phase 0: .* not \['weight'\]"),
+        (["web"], r"schedule phase 0 is 'web'"),
+    ],
+)
+def test_a_bad_schedule_is_named(schedule, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        MixtureReader(make_streams(STREAMS), 150, schedule=schedule)
+
+
+@pytest.mark.parametrize(
+    ("start", "shares", "message"),
+    [
+        (1.0, {"web": 1}, r"start is a fraction of the epoch"),
+        (0, {"web": 0, "code": 0}, r"sum to nothing"),
+        (0, {"web": -1}, r"the share of stream 'web' is -1"),
+        (0, {"web": float("nan")}, r"the share of stream 'web' is nan"),
+        (0, {}, r"shares must map stream names"),
+    ],
+)
+def test_a_bad_phase_is_named(start, shares, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        Phase(start, shares)
+
+
+def test_the_datamodule_takes_a_schedule_only_for_a_mixed_mixture_of_streams() -> None:
+    reader = make_streams(STREAMS)[0].reader
+    with pytest.raises(ValueError, match=r"schedule=\.\.\.\)` changes the shares of a mixture's streams"):
+        ShardedDataModule(reader, schedule=SCHEDULE)
+    with pytest.raises(ValueError, match="a share schedule needs batch_composition='mixed', not 'stratified'"):
+        ShardedDataModule(
+            streams=make_streams(STREAMS), batch_size=8, batch_composition="stratified", schedule=SCHEDULE
+        )
+    data = ShardedDataModule(streams=make_streams(STREAMS), samples_per_epoch=150, schedule=SCHEDULE)
+    assert data._reader.manifest().epochs.draws == (65, 61, 24)  # type: ignore[union-attr]
