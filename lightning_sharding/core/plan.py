@@ -25,6 +25,13 @@ one batch long leaves its last group unserved.
    ``broadcast`` strategy) batch ``i`` goes to worker ``i % W`` instead, so all workers read the
    same item at the same time. Tasks are dealt round-robin, the order in which the DataLoader deals them.
 
+An order *in time order* (``order.in_time_order``: a mixture with a share schedule, whose phases
+must be trained one after the other) is served so that a position's place in the epoch is its
+place in training: in step 2 rank ``r`` takes every ``W``-th remaining position from the ``r``-th
+(layout ``strided``, same counts as the runs), and in step 4 the workers are ``interleaved``. Batch
+``i`` of every rank then holds remaining positions ``[i*B*W, (i+1)*B*W)``, trained at step ``i``, and
+the DataLoader delivers a rank's batches in their order.
+
 Every rank can compute every other rank's plan without communicating, so batch counts agree.
 """
 
@@ -169,20 +176,24 @@ class EpochPlan:
     num_batches: int
     worker_layout: WorkerLayout = "runs"
     group_sizes: Int64Array | None = None  # blocked plans: samples of each remaining group, in order
+    strided: bool = False  # an order in time order: rank r takes every W-th remaining position
 
     def rank(self, rank: int) -> RankPlan:
         """The plan of one rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of size {self.world_size}")
         edges = None
-        if self.group_sizes is None:
-            start, end = _split(len(self.remaining), self.world_size, rank)
+        if self.strided:
+            positions = RangeSet.from_positions(self.remaining.to_array()[rank :: self.world_size])
         else:
-            g0, g1 = _split(self.group_sizes.size, self.world_size, rank)
-            cum = self._group_starts
-            start, end = int(cum[g0]), int(cum[g1])
-            edges = fit_edges(cum[g0 : g1 + 1] - start, self.num_batches)
-        positions = self.remaining.select(start, end)
+            if self.group_sizes is None:
+                start, end = _split(len(self.remaining), self.world_size, rank)
+            else:
+                g0, g1 = _split(self.group_sizes.size, self.world_size, rank)
+                cum = self._group_starts
+                start, end = int(cum[g0]), int(cum[g1])
+                edges = fit_edges(cum[g0 : g1 + 1] - start, self.num_batches)
+            positions = self.remaining.select(start, end)
         # A rank with nothing left pads with any remaining position; it is flagged, never counted.
         source = positions if positions else self.remaining
         pad_position = int(source.starts[0]) if source else 0
@@ -247,11 +258,13 @@ def plan_epoch(
 
     Raises ``ValueError`` naming the argument when a size is impossible.
     """
+    in_time = False
     if isinstance(order, int):
         total, blocks = order, None
         epoch = 0 if epoch is None else epoch
     else:
         total, blocks = order.total, order.blocks
+        in_time = bool(getattr(order, "in_time_order", False))
         if epoch is not None and epoch != order.epoch:
             raise ValueError(f"plan_epoch(epoch={epoch}) was given the order of epoch {order.epoch}")
         epoch = order.epoch
@@ -271,6 +284,10 @@ def plan_epoch(
         raise ValueError(f"the ledger holds position {int(consumed.ends[-1]) - 1}, outside an epoch of {total} samples")
     if blocks is not None and _end(blocks) != total:
         raise ValueError(f"plan_epoch: blocks end at {_end(blocks)}, the epoch at {total}")
+    if in_time:
+        if blocks is not None:
+            raise ValueError("plan_epoch: an order in time order cannot also impose blocks")
+        worker_layout = "interleaved"  # the DataLoader then delivers a rank's batches in their order
     remaining = consumed.complement(total)
     left = len(remaining)
     group_sizes = None
@@ -298,6 +315,7 @@ def plan_epoch(
         num_batches=num_batches,
         worker_layout=worker_layout,
         group_sizes=group_sizes,
+        strided=in_time,
     )
 
 

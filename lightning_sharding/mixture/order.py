@@ -294,6 +294,8 @@ class MixtureOrder:
         self.prefix = self.interleave.prefix
         self.streams = self.interleave.streams
         self.blocks: Blocks | None = blocks_of(self.interleave)
+        # A share schedule's phases are trained one after the other: the plan serves it in time order.
+        self.in_time_order = isinstance(self.interleave, Phased)
 
     def locate(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """Item ids (over all streams) and sample indices of epoch positions, shape ``(n,)`` each."""

@@ -109,6 +109,14 @@ def test_a_share_schedule_resumes_on_other_topologies_training_each_planned_draw
             sum(n for i, n in planned.items() if lo <= i < hi) for lo, hi in ((0, 107), (107, 147), (147, 158))
         )
         assert (web, code, books) == (65, 61, 24), f"epoch {epoch}"
+    # In training time: the last segment trains epoch 1 whole on 2 ranks x 1 worker, 16 samples a
+    # step. Phase 1 (books' first draws) starts at position 75, step 4; phase 2 (no web) at 120,
+    # step 7: every rank crosses each boundary at the same step, never serving a later phase early.
+    records = [r for rank in segments[-1].records.values() for r in rank if r["epoch"] == 1]
+    first = min(r["gs"] for r in records)
+    books = [r["gs"] - first for r in records if any(147 <= i < 158 for i in r["ids"])]
+    web = [r["gs"] - first for r in records if any(i < 107 for i in r["ids"])]
+    assert min(books) == 4 and max(web) == 7, (books, web)
     results = audit([tmp_path])
     table = format_audit(results)
     assert all(r.ok and r.complete for r in results), table

@@ -33,6 +33,11 @@ TINY: dict[str, tuple[list[str], int]] = {
     "npy": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
     "jsonl": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
     "images": (["data.num_items=2", "data.samples_per_item=20", "data.image_size=32", "data.crop=24"], 40),
+    "anneal": (  # the mixture's three streams, small, under the recipe's two-phase schedule
+        ["data.samples_per_epoch=96", "data.batch_size=16", "data.streams.0.num_items=2"]
+        + [f"data.streams.{i}.samples_per_item={n}" for i, n in enumerate((32, 32, 16))],
+        96,
+    ),
 }
 
 

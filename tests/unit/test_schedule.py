@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from lightning_sharding import Phase, ShardedDataModule
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture import MixtureReader, layout_of_summary
 from lightning_sharding.mixture.schedule import Phased
 from tests.jobs.streams_data import make_streams
@@ -135,3 +137,34 @@ def test_the_datamodule_takes_a_schedule_only_for_a_mixed_mixture_of_streams() -
         )
     data = ShardedDataModule(streams=make_streams(STREAMS), samples_per_epoch=150, schedule=SCHEDULE)
     assert data._reader.manifest().epochs.draws == (65, 61, 24)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("world", "workers"), [(1, 0), (1, 2), (2, 2), (3, 1), (4, 3)])
+@pytest.mark.parametrize("consumed", [0, 37])
+def test_a_scheduled_epoch_is_trained_phase_after_phase_on_every_rank_at_once(
+    world: int, workers: int, consumed: int
+) -> None:
+    """The plan serves a scheduled epoch in time order: in the DataLoader's delivery order, batch i
+    of every rank holds the positions trained at step i, so all ranks cross a phase boundary at the
+    same step, and nothing is served twice or left out (also when resumed after ``consumed``)."""
+    manifest = scheduled()
+    order = manifest.order(9, 0)
+    done = RangeSet.interval(0, consumed)
+    plan = plan_epoch(order, done, world_size=world, num_workers=workers, batch_size=8)
+    phase_of = order.interleave.phase_of
+    steps: list[list[int]] = []
+    served: list[int] = []
+    for rank in range(world):
+        tasks = list(plan.rank(rank).tasks())
+        assert [t.index for t in tasks] == list(range(len(tasks)))  # delivered in batch order
+        for step, task in enumerate(tasks):
+            real = task.positions[: task.positions.size - task.num_padding]
+            served += real.tolist()
+            while len(steps) <= step:
+                steps.append([])
+            steps[step] += phase_of(real).tolist()
+    assert sorted(served) == list(range(consumed, 150))
+    for step, phases in enumerate(steps):  # a step holds at most the two phases it crosses between
+        assert max(phases) - min(phases) <= 1, (step, phases)
+    firsts = [min(p) for p in steps]
+    assert firsts == sorted(firsts) and steps[-1][-1] == 2
