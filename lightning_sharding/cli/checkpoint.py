@@ -129,11 +129,25 @@ def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:
         which, _ = layout_of_summary(streams, manifest).streams(ledger.consumed.to_array())
         counts = {s["name"]: (int((which == i).sum()), int(s["draws"])) for i, s in enumerate(streams)}
     shares = {s["name"]: f" ({s['share']}, {s['samples']} samples)" for s in streams}
-    return lines + [
+    lines += [
         f"stream       {name!r}{shares.get(name, ' (removed)')}: consumed {done} of {draws} draws, "
         f"remaining {draws - done}"
         for name, (done, draws) in counts.items()
     ]
+    schedule = manifest.get("schedule") or []
+    if schedule and ledger.change is None:  # each phase: where it starts and how far it is consumed
+        names = [s["name"] for s in streams]
+        bounds = np.cumsum([0] + [sum(p["draws"]) for p in schedule])
+        consumed = ledger.consumed
+        for k, phase in enumerate(schedule):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            done = len(consumed.intersection(RangeSet.interval(lo, hi))) if hi > lo else 0
+            draws = ", ".join(f"{n} {d}" for n, d in zip(names, phase["draws"], strict=True) if d)
+            lines.append(
+                f"phase {k}      from {phase['start']:g} of the epoch (positions {lo}..{hi - 1}: {draws}): "
+                f"consumed {done} of {hi - lo}"
+            )
+    return lines
 
 
 def _step_line(state: Mapping[str, Any], global_step: Any) -> str:

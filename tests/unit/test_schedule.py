@@ -168,3 +168,17 @@ def test_a_scheduled_epoch_is_trained_phase_after_phase_on_every_rank_at_once(
         assert max(phases) - min(phases) <= 1, (step, phases)
     firsts = [min(p) for p in steps]
     assert firsts == sorted(firsts) and steps[-1][-1] == 2
+
+
+def test_inspect_shows_each_phase_and_how_far_it_is_consumed() -> None:
+    from lightning_sharding.cli.checkpoint import _stream_lines
+    from lightning_sharding.core.ledger import Ledger
+
+    manifest = scheduled()
+    summary = manifest.summary()
+    ledger = Ledger(seed=1, total=manifest.total, manifest=summary)
+    ledger.merge(RangeSet.interval(0, 80))  # all of phase 0 (75) and 5 of phase 1
+    lines = _stream_lines(summary["streams"], ledger, summary)
+    assert "phase 0      from 0 of the epoch (positions 0..74: web 38, code 37): consumed 75 of 75" in lines
+    assert "phase 1      from 0.5 of the epoch (positions 75..119: web 27, code 9, books 9): consumed 5 of 45" in lines
+    assert "phase 2      from 0.8 of the epoch (positions 120..149: code 15, books 15): consumed 0 of 30" in lines
