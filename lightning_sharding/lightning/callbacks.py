@@ -32,7 +32,7 @@ from lightning_sharding.lightning.keeper import LedgerKeeper
 from lightning_sharding.lightning.progress_bar import show_train_total
 from lightning_sharding.lightning.release import ReleaseProcessGroup
 from lightning_sharding.lightning.summary import EpochReport, format_summary
-from lightning_sharding.mixture import mixture_of
+from lightning_sharding.mixture import change_of, mixture_of
 from lightning_sharding.strategies import Provenance
 
 __all__ = ["EpochReport", "ReleaseProcessGroup", "ShardingCallback"]
@@ -190,15 +190,32 @@ class ShardingCallback(pl.Callback):
         of all ranks, the share of step time spent waiting for data, and rank 0's shard-cache figures."""
         world = keeper.world.data_size  # the ranks of a model replica serve the same samples
         elapsed = time.perf_counter() - self._epoch_start
+        position = self._consumed_at_start + self._served * world
         metrics = {
-            "data/progress": min(1.0, (self._consumed_at_start + self._served * world) / keeper.ledger.total),
+            "data/progress": min(1.0, position / keeper.ledger.total),
             "data/samples_per_s": self._served * world / elapsed if elapsed > 0 else 0.0,
             "data/wait": self._wait / (self._wait + self._busy) if self._wait + self._busy > 0 else 0.0,
         }
         pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True)
+        shares = self._scheduled_shares(keeper, position)
+        if shares:
+            pl_module.log_dict(shares, on_step=True, on_epoch=False, rank_zero_only=True)
         if keeper.train_loader is not None:  # data/cache_hit, data/prefetch_wait: when the reader counts them
             pl_module.log_dict(keeper.train_loader.delivered.take_metrics(), on_step=True, rank_zero_only=True)
         self._wait = self._busy = 0.0
+
+    @staticmethod
+    def _scheduled_shares(keeper: LedgerKeeper, position: int) -> dict[str, float]:
+        """A share schedule's shares at epoch ``position`` (``data/share/<stream>``): each stream's
+        part of the phase being trained (none without a schedule, or in an epoch changed on resume)."""
+        mixture = mixture_of(keeper.manifest)
+        if mixture is None or not mixture.schedule or change_of(keeper.manifest) is not None:
+            return {}
+        rows = mixture.phases
+        bounds = np.cumsum([0] + [sum(row) for row in rows])
+        phase = min(len(rows) - 1, max(0, int(np.searchsorted(bounds, position, side="right")) - 1))
+        total = sum(rows[phase]) or 1
+        return {f"data/share/{name}": d / total for name, d in zip(mixture.names, rows[phase], strict=True)}
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

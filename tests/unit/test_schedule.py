@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from lightning_sharding import Phase, ShardedDataModule
+from lightning_sharding import Phase, ShardedDataModule, ShardingCallback
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture import MixtureReader, layout_of_summary
@@ -182,3 +182,46 @@ def test_inspect_shows_each_phase_and_how_far_it_is_consumed() -> None:
     assert "phase 0      from 0 of the epoch (positions 0..74: web 38, code 37): consumed 75 of 75" in lines
     assert "phase 1      from 0.5 of the epoch (positions 75..119: web 27, code 9, books 9): consumed 5 of 45" in lines
     assert "phase 2      from 0.8 of the epoch (positions 120..149: code 15, books 15): consumed 0 of 30" in lines
+
+
+def test_the_logger_gets_the_shares_of_the_phase_being_trained(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``data/share/<stream>`` each step: the phase's draws over its positions (web 0 in the tail)."""
+    import csv
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return (self.w - batch["y"].float().mean()) ** 2
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = ShardedDataModule(streams=make_streams(STREAMS), samples_per_epoch=150, schedule=SCHEDULE, batch_size=10)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        callbacks=[ShardingCallback(log_every_n_steps=1)],
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Model(), datamodule=data)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f) if r.get("data/share/web")}
+    shares = [
+        (float(r["data/progress"]), float(r["data/share/web"]), float(r["data/share/books"])) for r in rows.values()
+    ]
+    assert len(shares) == 15  # one a step, 15 steps of 10
+    for progress, web, books in shares:  # progress: after the step; the phase of the next position
+        position = round(progress * 150)
+        expected = (38 / 75, 0.0) if position < 75 else (27 / 45, 9 / 45) if position < 120 else (0.0, 0.5)
+        assert (web, books) == pytest.approx(expected), (position, web, books)
