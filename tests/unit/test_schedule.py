@@ -225,3 +225,33 @@ def test_the_logger_gets_the_shares_of_the_phase_being_trained(tmp_path) -> None
         position = round(progress * 150)
         expected = (38 / 75, 0.0) if position < 75 else (27 / 45, 9 / 45) if position < 120 else (0.0, 0.5)
         assert (web, books) == pytest.approx(expected), (position, web, books)
+
+
+def test_a_checkpoint_of_one_schedule_refuses_another_naming_the_phase_unless_allowed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Resumed under another schedule, a checkpoint is refused, naming the phase that differs; with
+    ``allow_mixture_change=True`` the rest of its epoch is served once, nothing consumed again."""
+    from lightning_sharding import CheckpointMismatchError
+    from tests.harness import cpu_trainer
+    from tests.unit.test_streams import Counting
+
+    def data(schedule, **options):  # type: ignore[no-untyped-def]
+        return ShardedDataModule(
+            streams=make_streams(STREAMS), samples_per_epoch=150, schedule=schedule, batch_size=10, seed=2, **options
+        )
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = Counting()
+    every_5 = ModelCheckpoint(dirpath=tmp_path, filename="mid", every_n_train_steps=5)
+    cpu_trainer(max_steps=5, callbacks=[every_5], enable_checkpointing=True).fit(first, datamodule=data(SCHEDULE))
+    later = [SCHEDULE[0], Phase(0.6, {"web": 1, "books": 1})]
+    with pytest.raises(CheckpointMismatchError, match=r"schedule phase 1 was from 0.5: .*, now from 0.6"):
+        cpu_trainer(max_steps=8).fit(Counting(), datamodule=data(later), ckpt_path=tmp_path / "mid.ckpt")
+    rest = Counting()
+    cpu_trainer(max_epochs=1).fit(
+        rest, datamodule=data(later, allow_mixture_change=True), ckpt_path=tmp_path / "mid.ckpt"
+    )
+    before, after = first.seen[0], rest.seen[0]
+    assert sum(before.values()) == 50 and sum(after.values()) == 100  # 5 steps of 10, then the rest of 150
+    web_before = {i for (stream, i) in before if stream == 0}
+    assert not web_before & {i for (stream, i) in after if stream == 0}  # web: nothing consumed served again
