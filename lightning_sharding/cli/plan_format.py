@@ -62,8 +62,11 @@ def _worker_positions(rank: RankPlan, worker: int) -> tuple[RangeSet, int]:
     run = rank.worker_batches(worker)
     if not run:
         return RangeSet(), 0
-    lo, hi = rank.bounds(run[0])[0], rank.bounds(run[-1])[1]
     padding = rank.num_padding if run[-1] == rank.num_batches - 1 else 0
+    if rank.worker_layout == "interleaved":  # every W-th batch: the union of each one's positions
+        parts = [rank.positions.select(*rank.bounds(b)).to_array() for b in run]
+        return RangeSet.from_positions(np.concatenate(parts)), padding
+    lo, hi = rank.bounds(run[0])[0], rank.bounds(run[-1])[1]
     return rank.positions.select(lo, hi), padding
 
 
@@ -143,11 +146,13 @@ def _letters(names: Sequence[str]) -> list[str]:
 def _mixture_lines(order: MixtureOrder, shares: Sequence[str], width: int = 64) -> list[str]:
     """Each stream's share and draws, and a picture of the first ``width`` positions of the epoch."""
     letters = _letters(order.names)
+    phased = getattr(order.interleave, "phase_draws", None)
+    if phased:  # the streams' own shares only size the epoch: the phases' shares draw
+        shares = [f"{share} (sizes the epoch; the phases draw)" for share in shares]
     lines = [
         f"  {letter} {name}: {share}, {draws} draws an epoch from {size} samples"
         for letter, name, share, draws, size in zip(letters, order.names, shares, order.draws, order.sizes, strict=True)
     ]
-    phased = getattr(order.interleave, "phase_draws", None)
     if phased:  # a share schedule: each phase's positions, draws per stream, and its start
         bounds = getattr(order.interleave, "bounds").tolist()  # noqa: B009 - a Phased layout's, not every Layout's
         for k, row in enumerate(phased):

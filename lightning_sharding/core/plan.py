@@ -27,10 +27,11 @@ one batch long leaves its last group unserved.
 
 An order *in time order* (``order.in_time_order``: a mixture with a share schedule, whose phases
 must be trained one after the other) is served so that a position's place in the epoch is its
-place in training: in step 2 rank ``r`` takes every ``W``-th remaining position from the ``r``-th
-(layout ``strided``, same counts as the runs), and in step 4 the workers are ``interleaved``. Batch
-``i`` of every rank then holds remaining positions ``[i*B*W, (i+1)*B*W)``, trained at step ``i``, and
-the DataLoader delivers a rank's batches in their order.
+place in training: in step 2 each window of ``W*B`` remaining positions is cut into ``W`` runs of
+``B``, rank ``r`` taking the ``r``-th of every window (the last, partial window in near-equal runs,
+so counts still differ by at most one), and in step 4 the workers are ``interleaved``. Batch ``i``
+of every rank is then a stretch of the order from window ``i``, trained at step ``i``, and the
+DataLoader delivers a rank's batches in their order.
 
 Every rank can compute every other rank's plan without communicating, so batch counts agree.
 """
@@ -176,15 +177,15 @@ class EpochPlan:
     num_batches: int
     worker_layout: WorkerLayout = "runs"
     group_sizes: Int64Array | None = None  # blocked plans: samples of each remaining group, in order
-    strided: bool = False  # an order in time order: rank r takes every W-th remaining position
+    in_time: bool = False  # an order in time order: each rank a run of B of each step's window (_in_time)
 
     def rank(self, rank: int) -> RankPlan:
         """The plan of one rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of size {self.world_size}")
         edges = None
-        if self.strided:
-            positions = RangeSet.from_positions(self.remaining.to_array()[rank :: self.world_size])
+        if self.in_time:
+            positions = RangeSet.from_positions(self.remaining.to_array()[self._in_time(rank)])
         else:
             if self.group_sizes is None:
                 start, end = _split(len(self.remaining), self.world_size, rank)
@@ -210,6 +211,17 @@ class EpochPlan:
             worker_layout=self.worker_layout,
             batch_edges=edges,
         )
+
+    def _in_time(self, rank: int) -> Int64Array:
+        """Indices into the remaining positions of ``rank``'s share of an order in time order: of each
+        window of ``W * B``, trained at one step, its ``r``-th run of ``B`` (so a batch is a stretch of
+        the order, mixed as the order is); the last, partial window split in near-equal runs."""
+        window = self.world_size * self.batch_size
+        full = len(self.remaining) // window
+        blocks = np.arange(full, dtype=np.int64)[:, None] * window + rank * self.batch_size
+        start, end = _split(len(self.remaining) - full * window, self.world_size, rank)
+        runs = (blocks + np.arange(self.batch_size, dtype=np.int64)[None, :]).ravel()
+        return np.concatenate((runs, full * window + np.arange(start, end, dtype=np.int64)))
 
     @property
     def _group_starts(self) -> Int64Array:
@@ -315,7 +327,7 @@ def plan_epoch(
         num_batches=num_batches,
         worker_layout=worker_layout,
         group_sizes=group_sizes,
-        strided=in_time,
+        in_time=in_time,
     )
 
 

@@ -56,6 +56,8 @@ def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str
     """``schedule`` as :class:`Phase` objects (mappings ``{"start": ..., "shares": {...}}`` too, as
     Hydra gives them), checked against the streams' ``names``: the first starts at 0, starts
     increase, and every share names a stream."""
+    if isinstance(schedule, (Phase, Mapping, str)) or not isinstance(schedule, Sequence):
+        raise ValueError(f"schedule={schedule!r} must be a list of phases: [Phase(0, {{...}}), Phase(0.7, {{...}})]")
     phases = []
     for i, phase in enumerate(schedule):
         if isinstance(phase, Mapping):
@@ -64,7 +66,14 @@ def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str
                 raise ValueError(
                     f"schedule phase {i}: {dict(phase)!r} needs `shares` (and `start`), not {unknown or 'nothing'}"
                 )
-            phase = Phase(float(phase.get("start", 0.0)), dict(phase["shares"]))
+            start, shares = phase.get("start", 0.0), phase["shares"]
+            if isinstance(start, bool) or not isinstance(start, (int, float)):
+                raise ValueError(f"schedule phase {i}: start={start!r} must be a fraction of the epoch, 0 <= start < 1")
+            if not isinstance(shares, Mapping):
+                raise ValueError(
+                    f"schedule phase {i}: shares={shares!r} must map stream names to weights, e.g. {{web: 3}}"
+                )
+            phase = Phase(float(start), dict(shares))
         if not isinstance(phase, Phase):
             raise ValueError(f"schedule phase {i} is {phase!r}; give Phase(start, shares) or a mapping")
         phases.append(phase)
@@ -86,13 +95,18 @@ def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str
 
 
 def phase_draws(phases: Sequence[Phase], names: Sequence[str], total: int) -> list[list[int]]:
-    """Each phase's draws of each stream in an epoch of ``total`` positions (phases with no
-    position, in a short epoch, draw nothing)."""
+    """Each phase's draws of each stream in an epoch of ``total`` positions (a phase with no
+    position, in an epoch too short for it, is an error naming it)."""
     bounds = [math.floor(p.start * total) for p in phases] + [total]
     out = []
-    for phase, lo, hi in zip(phases, bounds[:-1], bounds[1:], strict=True):
+    for k, (phase, lo, hi) in enumerate(zip(phases, bounds[:-1], bounds[1:], strict=True)):
+        if hi <= lo:
+            raise ValueError(
+                f"schedule phase {k} (from {phase.start:g}) gets no position of an epoch of {total} samples: "
+                "move its start, or raise samples_per_epoch"
+            )
         shares = [float(phase.shares.get(name, 0.0)) for name in names]
-        out.append(apportion(hi - lo, shares) if hi > lo else [0] * len(names))
+        out.append(apportion(hi - lo, shares))
     return out
 
 

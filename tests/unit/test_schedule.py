@@ -105,11 +105,22 @@ def test_a_fixed_mixture_is_unchanged_by_the_schedule_code() -> None:
         ([Phase(0, {"web": 1, "news": 2})], r"phase 0 names \['news'\], which are not streams"),
         ([{"start": 0, "shares": {"web": 1}, "weight": 2}], r"schedule phase 0: .* not \['weight'\]"),
         (["web"], r"schedule phase 0 is 'web'"),
+        (Phase(0, {"web": 1}), r"must be a list of phases"),
+        ({"start": 0, "shares": {"web": 1}}, r"must be a list of phases"),
+        (
+            [{"start": 0, "shares": ["web", "code"]}],
+            r"schedule phase 0: shares=\['web', 'code'\] must map stream names",
+        ),
+        ([{"start": "70%", "shares": {"web": 1}}], r"schedule phase 0: start='70%' must be a fraction"),
+        (
+            [Phase(0, {"web": 1}), Phase(0.001, {"code": 1})],  # phase 1 starts at position 0 too
+            r"phase 0 \(from 0\) gets no position of an epoch of 150",
+        ),
     ],
 )
 def test_a_bad_schedule_is_named(schedule, message) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ValueError, match=message):
-        MixtureReader(make_streams(STREAMS), 150, schedule=schedule)
+    with pytest.raises(ValueError, match=message):  # at construction, or (epoch sizes) at the manifest
+        MixtureReader(make_streams(STREAMS), 150, schedule=schedule).manifest()
 
 
 @pytest.mark.parametrize(
@@ -159,6 +170,8 @@ def test_a_scheduled_epoch_is_trained_phase_after_phase_on_every_rank_at_once(
         assert [t.index for t in tasks] == list(range(len(tasks)))  # delivered in batch order
         for step, task in enumerate(tasks):
             real = task.positions[: task.positions.size - task.num_padding]
+            if step < 2 and consumed == 0:  # a batch is a stretch of the order: mixed, never one stream
+                assert set(order.streams(real)[0].tolist()) == {0, 1}, (rank, step)
             served += real.tolist()
             while len(steps) <= step:
                 steps.append([])
