@@ -56,7 +56,10 @@ class Order(Protocol):
     """One epoch's order: what the planner, the strategies, the look-ahead and the audit need of it.
 
     ``total`` is the epoch's positions; ``blocks`` the batch boundaries it imposes (``None``: the
-    plan cuts batches anywhere).
+    plan cuts batches anywhere). An order whose positions are also training time (a mixture's
+    share schedule) sets an attribute ``in_time_order = True``, and the plan then serves position
+    ``p`` at about step ``p / (ranks x batch size)`` on every rank (:mod:`~lightning_sharding.core.plan`);
+    without it, ranks and workers read their own runs of the epoch.
     """
 
     @property
