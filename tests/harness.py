@@ -87,6 +87,9 @@ class Data:
     batch_composition: str = "mixed"
     schedule: tuple[dict[str, Any], ...] | None = None  # a share schedule: [{"start", "shares"}, ...]
     allow_mixture_change: bool = False  # resume a checkpoint of another mixture at the new shares
+    # A MixtureController (tests/jobs/parts.py::controller_of): {"every": steps, "policy": "rotate" | None,
+    # "decisions": [...] to replay}; its segment writes the ledger's decisions to <out>/decisions-<segment>.json.
+    controller: dict[str, Any] | None = None
     # Packed token sequences (tests/jobs/tokens_data.py): {"dir", "seq_len", "mode"}, or "streams":
     # [dir, ...] for a mixture of token streams; every token of the corpora is a distinct id, so a
     # token id is the token's identity (ids 1..T, 0 pads).

@@ -1,7 +1,8 @@
 """The ledger: the only data state that is checkpointed.
 
-``{version, seed, epoch, manifest summary, consumed}``, where ``consumed`` is a range set of epoch
-positions whose training step completed and whose gradients are in an applied optimizer step.
+``{version, seed, epoch, manifest summary, consumed}`` (and a controlled mixture's ``decisions``),
+where ``consumed`` is a range set of epoch positions whose training step completed and whose
+gradients are in an applied optimizer step.
 Positions of a completed step still waiting for an optimizer step (gradient accumulation) are
 ``pending``: they are never written to a checkpoint.
 """
@@ -18,6 +19,7 @@ from lightning_sharding.core.rangeset import RangeSet
 
 LEDGER_VERSION = 1
 CHANGED_VERSION = 2  # a ledger of an epoch whose mixture changed on resume: earlier releases refuse it
+CONTROLLED_VERSION = 3  # a ledger of a mixture under online control (its decisions): earlier releases refuse it
 CHECKPOINT_KEY = "lightning_sharding"  # where a Lightning checkpoint holds the ledger
 GLOBAL_STEP_KEY = "global_step"  # the optimizer step whose weights the checkpointed ledger matches
 
@@ -70,6 +72,9 @@ class Ledger:
         self.epoch = int(epoch)
         self.consumed = RangeSet()
         self.pending = RangeSet()
+        # A mixture under online control: every decision made so far, as Decision.state() dicts, in
+        # the order made; kept across epochs (an epoch starts at the shares of the last one). None: not controlled.
+        self.decisions: list[dict[str, Any]] | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -107,8 +112,9 @@ class Ledger:
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed state; pending positions are left out on purpose."""
+        version = self.VERSION if self.change is None else CHANGED_VERSION
         state = {
-            "version": self.VERSION if self.change is None else CHANGED_VERSION,
+            "version": CONTROLLED_VERSION if self.decisions is not None else version,
             "seed": self.seed,
             "epoch": self.epoch,
             "total": self.total,
@@ -117,6 +123,8 @@ class Ledger:
         }
         if self.change is not None:
             state["change"] = self.change
+        if self.decisions is not None:
+            state["decisions"] = [dict(d) for d in self.decisions]
         return state
 
     @classmethod
@@ -129,6 +137,8 @@ class Ledger:
             raise CheckpointMismatchError(f"malformed ledger state: missing key(s) {missing}")
         version = state["version"]
         if version == CHANGED_VERSION and isinstance(state.get("change"), Mapping):
+            pass
+        elif version == CONTROLLED_VERSION and isinstance(state.get("decisions"), list):
             pass
         elif version != cls.VERSION:
             raise CheckpointMismatchError(
@@ -145,6 +155,8 @@ class Ledger:
             change=state.get("change"),
         )
         ledger.consumed = RangeSet.from_state(np.asarray(state["consumed"]))
+        if state.get("decisions") is not None:
+            ledger.decisions = [dict(d) for d in state["decisions"]]
         if ledger.consumed and int(ledger.consumed.ends[-1]) > ledger.total:
             raise CheckpointMismatchError(
                 f"malformed ledger state: consumed position {int(ledger.consumed.ends[-1]) - 1} "

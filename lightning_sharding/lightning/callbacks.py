@@ -32,7 +32,7 @@ from lightning_sharding.lightning.keeper import LedgerKeeper
 from lightning_sharding.lightning.progress_bar import show_train_total
 from lightning_sharding.lightning.release import ReleaseProcessGroup
 from lightning_sharding.lightning.summary import EpochReport, format_summary
-from lightning_sharding.mixture import change_of, mixture_of
+from lightning_sharding.mixture import ControlledMixture, change_of, mixture_of
 from lightning_sharding.strategies import Provenance
 
 __all__ = ["EpochReport", "ReleaseProcessGroup", "ShardingCallback"]
@@ -55,7 +55,7 @@ class ShardingCallback(pl.Callback):
         self._epoch_start = 0.0
         self._served = 0
         self._skipped = 0
-        self._interleave: Any = None  # the epoch's order of a mixture: streams(positions)
+        self._interleave: Any = None  # (manifest, the epoch's order of its mixture): streams(positions)
         self._stream_served = np.zeros(0, dtype=np.int64)
         self._consumed_at_start = 0
         self._batch_start = 0.0
@@ -105,8 +105,7 @@ class ShardingCallback(pl.Callback):
         self._served = 0
         self._skipped = 0
         mixture = mixture_of(keeper.manifest)
-        ledger = keeper.ledger  # a mixture's order tells each position's stream (also after a change)
-        self._interleave = keeper.manifest.order(ledger.seed, ledger.epoch) if mixture else None
+        self._interleave = self._stream_order(keeper) if mixture else None
         self._stream_served = np.zeros(len(mixture.draws) if mixture is not None else 0, dtype=np.int64)
         self._consumed_at_start = len(keeper.ledger.consumed)
         self._accounting.start_epoch()
@@ -147,7 +146,8 @@ class ShardingCallback(pl.Callback):
         before = self._accounting.batches_before
         plan = loader.epoch_plan if loader is not None else None
         if plan is not None and before is not None:  # None: a source of unknown length (even_batches="sync")
-            show_train_total(trainer.progress_bar_callback, before + plan.num_batches)
+            earlier = loader.batches_before_plan if loader is not None else 0
+            show_train_total(trainer.progress_bar_callback, before + earlier + plan.num_batches)
 
     def _count_step(self, *args: Any) -> None:
         self._optimizer_steps += 1
@@ -161,7 +161,7 @@ class ShardingCallback(pl.Callback):
         """Count and audit accounted batches, with those a checkpoint saved earlier in the hook accounted."""
         for provenance in self._unreported + provenances:
             self._served += len(provenance.positions) - provenance.num_padding
-            self._count_streams(provenance.consumed_positions)
+            self._count_streams(provenance.consumed_positions, self._keeper(trainer))
             self._skipped += len(provenance.skipped)
             if self._audit is not None:
                 self._audit.step(
@@ -173,10 +173,18 @@ class ShardingCallback(pl.Callback):
                 )
         self._unreported = []
 
-    def _count_streams(self, positions: Any) -> None:
+    @staticmethod
+    def _stream_order(keeper: LedgerKeeper) -> Any:
+        """A mixture's order of the current epoch, which tells each position's stream (also after a
+        change, and after a controller's decision: the order of the manifest as it is now)."""
+        return keeper.manifest, keeper.manifest.order(keeper.ledger.seed, keeper.ledger.epoch)
+
+    def _count_streams(self, positions: Any, keeper: LedgerKeeper) -> None:
         """A mixture's samples trained this epoch, per stream (logged as ``data/stream/<name>``)."""
         if self._interleave is not None and len(positions):
-            which, _ = self._interleave.streams(positions)
+            if self._interleave[0] is not keeper.manifest:  # a decision changed the order since
+                self._interleave = self._stream_order(keeper)
+            which, _ = self._interleave[1].streams(positions)
             self._stream_served += np.bincount(which, minlength=len(self._stream_served))
 
     def _sync(self, trainer: pl.Trainer, keeper: LedgerKeeper) -> list[Provenance]:
@@ -209,6 +217,10 @@ class ShardingCallback(pl.Callback):
         """A share schedule's shares at epoch ``position`` (``data/share/<stream>``): each stream's
         part of the phase being trained (none without a schedule, or in an epoch changed on resume)."""
         mixture = mixture_of(keeper.manifest)
+        epochs = keeper.manifest.epochs
+        if isinstance(epochs, ControlledMixture):  # under online control: the last decision's shares
+            shares = epochs.shares_at(keeper.ledger.epoch, position)
+            return {f"data/share/{name}": share for name, share in shares.items()}
         if mixture is None or not mixture.schedule or change_of(keeper.manifest) is not None:
             return {}
         rows = mixture.phases
@@ -222,7 +234,8 @@ class ShardingCallback(pl.Callback):
         keeper = self._keeper(trainer)
         self._report(trainer, self._sync(trainer, keeper))
         keeper.gather()
-        plan = keeper.train_loader.epoch_plan if keeper.train_loader is not None else None
+        loader = keeper.train_loader
+        plan = loader.epoch_plan if loader is not None else None
         # On the strategy's device (NCCL reduces only CUDA tensors) and int64 (counts beyond 2**24).
         # Summed over the first rank of each model replica: its other ranks served the same samples.
         first = keeper.world.replica_rank == 0
@@ -237,7 +250,7 @@ class ShardingCallback(pl.Callback):
             served_this_run=served,
             padding=int(plan.padding_per_rank.sum()) if plan is not None else 0,
             dropped=int(plan.dropped_per_rank.sum()) if plan is not None else 0,
-            batches_per_rank=plan.num_batches if plan is not None else 0,
+            batches_per_rank=plan.num_batches + loader.batches_before_plan if plan is not None and loader else 0,
             skipped=skipped,
             seconds=time.perf_counter() - self._epoch_start,
         )

@@ -25,6 +25,7 @@ from lightning_sharding.core.plan import EvenBatches
 from lightning_sharding.core.world import DataParallel, World, check_data_parallel
 from lightning_sharding.distributed.agreement import agree
 from lightning_sharding.lightning.callbacks import ShardingCallback
+from lightning_sharding.lightning.controller import controllers_of
 from lightning_sharding.lightning.keeper import LedgerKeeper
 from lightning_sharding.mixture import Phase, Stream, reader_of
 from lightning_sharding.readers.base import Reader
@@ -236,6 +237,17 @@ class ShardedDataModule(pl.LightningDataModule):
         self.ledger_keeper = LedgerKeeper(ledger, self.manifest, self.world, self.options, **keep)
         if self.trainer is not None:
             _ensure_callback(self.trainer)
+            controllers = controllers_of(self.trainer)
+            if len(controllers) > 1:
+                raise ValueError(f"the trainer has {len(controllers)} MixtureControllers; give it one")
+            if controllers:  # the mixture's epochs under online control, from any decisions to replay
+                if self.strategy.name != "shard":
+                    raise ValueError(
+                        f"a MixtureController replans the epoch mid-pass, which strategy={self.strategy.name!r} "
+                        "cannot: use strategy='shard'"
+                    )
+                self.ledger_keeper.start_control(controllers[0].replay)
+                self.manifest = self.ledger_keeper.manifest
 
     def _shared_seed(self) -> int:
         if self.seed is not None:

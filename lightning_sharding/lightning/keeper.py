@@ -21,7 +21,16 @@ from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
-from lightning_sharding.mixture import ChangedMixture, MixtureChangeError, change_mixture, change_of, mixture_of
+from lightning_sharding.mixture import (
+    ChangedMixture,
+    ControlledMixture,
+    Decision,
+    MixtureChangeError,
+    change_mixture,
+    change_of,
+    check_shares,
+    mixture_of,
+)
 from lightning_sharding.strategies.base import TrainLoader
 from lightning_sharding.strategies.options import LoaderOptions
 
@@ -180,6 +189,7 @@ class LedgerKeeper:
         if self._same_data(restored, source):
             if restored.change is not None:  # an epoch whose mixture changed: its order goes on
                 self._change(restored.change["before"], source, restored.total)
+            self._control(restored, source)
             self.ledger = restored
             self.restored_from = source
             return
@@ -207,6 +217,66 @@ class LedgerKeeper:
         self.ledger = Ledger(
             seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
         )
+
+    @property
+    def controlled(self) -> bool:
+        """Whether the mixture is under online control (its ledger keeps decisions)."""
+        return self.ledger.decisions is not None
+
+    def start_control(self, decisions: list[Decision] | None = None) -> None:
+        """Put the mixture under online control (a MixtureController is in the trainer's callbacks),
+        from ``decisions`` made before (a replay; none: the mixture's own shares to begin with)."""
+        mixture = mixture_of(self.manifest)
+        if mixture is None:
+            raise ValueError("a MixtureController decides the shares of a mixture: give ShardedDataModule(streams=...)")
+        controlled = ControlledMixture(mixture, tuple(decisions or ()))
+        for d in controlled.decisions:
+            check_shares(d.shares, mixture.names, f"the replayed decision of step {d.step} (epoch {d.epoch})")
+        self.manifest = self.manifest.with_epochs(controlled)
+        self.ledger.decisions = [d.state() for d in controlled.decisions]
+
+    def _control(self, restored: Ledger, source: str) -> None:
+        """A restored ledger's decisions replayed (they are its epochs' orders), or a checkpoint written
+        without control taken under control (only at an epoch's start: its positions would move)."""
+        mixture = mixture_of(self.manifest)
+        if restored.decisions is not None:
+            if mixture is None:
+                raise CheckpointMismatchError(f"{source} holds mixture decisions but the data is no mixture")
+            if restored.change is not None:
+                raise CheckpointMismatchError(
+                    f"{source}: an epoch whose mixture changed on resume cannot be under a MixtureController"
+                )
+            decisions = tuple(Decision.from_state(d) for d in restored.decisions)
+            self.manifest = self.manifest.with_epochs(ControlledMixture(mixture, decisions))
+            return
+        if self.controlled:
+            if restored.consumed:
+                raise CheckpointMismatchError(
+                    f"{source} was written without a MixtureController in the middle of epoch {restored.epoch}, whose "
+                    "order a controller would change: resume without the controller until the epoch ends, then add it"
+                )
+            restored.decisions = []
+
+    def decide(self, shares: dict[str, float], step: int, position: int, batches: int) -> Decision:
+        """Record a decision of the controller, the same on every rank: ``shares`` from ``position`` of
+        the current epoch on (rank 0's :meth:`decision_point`, which every rank checks against its own
+        count of ``batches``), and replan the train loader from its next batch."""
+        loader = self.train_loader
+        assert loader is not None and self.controlled
+        mine, counted = loader.decision_point()
+        if (mine, counted) != (position, batches):
+            raise RuntimeError(
+                f"rank {self.world.rank} yielded {counted} batches of this pass (its decision point {mine}), rank 0 "
+                f"{batches} (point {position}): the ranks are not in step, so a mixture decision cannot be placed"
+            )
+        decision = Decision(self.ledger.epoch, position, dict(shares), step)
+        controlled = self.manifest.epochs
+        assert isinstance(controlled, ControlledMixture)
+        self.manifest = self.manifest.with_epochs(controlled.decided(decision))
+        assert self.ledger.decisions is not None
+        self.ledger.decisions.append(decision.state())
+        loader.switch_order(self.manifest, now=position < self.ledger.total)
+        return decision
 
     def _same_data(self, restored: Ledger, source: str) -> bool:
         """Whether ``restored`` was written for this data: the same items by name, count and content

@@ -3,7 +3,8 @@
 The flow inside: ``streams`` (the user's ``Stream`` and the ``MixtureReader`` over them) ->
 ``order`` (``Mixture``, ``MixtureOrder``: a mixture position to a stream's draw and item) ->
 ``interleave`` and ``composition`` (where each stream's draws sit, and blocked batches) ->
-``change`` (the rest of an epoch resumed under another mixture). Code outside this folder imports
+``change`` (the rest of an epoch resumed under another mixture) and ``control`` (shares decided
+while training runs). Code outside this folder imports
 from here, never from the modules inside. Names load lazily, so importing the package is cheap.
 """
 
@@ -15,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "COMPOSITIONS": "composition",
     "ChangedMixture": "change",
+    "ControlledMixture": "control",
+    "Decision": "control",
+    "check_shares": "control",
     "change_of": "order",
     "mixture_of": "order",
     "Mixture": "order",
@@ -38,6 +42,9 @@ _EXPORTS = {
 __all__ = [
     "COMPOSITIONS",
     "ChangedMixture",
+    "ControlledMixture",
+    "Decision",
+    "check_shares",
     "change_of",
     "mixture_of",
     "Mixture",
@@ -67,6 +74,7 @@ if TYPE_CHECKING:
         changed_counts,
     )
     from lightning_sharding.mixture.composition import COMPOSITIONS, check_blocks, layout
+    from lightning_sharding.mixture.control import ControlledMixture, Decision, check_shares
     from lightning_sharding.mixture.order import (
         SHARES,
         Mixture,

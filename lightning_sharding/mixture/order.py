@@ -41,6 +41,7 @@ Int64Array = npt.NDArray[np.int64]
 
 _PASS_SEEDS = 0x9A55
 _CYCLE_SEEDS = 0xC7C1
+_RUN_SEEDS = 0x2C0A
 SHARES = ("weight", "proportion", "repeat", "choose")
 
 
@@ -161,9 +162,20 @@ def stream_portions(size: int, draws: int, epoch: int) -> list[Portion]:
     return portions
 
 
+def running_portions(size: int, draws: int, epoch: int) -> list[Portion]:
+    """The passes a stream of ``size`` samples serves ``draws`` of ``epoch`` from when its draws may
+    still grow (a mixture under online control): fresh passes one after the other, the last cut
+    short, each keyed by ``(epoch, pass)`` alone, so draw ``k`` is the same sample however many
+    draws the epoch ends up taking."""
+    passes, rest = divmod(draws, size)
+    keys = [derive_seed(epoch, i) for i in range(passes + (1 if rest else 0))]
+    return [Portion(_RUN_SEEDS, key, 0, size if i < passes else rest) for i, key in enumerate(keys)]
+
+
 class StreamOrder:
     """One stream's ``draws`` of one epoch, mapped to ``(item, index)`` of the stream's own items
-    (``counts``, its items' sample counts): its passes and its cycle chunk (:func:`stream_portions`).
+    (``counts``, its items' sample counts): its passes and its cycle chunk (:func:`stream_portions`),
+    or, ``running``, fresh passes whose draws do not depend on how many there are (:func:`running_portions`).
 
     ``epochs``: the stream's own epochs when they are not plain (packed token sequences): its
     samples are then their positions, and each pass or cycle is one of their orders."""
@@ -178,6 +190,7 @@ class StreamOrder:
         *,
         shuffle: bool = True,
         epochs: Any = None,
+        running: bool = False,
     ) -> None:
         self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
         self.name = name
@@ -185,7 +198,8 @@ class StreamOrder:
         self.shuffle = bool(shuffle)
         self.epochs = epochs
         self.size = int(self.counts.sum()) if epochs is None else int(epochs.total)
-        self.portions = stream_portions(self.size, int(draws), int(epoch)) if draws else []
+        portions = running_portions if running else stream_portions
+        self.portions = portions(self.size, int(draws), int(epoch)) if draws else []
         self.starts = np.cumsum([0] + [g.hi - g.lo for g in self.portions]).astype(np.int64)
         self._orders: OrderedDict[tuple[int, int], Any] = OrderedDict()
 
@@ -270,7 +284,12 @@ class MixtureOrder:
         batch_size: int | None = None,
         stream_epochs: Sequence[Any] = (),
         phases: Sequence[Sequence[int]] = (),
+        controlled: Phased | None = None,
     ) -> None:
+        # ``controlled``: the layout of an epoch under online control (:mod:`~lightning_sharding.mixture.control`),
+        # whose draws it fixes and whose streams draw running passes.
+        if controlled is not None:
+            draws = controlled.draws
         self.names = tuple(names)
         self.composition = composition
         self.counts: Int64Array = np.asarray(counts, dtype=np.int64)
@@ -284,13 +303,22 @@ class MixtureOrder:
             raise ValueError("MixtureOrder: the streams' item counts, names and draws do not line up")
         epochs = tuple(stream_epochs) or (None,) * len(self.names)
         self.stream_orders = [
-            StreamOrder(self.counts[a:b], name, d, self.seed, self.epoch, shuffle=self.shuffle, epochs=e)
+            StreamOrder(
+                self.counts[a:b],
+                name,
+                d,
+                self.seed,
+                self.epoch,
+                shuffle=self.shuffle,
+                epochs=e,
+                running=controlled is not None,
+            )
             for name, a, b, d, e in zip(
                 self.names, self.item_offsets[:-1], self.item_offsets[1:], self.draws, epochs, strict=True
             )
         ]
         self.sizes = [s.size for s in self.stream_orders]
-        self.interleave = Phased(phases) if phases else layout(self.draws, composition, batch_size)
+        self.interleave = controlled or (Phased(phases) if phases else layout(self.draws, composition, batch_size))
         self.prefix = self.interleave.prefix
         self.streams = self.interleave.streams
         self.blocks: Blocks | None = blocks_of(self.interleave)

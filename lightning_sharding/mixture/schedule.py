@@ -121,18 +121,30 @@ def schedule_summary(phases: Sequence[Phase], draws: Sequence[Sequence[int]]) ->
 class Phased:
     """The layout of a scheduled epoch: phase after phase, each an :class:`Interleave` of its
     draws, every stream's draw numbers going on from the phases before (a Layout, see
-    :mod:`~lightning_sharding.mixture.composition`)."""
+    :mod:`~lightning_sharding.mixture.composition`).
 
-    def __init__(self, draws: Sequence[Sequence[int]]) -> None:
+    ``lengths`` cuts phases short: phase ``k`` then holds the first ``lengths[k]`` positions of the
+    interleave of its draws (an online decision ended it there, :mod:`~lightning_sharding.mixture.control`),
+    so a phase's positions mean the same whether or not a later decision cuts it."""
+
+    def __init__(self, draws: Sequence[Sequence[int]], lengths: Sequence[int] | None = None) -> None:
         rows = [tuple(int(d) for d in row) for row in draws]
         if not rows or len({len(r) for r in rows}) != 1:
             raise ValueError(f"Phased needs one row of draws per phase, all of one length, got {rows}")
-        self.phase_draws = tuple(rows)
-        self.offsets: Int64Array = np.cumsum([[0] * len(rows[0]), *rows], axis=0).astype(np.int64)
+        self.phases = [Interleave(r) if sum(r) else None for r in rows]
+        if lengths is None:
+            lengths = [sum(r) for r in rows]
+        if len(lengths) != len(rows) or any(not 0 <= n <= sum(r) for n, r in zip(lengths, rows, strict=True)):
+            raise ValueError(f"Phased: lengths {list(lengths)} do not fit the phases' draws {rows}")
+        cut = [
+            row if n == sum(row) else tuple(inner.prefix(n)) if inner is not None else row
+            for row, n, inner in zip(rows, lengths, self.phases, strict=True)
+        ]
+        self.phase_draws = tuple(tuple(int(d) for d in row) for row in cut)
+        self.offsets: Int64Array = np.cumsum([[0] * len(rows[0]), *self.phase_draws], axis=0).astype(np.int64)
         self.draws = tuple(int(d) for d in self.offsets[-1])
         self.total = sum(self.draws)
-        self.bounds: Int64Array = np.cumsum([0] + [sum(r) for r in rows]).astype(np.int64)
-        self.phases = [Interleave(r) if sum(r) else None for r in rows]
+        self.bounds: Int64Array = np.cumsum([0, *lengths]).astype(np.int64)
 
     def phase_of(self, positions: npt.ArrayLike) -> Int64Array:
         """The phase of each position (a phase with no position never holds one)."""

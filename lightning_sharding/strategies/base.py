@@ -88,6 +88,7 @@ class TrainLoader(ABC, Generic[SamplerT]):
     sampler: SamplerT
     delivered: DeliveredLog
     batch_sampler = None  # Lightning's evaluation loop reads it off any loader that has a `sampler`
+    batches_before_plan = 0  # batches of this pass yielded under earlier plans (a mixture decision replanned it)
 
     @abstractmethod
     def __iter__(self) -> Iterator[Any]:
@@ -114,6 +115,16 @@ class TrainLoader(ABC, Generic[SamplerT]):
     def helper_processes(self) -> dict[str, Any]:
         """This rank's helper processes (``.pid``, ``.exitcode``) by name."""
         return {}
+
+    def decision_point(self) -> tuple[int, int]:
+        """``(position, batches)``: where a mixture decision made now takes effect (see the ``shard``
+        strategy's loader, the one that replans mid-pass)."""
+        raise ValueError(f"{type(self).__name__} cannot change a mixture's shares mid-epoch; use strategy='shard'")
+
+    def switch_order(self, manifest: Any, *, now: bool) -> None:
+        """Serve by ``manifest``'s order: ``now``, the rest of this epoch from the next batch on; else
+        from the next epoch."""
+        raise ValueError(f"{type(self).__name__} cannot change a mixture's shares mid-epoch; use strategy='shard'")
 
     def close(self) -> None:  # noqa: B027 - a no-op unless a strategy needs it
         """Release processes and memory now (teardown, a dead worker)."""

@@ -29,6 +29,7 @@ from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask, EpochPlan, EvenBatches, RankPlan, WorkerLayout, plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
 from lightning_sharding.mixture import COMPOSITIONS, check_blocks
 from lightning_sharding.readers.base import Reader
@@ -68,6 +69,9 @@ class PlanSampler(Sampler[BatchTask]):
         self.orders = orders  # (seed, epoch) -> the epoch's order; None: plain orders of the ledger's total
         self.epoch_plan: EpochPlan | None = None
         self.rank_plan: RankPlan | None = None
+        # Positions of this epoch handed to training under an earlier plan of the same pass and not in
+        # the ledger yet (a mixture decision replanned the pass): never planned again.
+        self.held = RangeSet()
 
     @classmethod
     def of(
@@ -98,6 +102,7 @@ class PlanSampler(Sampler[BatchTask]):
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at every epoch start: a new epoch starts with nothing consumed."""
         self.ledger.start_epoch(epoch)
+        self.held = RangeSet()
 
     def plan(self) -> EpochPlan:
         """Plan what is left of the current epoch (every rank computes the same plan)."""
@@ -110,7 +115,7 @@ class PlanSampler(Sampler[BatchTask]):
             )
         return plan_epoch(
             order,
-            ledger.done,
+            ledger.done | self.held,
             epoch=ledger.epoch,
             world_size=self.world.data_size,
             num_workers=self.num_workers,
@@ -123,6 +128,24 @@ class PlanSampler(Sampler[BatchTask]):
         self.epoch_plan = self.plan()
         self.rank_plan = self.epoch_plan.rank(self.world.data_rank)
         return self.rank_plan.tasks()
+
+
+def handed_out(plan: EpochPlan, batches: int) -> tuple[RangeSet, int]:
+    """Of a plan in time order whose ranks have each yielded ``batches``: the positions all ranks were
+    handed (its first ``batches`` windows), and the first position none was handed with no position
+    after it handed or consumed (the epoch's total when there is none: the rest of the epoch is
+    already planned in its last, partial window, or holds gaps)."""
+    if not plan.in_time:
+        raise ValueError("only a plan in time order knows what every rank was handed from its own count")
+    window = plan.world_size * plan.batch_size
+    remaining = plan.remaining
+    taken = min(batches * window, len(remaining))
+    held = remaining.select(0, taken)
+    rest = remaining.select(taken, len(remaining))
+    full_windows = len(remaining) // window
+    if batches >= full_windows or len(rest.starts) != 1 or int(rest.ends[0]) != plan.total:
+        return held, plan.total
+    return held, int(rest.starts[0])
 
 
 class LoaderRequest(NamedTuple):
@@ -147,6 +170,10 @@ class ShardedLoader(TrainLoader):
         self.sampler = sampler
         self.delivered = DeliveredLog(padding_key=options.padding_key, track=track)
         self._iterator: Iterator[Any] | None = None
+        self._dataset, self._options = dataset, options
+        self._yielded = 0  # batches yielded under the current plan
+        self._next_manifest: Manifest | None = None  # a decision's manifest, planned from the next batch on
+        self._stale_workers = False  # persistent workers hold an order a decision changed since
         workers = options.num_workers
         start_method = options.multiprocessing_context or multiprocessing.get_start_method()
         if workers > 0 and start_method in ("spawn", "forkserver"):
@@ -202,11 +229,72 @@ class ShardedLoader(TrainLoader):
         return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout, orders)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._stale_workers:  # persistent workers started before a decision for this epoch
+            self._stop_workers()
+        self._yielded = 0
         self.delivered.clear()
-        for delivery in self._guarded(iter(self._loader)):
-            if self._pool is not None:
-                delivery = delivery._replace(batch=self._pool.unpack(delivery.batch))
-            yield self.delivered.accept(delivery, self.sampler.epoch)
+        self.sampler.held = RangeSet()
+        self.batches_before_plan = 0
+        while True:
+            self.batches_before_plan += self._yielded
+            self._yielded = 0
+            for delivery in self._guarded(iter(self._loader)):
+                if self._pool is not None:
+                    delivery = delivery._replace(batch=self._pool.unpack(delivery.batch))
+                self._yielded += 1
+                yield self.delivered.accept(delivery, self.sampler.epoch)
+                if self._next_manifest is not None:
+                    break
+            else:
+                return
+            self._replan()
+
+    def decision_point(self) -> tuple[int, int]:
+        """``(position, batches)``: the first epoch position of the current pass no rank has been handed
+        (every rank yielded ``batches`` under the plan), from which a decision made now holds; the
+        epoch's total when the rest of the epoch cannot change any more (see :func:`handed_out`)."""
+        plan = self.sampler.epoch_plan
+        if plan is None:
+            return 0, 0
+        return handed_out(plan, self._yielded)[1], self._yielded
+
+    def switch_order(self, manifest: Manifest, *, now: bool) -> None:
+        """Serve by ``manifest``'s order (a decision changed it from :meth:`decision_point` on). ``now``:
+        from the next batch, the workers stop, what they prepared ahead is dropped, and the pass is
+        planned again without the positions handed out already; else from the next epoch (this one's
+        order is the same), with new workers."""
+        if now:
+            self._next_manifest = manifest
+            return
+        self._use(manifest)
+        self._stale_workers = True
+
+    def _replan(self) -> None:
+        manifest, self._next_manifest = self._next_manifest, None
+        assert manifest is not None and self.sampler.epoch_plan is not None
+        held, _ = handed_out(self.sampler.epoch_plan, self._yielded)
+        self.sampler.held = self.sampler.held | held
+        self._stop_workers()
+        self._use(manifest)
+
+    def _stop_workers(self) -> None:
+        stop_workers(self._iterator)
+        self._iterator = None
+        self._loader._iterator = None  # persistent workers hold the old order: start new ones
+        self._stale_workers = False
+        if self._pool is not None:  # slots the stopped workers filled are never read: a fresh pool
+            self._pool.close()
+            options = self._options
+            self._pool = SlotPool(
+                options.num_workers, options.prefetch_factor, options.multiprocessing_context, options.pin_memory
+            )
+            self._dataset.slot_states = self._pool.states
+
+    def _use(self, manifest: Manifest) -> None:
+        """Plan and read by ``manifest``'s order from now on (workers started from now on)."""
+        self._dataset.manifest = manifest
+        self._dataset._order = None
+        self.sampler.orders = partial(manifest.order, shuffle=self._options.shuffle)
 
     def _guarded(self, iterator: Iterator[Delivery]) -> Iterator[Delivery]:
         """The DataLoader iterator's output; a dead worker is re-raised naming this rank, the worker and its pid."""

@@ -68,9 +68,11 @@ class RecordingModel(pl.LightningModule):
         save_at_batches: Sequence[int] = (),
         save_dir: str | None = None,
         raise_at_batch: int | None = None,
+        stream_losses: bool = False,
     ) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(8, 1)
+        self.stream_losses = stream_losses  # hand per-sample losses to a MixtureController
         self.log_path = log_path
         self.count_weights = count_weights
         self.save_at_batches, self.save_dir = set(save_at_batches), save_dir
@@ -97,6 +99,12 @@ class RecordingModel(pl.LightningModule):
             raise RuntimeError(f"RecordingModel: deliberate failure in training_step of batch {self._batches}")
         if "input_ids" in batch:
             loss = sum(p.sum() for p in self.layer.parameters()) * 0.0  # the layer takes part in every step (DDP)
+        elif self.stream_losses:
+            from lightning_sharding.lightning.controller import log_stream_loss
+
+            per_sample = (self.layer(batch["x"]).squeeze(-1) - batch["y"]) ** 2
+            log_stream_loss(self, per_sample, batch)
+            loss = per_sample.mean()
         else:
             loss = torch.nn.functional.mse_loss(self.layer(batch["x"]).squeeze(-1), batch["y"])
         if self.count_weights:
@@ -314,3 +322,32 @@ def file_reader(spec: dict[str, Any], cache_dir: Path) -> Any:
     options = dict(storage_options=spec.get("storage_options"), cache_limit=spec.get("cache_limit"))
     options["index_once_per"] = spec.get("index_once_per", "job")
     return FILE_READERS[spec["format"]](spec["urls"], cache_dir=cache, **options)
+
+
+def rotating_shares(stats: Any) -> dict[str, float]:
+    """A policy for the process tests: by the decision's step, one stream 3, the next 1, the third
+    nothing (so every decision moves the shares a lot); it also checks what it is handed."""
+    names = list(stats.shares)
+    assert sum(stats.samples.values()) > 0 and set(stats.loss) == set(names), stats
+    k = stats.step % len(names)
+    return {names[k]: 3.0, names[(k + 1) % len(names)]: 1.0}
+
+
+class WriteDecisions(pl.Callback):
+    """Writes the data ledger's mixture decisions at the end of fitting (rank 0)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            decisions = trainer.datamodule.ledger.decisions  # type: ignore[attr-defined]
+            self.path.write_text(json.dumps(decisions))
+
+
+def controller_of(spec: dict[str, Any], path: Path) -> list[pl.Callback]:
+    """The MixtureController a job's ``controller`` spec asks for, and the callback writing its decisions."""
+    from lightning_sharding.lightning.controller import MixtureController
+
+    policy = rotating_shares if spec.get("policy") == "rotate" else None
+    return [MixtureController(policy, spec["every"], decisions=spec.get("decisions") or ()), WriteDecisions(path)]

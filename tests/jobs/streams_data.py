@@ -53,6 +53,20 @@ def planned_ids(
     return Counter(_ids(specs, samples_per_epoch, seed, epoch, composition, batch_size, schedule)[0].tolist())
 
 
+def planned_under_decisions(
+    specs: list[dict[str, Any]], samples_per_epoch: int, seed: int, epoch: int, decisions: list[dict[str, Any]]
+) -> Counter[int]:
+    """How often each sample id is planned in ``epoch`` of a mixture under online control, given the
+    decisions (as a ledger keeps them) a run made."""
+    from lightning_sharding.mixture import ControlledMixture, Decision
+
+    manifest = MixtureReader(make_streams(specs), samples_per_epoch).manifest()
+    controlled = ControlledMixture(manifest.epochs, tuple(Decision.from_state(d) for d in decisions))  # type: ignore[arg-type]
+    items, index = controlled.order(manifest.counts, seed, epoch).locate(np.arange(manifest.total))
+    starts = np.concatenate(([0], np.cumsum(manifest.counts)))
+    return Counter((starts[items] + index).tolist())
+
+
 def planned_blocks(
     specs: list[dict[str, Any]], samples_per_epoch: int | None, seed: int, epoch: int, composition: str, batch_size: int
 ) -> dict[int, set[int]]:

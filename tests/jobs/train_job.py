@@ -128,6 +128,7 @@ def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any
         save_at_batches=save["module_saves"],
         save_dir=str(saves),
         raise_at_batch=faults["raise_in_step_at_batch"],
+        stream_losses=bool(cfg["data"]["controller"]),
     )
     callbacks: list[pl.Callback] = [WriteResult(out / f"result-{segment}.json"), ReleaseProcessGroup()]
     user_saves = [
@@ -169,6 +170,10 @@ def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any
         )
     if faults["raise_in_step_at_batch"]:
         callbacks.append(OnExceptionCheckpoint(dirpath=saves, filename=f"{segment}-on-exception"))
+    if cfg["data"]["controller"]:  # before the kill: a decision of the step is made before it dies
+        from tests.jobs.parts import controller_of
+
+        callbacks += controller_of(cfg["data"]["controller"], out / f"decisions-{segment}.json")
     if faults["die_at_step"]:
         callbacks.append(DieAtStep(faults["die_at_step"]))
     if faults["kill_group"]:

@@ -1,0 +1,164 @@
+"""Online control of a mixture: shares decided while training runs, still a pure function per epoch.
+
+A controller (the :class:`~lightning_sharding.lightning.controller.MixtureController` callback) decides
+new shares every so many optimizer steps. Each :class:`Decision` names the epoch and the *position*
+of that epoch from which its shares hold: the first position no rank has been handed yet when it
+is made. The ledger keeps every decision, so an epoch's order is a pure function of (streams, seed,
+epoch, decisions), like every order, and a resume on any topology replays them exactly.
+
+An epoch under control (:class:`ControlledMixture`) is laid out as :class:`~lightning_sharding.mixture.schedule.Phased`
+segments: the first at the shares in force when the epoch starts (the last decision before it,
+or the mixture's own draws), one more from each decision's position. A segment is laid out as if
+it ran to the epoch's end and is cut where the next decision starts, so the positions before a
+decision keep their samples when it is made. Each stream draws *running* passes
+(:func:`~lightning_sharding.mixture.order.running_portions`): its ``k``-th draw of the epoch is
+the same sample however many draws later decisions give it, and no sample is drawn twice in an
+epoch before the stream's whole pass is. The epoch keeps its size; only its split changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_sharding.core.blocks import Blocks
+from lightning_sharding.mixture.composition import apportion
+from lightning_sharding.mixture.order import Mixture, MixtureOrder
+from lightning_sharding.mixture.schedule import Phased
+
+
+@dataclass(frozen=True)
+class Decision:
+    """From ``position`` of ``epoch`` on, the streams draw at ``shares`` (name -> weight; a stream
+    not named draws nothing). ``step`` is the optimizer step that made it (for the record only);
+    a position at or past the epoch's end means "from the next epoch on"."""
+
+    epoch: int
+    position: int
+    shares: Mapping[str, float]
+    step: int = -1
+
+    def state(self) -> dict[str, Any]:
+        """As a checkpoint keeps it."""
+        return {"epoch": self.epoch, "position": self.position, "shares": dict(self.shares), "step": self.step}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Decision:
+        """From :meth:`state`."""
+        shares = {str(k): float(v) for k, v in dict(state["shares"]).items()}
+        return cls(int(state["epoch"]), int(state["position"]), shares, int(state.get("step", -1)))
+
+
+def check_shares(shares: Any, names: Sequence[str], where: str) -> dict[str, float]:
+    """``shares`` as ``{stream: weight}``; anything else (an unknown stream, a negative, NaN or
+    infinite share, shares that sum to nothing) is a ValueError that says ``where`` it came from."""
+    if not isinstance(shares, Mapping) or not shares:
+        raise ValueError(f"{where}: the shares must map stream names to weights, got {shares!r}")
+    unknown = sorted(str(k) for k in shares if k not in names)
+    if unknown:
+        raise ValueError(f"{where}: {unknown} are not streams of the mixture; the streams: {list(names)}")
+    out = {}
+    for name, share in shares.items():
+        bad = isinstance(share, bool) or not isinstance(share, (int, float, np.floating, np.integer))
+        if bad or not math.isfinite(float(share)) or float(share) < 0:
+            raise ValueError(f"{where}: the share of stream {name!r} is {share!r}; give a finite number >= 0")
+        out[str(name)] = float(share)
+    if sum(out.values()) <= 0:
+        raise ValueError(f"{where}: the shares {out} sum to nothing; give at least one stream a share > 0")
+    return out
+
+
+def shares_of_draws(names: Sequence[str], draws: Sequence[int]) -> dict[str, float]:
+    """The shares a row of draws stands for, summing to 1."""
+    total = sum(draws) or 1
+    return {name: d / total for name, d in zip(names, draws, strict=True)}
+
+
+def controlled_layout(mixture: Mixture, decisions: Sequence[Decision], epoch: int) -> Phased:
+    """The layout of ``epoch`` of ``mixture`` under ``decisions`` (see the module)."""
+    names, total = mixture.names, mixture.total
+    before = [d for d in decisions if d.epoch < epoch]  # the last of them holds when the epoch starts
+    first = list(mixture.draws) if not before else apportion(total, _row(before[-1].shares, names))
+    rows, starts = [first], [0]
+    for d in sorted((d for d in decisions if d.epoch == epoch and d.position < total), key=lambda d: d.position):
+        rows.append(apportion(total - d.position, _row(d.shares, names)))
+        starts.append(d.position)
+    lengths = [b - a for a, b in zip(starts, [*starts[1:], total], strict=True)]
+    return Phased(rows, lengths)
+
+
+def _row(shares: Mapping[str, float], names: Sequence[str]) -> list[float]:
+    return [float(shares.get(name, 0.0)) for name in names]
+
+
+@dataclass(frozen=True)
+class ControlledMixture:
+    """The epochs of a manifest whose mixture is under online control: each epoch laid out by the
+    :class:`Decision` s made so far (:func:`controlled_layout`). Its identity and summary are the
+    mixture's: decisions change which samples an epoch draws, never what the data is."""
+
+    mixture: Mixture
+    decisions: tuple[Decision, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mixture.composition != "mixed" or self.mixture.schedule or self.mixture.stream_epochs:
+            what = (
+                f"batch_composition={self.mixture.composition!r}"
+                if self.mixture.composition != "mixed"
+                else "a share schedule"
+                if self.mixture.schedule
+                else "packed token streams"
+            )
+            raise ValueError(
+                f"a MixtureController decides the shares of a mixture with batch_composition='mixed', no schedule= "
+                f"and unpacked streams; this one has {what}. Give one or the other."
+            )
+
+    @property
+    def total(self) -> int:
+        """Positions of an epoch: the mixture's."""
+        return self.mixture.total
+
+    def decided(self, decision: Decision) -> ControlledMixture:
+        """These epochs with one more decision."""
+        return ControlledMixture(self.mixture, (*self.decisions, decision))
+
+    def layout(self, epoch: int) -> Phased:
+        """The layout of ``epoch``."""
+        return controlled_layout(self.mixture, self.decisions, epoch)
+
+    def shares_at(self, epoch: int, position: int) -> dict[str, float]:
+        """The shares in force at ``position`` of ``epoch``."""
+        phased = self.layout(epoch)
+        k = int(phased.phase_of(min(position, phased.total - 1)))
+        row = phased.phases[k]
+        draws = row.draws if row is not None else [0] * len(self.mixture.names)
+        return shares_of_draws(self.mixture.names, draws)
+
+    def order(self, counts: npt.NDArray[np.int64], seed: int, epoch: int, *, shuffle: bool = True) -> MixtureOrder:
+        """The order of ``epoch`` under the decisions made so far."""
+        m = self.mixture
+        return MixtureOrder(
+            m.names, counts, m.stream_items, m.draws, seed, epoch, shuffle=shuffle, controlled=self.layout(epoch)
+        )
+
+    def blocks_at(self, epoch: int) -> Blocks | None:
+        """None: a controlled epoch is ``mixed``."""
+        return None
+
+    def identity(self, counts: npt.NDArray[np.int64]) -> list[Any]:
+        """The mixture's."""
+        return self.mixture.identity(counts)
+
+    def summary(self, items: Sequence[Any], counts: npt.NDArray[np.int64]) -> dict[str, Any]:
+        """The mixture's."""
+        return self.mixture.summary(items, counts)
+
+    def explain(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+        """The mixture's."""
+        return self.mixture.explain(before, after)

@@ -1,0 +1,81 @@
+"""A mixture under online control (MixtureController) under real DDP: decisions made every few steps
+from per-stream losses, killed mid-epoch and resumed on other topologies. The weights hold exactly
+what an uninterrupted run given the same decisions holds, and each epoch's planned draws once.
+
+2 ranks x 2 workers first, then 1 x 2, then 2 x 1, as the other mixture tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_sharding.lightning.audit import audit, format_audit
+from tests.harness import Checks, Data, Job, Loading, Training, check_resume, run_segment, weights_of_run
+from tests.jobs.streams_data import planned_under_decisions
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+
+STREAMS = (
+    {"name": "web", "sizes": [37, 41, 29], "weight": 3},  # 107 samples
+    {"name": "code", "sizes": [23, 17], "weight": 1},  # 40 samples
+    {"name": "books", "sizes": [11], "weight": 1},  # 11 samples: repeats when a decision favours it
+)
+PER_EPOCH = 150
+SEED = 1234
+TOTAL = 158
+
+
+def controlled_job(controller: dict[str, object], epochs: int = 2) -> Job:
+    return Job(
+        data=Data(streams=STREAMS, samples_per_epoch=PER_EPOCH, controller=controller),
+        loading=Loading(seed=SEED),
+        training=Training(epochs=epochs),
+        checks=Checks(audit=True, count_weights=True),
+    )
+
+
+def test_online_decisions_resume_on_other_topologies_training_what_the_same_decisions_plan(tmp_path: Path) -> None:
+    """Decisions every 4 steps (a rotating policy: one stream 3, the next 1, the third nothing), the
+    job SIGKILLed on 2 x 2 and on 1 x 2 and finished on 2 x 1. The decisions the checkpoints hold
+    are replayed, the later ones made again; the final ledger's decisions, replayed by an
+    uninterrupted run on 1 rank without workers, give the same weights, sample by sample."""
+    job = controlled_job({"every": 4, "policy": "rotate"})
+    then = [job.on(world_size=1), job.on(num_workers=1)]
+    seen, segments = check_resume(tmp_path / "chain", job, then, checkpoint_every=3)
+    decisions = json.loads((tmp_path / "chain" / f"decisions-{segments[-1].name}.json").read_text())
+    assert len(decisions) >= 4 and {d["epoch"] for d in decisions} == {0, 1}, decisions
+    # Each kill came after a decision the checkpoint did not hold (steps 4 and 8 after checkpoints
+    # at 3 and 6): the resumed segments made those again, on their own topology.
+    assert [d["step"] for d in decisions] == sorted(d["step"] for d in decisions)
+    weights = weights_of_run(tmp_path / "chain", segments)
+    previous = np.zeros(TOTAL)
+    for epoch in (0, 1):
+        planned = planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, epoch, decisions)
+        assert sum(planned.values()) == PER_EPOCH
+        assert seen[epoch] == planned, f"epoch {epoch}: served {sum(seen[epoch].values())} of {PER_EPOCH} draws"
+        expected = np.zeros(TOTAL)
+        expected[list(planned)] = list(planned.values())
+        assert np.array_equal(weights[epoch] - previous, expected), f"epoch {epoch}"
+        previous = weights[epoch]
+    # The decisions moved the draws: books (11 samples) repeats under the shares that favour it.
+    assert max(planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, 0, decisions).values()) > 1
+    # An uninterrupted run given the same decisions (policy None: a replay) trains the same weights.
+    replay = Job(
+        data=Data(streams=STREAMS, samples_per_epoch=PER_EPOCH, controller={"every": 4, "decisions": decisions}),
+        loading=Loading(seed=SEED),
+        training=Training(epochs=2),
+        checks=Checks(count_weights=True),
+    ).on(world_size=1, num_workers=0)
+    run_segment(tmp_path / "replay", "replay", replay)
+    again = weights_of_run(tmp_path / "replay", [])
+    found = {int(p.stem.rsplit("epoch", 1)[1]): np.load(p) for p in (tmp_path / "replay").glob("w-replay-epoch*.npy")}
+    assert sorted(found) == [0, 1] and all(np.array_equal(found[e], weights[e]) for e in (0, 1)), again
+    replayed = json.loads((tmp_path / "replay" / "decisions-replay.json").read_text())
+    assert replayed == decisions
+    # Exactly once by position, in every run, as the audit trail says.
+    results = audit([tmp_path / "chain"])
+    assert all(r.ok and r.complete for r in results), format_audit(results)

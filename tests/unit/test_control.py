@@ -1,0 +1,111 @@
+"""Online control of a mixture, without processes: a decision leaves every earlier position's sample
+where it was, draws from its position at its shares, carries into the next epoch, and is kept by
+the ledger; bad shares are named with the step that made them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lightning_sharding import SyntheticReader
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.lightning.controller import ExcessLossWeights, MixtureController, StreamStats
+from lightning_sharding.mixture import ControlledMixture, Decision, MixtureReader, Stream, check_shares
+from lightning_sharding.strategies.shard import handed_out
+
+
+def manifest(total: int = 120):
+    streams = [Stream("a", SyntheticReader(sizes=[50, 50])), Stream("b", SyntheticReader(sizes=[30]))]
+    return MixtureReader(streams, total).manifest()
+
+
+def located(m, controlled: ControlledMixture, epoch: int = 0) -> list[tuple[int, int]]:
+    items, index = controlled.order(m.counts, 7, epoch).locate(np.arange(m.total))
+    return list(zip(items.tolist(), index.tolist(), strict=True))
+
+
+def test_a_decision_keeps_every_earlier_position_and_draws_the_rest_at_its_shares() -> None:
+    m = manifest()
+    none = ControlledMixture(m.epochs)
+    first = none.decided(Decision(0, 40, {"a": 1, "b": 9}))
+    second = first.decided(Decision(0, 80, {"a": 1}))
+    base, one, two = located(m, none), located(m, first), located(m, second)
+    assert base[:40] == one[:40] and one[:80] == two[:80] and one[40:] != base[40:]
+    streams, _ = first.order(m.counts, 7, 0).streams(np.arange(40, 120))
+    assert np.bincount(streams, minlength=2).tolist() == [8, 72]
+    assert second.order(m.counts, 7, 0).draws == (64, 56)
+    # b has 30 samples: 56 draws are one pass and 26 of a second; never a sample twice before its pass ends.
+    b = [key for key in two if key[0] == 2]
+    assert len(b) == 56 and len(set(b[:30])) == 30
+    assert second.shares_at(0, 10) == {"a": 0.5, "b": 0.5} and second.shares_at(0, 100) == {"a": 1.0, "b": 0.0}
+
+
+def test_the_last_decision_holds_from_the_next_epochs_start_and_a_deferred_one_changes_only_those() -> None:
+    m = manifest()
+    deferred = ControlledMixture(m.epochs).decided(Decision(0, 120, {"b": 1}))
+    assert located(m, deferred, 0) == located(m, ControlledMixture(m.epochs), 0)
+    assert deferred.order(m.counts, 7, 1).draws == (0, 120)
+    assert deferred.shares_at(1, 0) == {"a": 0.0, "b": 1.0}
+
+
+def test_a_controlled_epoch_is_planned_in_time_order_and_the_handed_out_windows_are_a_prefix() -> None:
+    m = manifest()
+    order = ControlledMixture(m.epochs).order(m.counts, 7, 0)
+    assert order.in_time_order
+    plan = plan_epoch(order, RangeSet.interval(0, 16), world_size=2, num_workers=2, batch_size=4)
+    held, position = handed_out(plan, 3)
+    assert held == RangeSet.interval(16, 40) and position == 40
+    assert handed_out(plan, 13)[1] == 120  # into the last, partial window: from the next epoch
+    gaps = plan_epoch(order, RangeSet.interval(100, 104), world_size=2, num_workers=2, batch_size=4)
+    assert handed_out(gaps, 1)[1] == 120  # consumed positions after it: it cannot start there
+
+
+def test_the_ledger_keeps_the_decisions_and_an_earlier_release_refuses_them() -> None:
+    ledger = Ledger(seed=1, total=120, manifest={"fingerprint": "f"})
+    ledger.decisions = [Decision(0, 40, {"a": 1.0}, 4).state()]
+    state = ledger.state_dict()
+    assert state["version"] == 3
+    again = Ledger.from_state_dict(state)
+    again.start_epoch(1)
+    assert again.decisions == ledger.decisions and Decision.from_state(again.decisions[0]).position == 40
+
+
+@pytest.mark.parametrize(
+    ("shares", "said"),
+    [
+        ({"a": math.nan}, "share of stream 'a' is nan"),
+        ({"a": -1.0, "b": 2.0}, "share of stream 'a' is -1.0"),
+        ({"c": 1.0}, "['c'] are not streams"),
+        ({"a": 0, "b": 0}, "sum to nothing"),
+        ([0.5, 0.5], "must map stream names"),
+    ],
+)
+def test_bad_shares_are_named_with_where_they_came_from(shares: object, said: str) -> None:
+    with pytest.raises(ValueError, match="at step 12") as err:
+        check_shares(shares, ("a", "b"), "MixtureController: the policy's shares at step 12")
+    assert said in str(err.value)
+
+
+def test_the_doremi_style_policy_upweights_the_stream_with_the_most_excess_loss() -> None:
+    policy = ExcessLossWeights({"a": 1.0, "b": 1.0}, lr=1.0, smoothing=0.0)
+    stats = StreamStats(step=4, epoch=0, shares={"a": 0.5, "b": 0.5}, loss={"a": 3.0, "b": math.nan}, samples={})
+    shares = policy(stats)
+    assert shares["a"] == pytest.approx(math.e**2 / (math.e**2 + 1)) and sum(shares.values()) == pytest.approx(1)
+
+
+def test_a_controller_refuses_a_bad_interval_or_policy() -> None:
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        MixtureController(lambda s: {}, every_n_steps=0)
+    with pytest.raises(TypeError, match="policy=3"):
+        MixtureController(3)  # type: ignore[arg-type]
+
+
+def test_a_mixture_with_a_schedule_or_blocks_is_not_put_under_control() -> None:
+    streams = [Stream("a", SyntheticReader(sizes=[50])), Stream("b", SyntheticReader(sizes=[30]))]
+    blocked = MixtureReader(streams, 40, composition="stratified", batch_size=8).manifest()
+    with pytest.raises(ValueError, match="batch_composition='stratified'"):
+        ControlledMixture(blocked.epochs)
