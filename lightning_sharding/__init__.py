@@ -62,6 +62,10 @@ _EXPORTS = {
     "ShardedDataModule": "lightning.datamodule",
     "ShardedLoader": "strategies.shard",
     "ShardingCallback": "lightning.callbacks",
+    "MixtureController": "lightning.controller",
+    "ExcessLossWeights": "lightning.controller",
+    "StreamStats": "lightning.controller",
+    "log_stream_loss": "lightning.controller",
     "SyntheticReader": "readers",
     "TarReader": "readers",
     "TokenFiles": "tokens",
@@ -111,6 +115,10 @@ __all__ = [
     "ShardedDataModule",
     "ShardedLoader",
     "ShardingCallback",
+    "MixtureController",
+    "ExcessLossWeights",
+    "StreamStats",
+    "log_stream_loss",
     "SyntheticReader",
     "TarReader",
     "TokenFiles",
@@ -126,6 +134,12 @@ if TYPE_CHECKING:
     from lightning_sharding.core.rangeset import RangeSet
     from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
     from lightning_sharding.lightning.callbacks import ShardingCallback
+    from lightning_sharding.lightning.controller import (
+        ExcessLossWeights,
+        MixtureController,
+        StreamStats,
+        log_stream_loss,
+    )
     from lightning_sharding.lightning.datamodule import ShardedDataModule
     from lightning_sharding.lightning.keeper import ReplicaMismatchError
     from lightning_sharding.lightning.release import ReleaseProcessGroup

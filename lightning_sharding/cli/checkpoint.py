@@ -126,8 +126,12 @@ def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:
             f"{ledger.total - before} drawn at the new shares"
         )
     else:
-        which, _ = layout_of_summary(streams, manifest).streams(ledger.consumed.to_array())
-        counts = {s["name"]: (int((which == i).sum()), int(s["draws"])) for i, s in enumerate(streams)}
+        if ledger.decisions is not None:  # under online control: the epoch laid out by the decisions
+            manifest = {**manifest, "decisions": ledger.decisions}
+        layout = layout_of_summary(streams, manifest, ledger.epoch)
+        which, _ = layout.streams(ledger.consumed.to_array())
+        draws = getattr(layout, "draws", [int(s["draws"]) for s in streams])
+        counts = {s["name"]: (int((which == i).sum()), int(draws[i])) for i, s in enumerate(streams)}
     shares = {s["name"]: f" ({s['share']}, {s['samples']} samples)" for s in streams}
     lines += [
         f"stream       {name!r}{shares.get(name, ' (removed)')}: consumed {done} of {draws} draws, "
@@ -147,6 +151,24 @@ def _stream_lines(streams: Any, ledger: Any, manifest: Any) -> list[str]:
                 f"phase {k}      from {phase['start']:g} of the epoch (positions {lo}..{hi - 1}: {draws}): "
                 f"consumed {done} of {hi - lo}"
             )
+    lines += _decision_lines(ledger)
+    return lines
+
+
+def _decision_lines(ledger: Any) -> list[str]:
+    """A mixture under online control: every decision recorded, where it holds from."""
+    if ledger.decisions is None:
+        return []
+    lines = [f"controlled   {len(ledger.decisions)} decision(s) of a MixtureController, replayed on resume"]
+    for d in ledger.decisions:
+        total = sum(d["shares"].values()) or 1
+        shares = ", ".join(f"{n} {v / total:.3g}" for n, v in d["shares"].items() if v)
+        where = (
+            f"from position {d['position']} of epoch {d['epoch']}"
+            if d["position"] < ledger.total
+            else f"from epoch {d['epoch'] + 1}"
+        )
+        lines.append(f"decision     step {d['step']}: {shares}, {where}")
     return lines
 
 

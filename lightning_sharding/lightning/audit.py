@@ -64,6 +64,8 @@ def run_header(keeper: LedgerKeeper, *, started: float, start_step: int, resumed
     if mixture is not None:  # the audit counts each stream's draws
         header["streams"] = [{"name": n, "draws": d} for n, d in zip(mixture.names, mixture.draws, strict=True)]
         header.update(mixture.composition_summary())
+    if keeper.controlled:  # the decisions the run starts from (a resume's); it writes the later ones as lines
+        header["decisions"] = [dict(d) for d in keeper.ledger.decisions or []]
     if keeper.mixture_from is not None:  # resumed a checkpoint of another mixture: the audit links the two
         header["mixture_from"] = keeper.mixture_from
     # What the epoch's order records beyond the manifest: a changed mixture's rest, linked to the mixture before.
@@ -99,6 +101,10 @@ class AuditWriter:
             record["skip"] = skipped
         self._write(record)
 
+    def decision(self, decision: dict[str, Any]) -> None:
+        """Record a mixture decision (a :class:`~lightning_sharding.mixture.Decision`'s state)."""
+        self._write({"kind": "decision", "gs": int(decision["step"]), "decision": decision})
+
     def epoch_end(self, epoch: int, global_step: int, dropped: int) -> None:
         """Record that ``epoch`` finished; ``dropped`` is what its plan left unserved, all ranks."""
         self._write({"kind": "epoch_end", "epoch": epoch, "gs": global_step, "dropped": dropped})
@@ -120,12 +126,15 @@ class _Run:
 @dataclass
 class StreamAudit:
     """One stream of a mixture in one epoch: its ``expected`` draws, the distinct draws ``consumed``
-    and the ``duplicates`` (extra servings of a draw; a stream's own repeats are separate draws)."""
+    and the ``duplicates`` (extra servings of a draw; a stream's own repeats are separate draws).
+    ``phases``: of an epoch in phases (a share schedule, online decisions), the same per phase, as
+    ``(phase, expected, consumed, duplicates)``, the phase named by what started it."""
 
     name: str
     expected: int
     consumed: int
     duplicates: int
+    phases: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -191,10 +200,17 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
     padding: Counter[int] = Counter()
     dropped: Counter[int] = Counter()
     finished: set[int] = set()
+    decided: list[dict[str, Any]] = []  # the decisions the last run started from, and those it made
     for i, run in enumerate(runs):
         cut = runs[i + 1].header["start_step"] if i + 1 < len(runs) else None
+        if run.header.get("decisions") is not None:
+            decided = list(run.header["decisions"])
         for rank, lines in run.lines.items():
             for line in _kept(lines, cut):
+                if line["kind"] == "decision":
+                    if rank == min(run.lines):  # every data-parallel rank writes it
+                        decided.append(line["decision"])
+                    continue
                 epoch = int(line["epoch"])
                 changed = changes.get(epoch)
                 old = changed is not None and run.header["fingerprint"] != changed["fingerprint"]
@@ -222,10 +238,12 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
                 _per_stream(change["streams"], counts, changes[epoch]),
             )
         else:
+            if header.get("decisions") is not None:
+                header = {**header, "decisions": decided}
             expected = (
                 sum(int(s["draws"]) for s in header["streams"]) if header.get("streams") else int(header["total"])
             )
-            streams = _per_stream(header.get("streams"), counts, header)
+            streams = _per_stream(header.get("streams"), counts, header, epoch)
         consumed = len(counts) + len(old_counts)
         results.append(
             EpochAudit(
@@ -290,23 +308,44 @@ def _merge(old: list[StreamAudit], rest: list[StreamAudit]) -> list[StreamAudit]
 
 
 def _per_stream(
-    streams: list[dict[str, Any]] | None, counts: Counter[int], header: dict[str, Any]
+    streams: list[dict[str, Any]] | None, counts: Counter[int], header: dict[str, Any], epoch: int = 0
 ) -> list[StreamAudit]:
     """Each stream's share of an epoch's served positions (a mixture's header names its streams and
-    their composition)."""
+    their composition), and of each phase's when the epoch has phases."""
     if not streams:
         return []
     from lightning_sharding.mixture import layout_of_summary
 
     positions = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
     times = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
-    if not positions.size:
-        return [StreamAudit(s["name"], int(s["draws"]), 0, 0) for s in streams]
-    which, _ = layout_of_summary(streams, header).streams(positions)
-    return [
-        StreamAudit(s["name"], int(s["draws"]), int((which == i).sum()), int((times[which == i] - 1).sum()))
-        for i, s in enumerate(streams)
-    ]
+    layout = layout_of_summary(streams, header, epoch)
+    draws = [int(d) for d in getattr(layout, "draws", [s["draws"] for s in streams])]
+    which = layout.streams(positions)[0] if positions.size else positions
+    phase_of = getattr(layout, "phase_of", None)
+    phase = phase_of(positions) if phase_of is not None else None
+    names = _phase_names(header, epoch, len(layout.phase_draws)) if phase is not None else []  # type: ignore[attr-defined]
+    out = []
+    for i, s in enumerate(streams):
+        mine = which == i
+        audit_row = StreamAudit(s["name"], draws[i], int(mine.sum()), int((times[mine] - 1).sum()))
+        for k, label in enumerate(names):
+            here = mine & (phase == k)
+            expected = int(layout.phase_draws[k][i])  # type: ignore[attr-defined]
+            audit_row.phases.append((label, expected, int(here.sum()), int((times[here] - 1).sum())))
+        out.append(audit_row)
+    return out
+
+
+def _phase_names(header: dict[str, Any], epoch: int, count: int) -> list[str]:
+    """What started each phase of ``epoch``: a share schedule's start, or an online decision's step."""
+    if header.get("decisions") is not None:
+        within = [d for d in header["decisions"] if int(d["epoch"]) == epoch and int(d["position"]) < header["total"]]
+        within.sort(key=lambda d: int(d["position"]))
+        first = "phase 0 (the shares the epoch started with)"
+        return [first] + [f"phase {k + 1} (the decision of step {d['step']})" for k, d in enumerate(within)][
+            : count - 1
+        ]
+    return [f"phase {k} (from {p['start']:g} of the epoch)" for k, p in enumerate(header.get("schedule") or [])]
 
 
 def _kept(lines: list[dict[str, Any]], cut: int | None) -> Iterable[dict[str, Any]]:
@@ -333,8 +372,13 @@ def format_audit(results: list[EpochAudit]) -> str:
             f"{r.epoch:>5} {r.expected:>9} {r.consumed:>9} {r.duplicates:>10} {r.missing:>8} {r.padding:>8} "
             f"{r.dropped:>8}  {status}"
         )
-        rows += [
-            f"{'':>5} {s.expected:>9} {s.consumed:>9} {s.duplicates:>10} {'':>8} {'':>8} {'':>8}  stream {s.name!r}"
-            for s in r.streams
-        ]
+        for s in r.streams:
+            rows.append(
+                f"{'':>5} {s.expected:>9} {s.consumed:>9} {s.duplicates:>10} {'':>8} {'':>8} {'':>8}  stream {s.name!r}"
+            )
+            wrong = [p for p in s.phases if p[3] or (r.complete and p[1] != p[2])]
+            rows += [
+                f"{'':>5} {e:>9} {c:>9} {d:>10} {'':>8} {'':>8} {'':>8}  MISMATCH: stream {s.name!r}, {label}"
+                for label, e, c, d in wrong
+            ]
     return "\n".join([head, *rows])

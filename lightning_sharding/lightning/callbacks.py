@@ -229,6 +229,11 @@ class ShardingCallback(pl.Callback):
         total = sum(rows[phase]) or 1
         return {f"data/share/{name}": d / total for name, d in zip(mixture.names, rows[phase], strict=True)}
 
+    def note_decision(self, decision: dict[str, Any]) -> None:
+        """A mixture decision was made (a MixtureController's): into the audit trail."""
+        if self._audit is not None:
+            self._audit.decision(decision)
+
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         keeper = self._keeper(trainer)

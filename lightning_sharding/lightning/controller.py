@@ -200,6 +200,9 @@ class MixtureController(pl.Callback):
             raise ValueError(error)
         decision = keeper.decide(shares, step, position, batches)
         self.decisions.append(decision)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if hasattr(callback, "note_decision"):  # the ShardingCallback: the audit trail
+                callback.note_decision(decision.state())
         self._totals += self._window
         self._window.zero_()
         pl_module.log_dict(

@@ -33,7 +33,7 @@ _EXPORTS = {
     "changed_counts": "change",
     "check_blocks": "composition",
     "layout": "composition",
-    "layout_of_summary": "schedule",
+    "layout_of_summary": "control",
     "Phase": "schedule",
     "plan_draws": "order",
     "reader_of": "streams",
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
         changed_counts,
     )
     from lightning_sharding.mixture.composition import COMPOSITIONS, check_blocks, layout
-    from lightning_sharding.mixture.control import ControlledMixture, Decision, check_shares
+    from lightning_sharding.mixture.control import ControlledMixture, Decision, check_shares, layout_of_summary
     from lightning_sharding.mixture.order import (
         SHARES,
         Mixture,
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
         mixture_of,
         plan_draws,
     )
-    from lightning_sharding.mixture.schedule import Phase, layout_of_summary
+    from lightning_sharding.mixture.schedule import Phase
     from lightning_sharding.mixture.streams import MixtureReader, Stream, reader_of
 
 

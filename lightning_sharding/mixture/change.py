@@ -33,8 +33,8 @@ from lightning_sharding.core.blocks import Blocks
 from lightning_sharding.core.order import EpochOrder, derive_seed
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture.composition import Layout, apportion, blocks_of, layout
+from lightning_sharding.mixture.control import layout_of_summary
 from lightning_sharding.mixture.order import Mixture, MixtureOrder, StreamOrder, locate_streams, mixture_of, stream_seed
-from lightning_sharding.mixture.schedule import layout_of_summary
 
 Int64Array = npt.NDArray[np.int64]
 _REST_SEEDS = 0x4E57

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.blocks import Blocks
-from lightning_sharding.mixture.composition import apportion
+from lightning_sharding.mixture.composition import Layout, apportion, layout
 from lightning_sharding.mixture.order import Mixture, MixtureOrder
 from lightning_sharding.mixture.schedule import Phased
 
@@ -79,11 +79,12 @@ def shares_of_draws(names: Sequence[str], draws: Sequence[int]) -> dict[str, flo
     return {name: d / total for name, d in zip(names, draws, strict=True)}
 
 
-def controlled_layout(mixture: Mixture, decisions: Sequence[Decision], epoch: int) -> Phased:
-    """The layout of ``epoch`` of ``mixture`` under ``decisions`` (see the module)."""
-    names, total = mixture.names, mixture.total
+def controlled_layout(names: Sequence[str], draws: Sequence[int], decisions: Sequence[Decision], epoch: int) -> Phased:
+    """The layout of ``epoch`` of a mixture of streams ``names`` whose own ``draws`` an epoch (of their
+    sum's positions) are changed by ``decisions`` (see the module)."""
+    total = sum(draws)
     before = [d for d in decisions if d.epoch < epoch]  # the last of them holds when the epoch starts
-    first = list(mixture.draws) if not before else apportion(total, _row(before[-1].shares, names))
+    first = list(draws) if not before else apportion(total, _row(before[-1].shares, names))
     rows, starts = [first], [0]
     for d in sorted((d for d in decisions if d.epoch == epoch and d.position < total), key=lambda d: d.position):
         rows.append(apportion(total - d.position, _row(d.shares, names)))
@@ -130,7 +131,7 @@ class ControlledMixture:
 
     def layout(self, epoch: int) -> Phased:
         """The layout of ``epoch``."""
-        return controlled_layout(self.mixture, self.decisions, epoch)
+        return controlled_layout(self.mixture.names, self.mixture.draws, self.decisions, epoch)
 
     def shares_at(self, epoch: int, position: int) -> dict[str, float]:
         """The shares in force at ``position`` of ``epoch``."""
@@ -162,3 +163,15 @@ class ControlledMixture:
     def explain(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
         """The mixture's."""
         return self.mixture.explain(before, after)
+
+
+def layout_of_summary(streams: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], epoch: int = 0) -> Layout:
+    """The layout of ``epoch`` a saved manifest summary or audit header describes: its online
+    ``decisions`` (:mod:`~lightning_sharding.mixture.control`), its share ``schedule``'s phases, or its
+    ``streams``' draws under its ``composition`` and ``batch_size`` (absent for ``mixed``)."""
+    if summary.get("decisions") is not None:
+        decisions = [Decision.from_state(d) for d in summary["decisions"]]
+        return controlled_layout([s["name"] for s in streams], [int(s["draws"]) for s in streams], decisions, epoch)
+    if summary.get("schedule"):
+        return Phased([p["draws"] for p in summary["schedule"]])
+    return layout([int(s["draws"]) for s in streams], summary.get("composition", "mixed"), summary.get("batch_size"))

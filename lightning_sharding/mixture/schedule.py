@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.mixture.composition import Layout, apportion, layout
+from lightning_sharding.mixture.composition import apportion
 from lightning_sharding.mixture.interleave import Interleave
 
 Int64Array = npt.NDArray[np.int64]
@@ -198,11 +198,3 @@ def _show(schedule: Sequence[Mapping[str, Any]]) -> str:
     if not schedule:
         return "none (fixed shares)"
     return "; ".join(f"from {p['start']:g}: {dict(p['shares'])}" for p in schedule)
-
-
-def layout_of_summary(streams: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> Layout:
-    """The layout a saved manifest summary or audit header describes: its share ``schedule``'s
-    phases, or its ``streams``' draws under its ``composition`` and ``batch_size`` (absent for ``mixed``)."""
-    if summary.get("schedule"):
-        return Phased([p["draws"] for p in summary["schedule"]])
-    return layout([int(s["draws"]) for s in streams], summary.get("composition", "mixed"), summary.get("batch_size"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_sharding.lightning.audit import AuditWriter, audit
+from lightning_sharding.lightning.audit import AuditWriter, audit, format_audit
 
 # Two runs of 2 data-parallel ranks, 12 samples an epoch, as release 0.8 wrote them: the first run
 # was killed after its checkpoint at step 1 and trained step 2 too, which the second run trains again.
@@ -97,3 +97,26 @@ def test_what_the_writer_writes_reads_back_and_a_changed_seed_is_named(tmp_path:
     assert first.ok and first.complete and first.consumed == 12
     with pytest.raises(ValueError, match="audit: run second has seed=6 but run first has 5"):
         audit([tmp_path / "first", tmp_path / "second"])
+
+
+def test_a_missing_draw_under_online_decisions_is_named_by_its_stream_phase_and_decision(tmp_path: Path) -> None:
+    """One rank, 12 samples over streams a and b, a decision at step 2 from position 6 on (b only):
+    a step that never trained position 7 leaves b's phase 1 short, and the table names the decision."""
+    from lightning_sharding.mixture import Decision
+
+    streams = [{"name": "a", "draws": 6}, {"name": "b", "draws": 6}]
+    header = {**HEADER, "world_size": 1, "global_world_size": 1, "streams": streams, "decisions": []}
+    writer = AuditWriter(tmp_path, "run", 0, {"started": 1.0, "global_rank": 0, "start_step": 0, **header})
+    writer.step(0, 1, np.arange(0, 3), 0)
+    writer.step(0, 2, np.arange(3, 6), 0)
+    writer.decision(Decision(0, 6, {"b": 1.0}, 2).state())
+    writer.step(0, 3, np.array([6, 8]), 0)
+    writer.step(0, 4, np.arange(9, 12), 0)
+    writer.epoch_end(0, 4, 0)
+    writer.close()
+    [result] = audit([tmp_path])
+    table = format_audit([result])
+    assert not result.ok and result.missing == 1, table
+    assert [(s.name, s.expected, s.consumed) for s in result.streams] == [("a", 3, 3), ("b", 9, 8)], table
+    assert "MISMATCH: stream 'b', phase 1 (the decision of step 2)" in table, table
+    assert "stream 'a', phase" not in table, table
