@@ -107,6 +107,8 @@ def main() -> None:
         key = "mixture_planning" + ("" if composition == "mixed" else f"_{composition}")
         results[key] = scale.mixture_planning_seconds(max(3, repeats), composition) | {"target_seconds": 1.0}
         results[key]["met"] = results[key]["seconds"] < 1.0
+    results["mixture_decision"] = scale.mixture_decision_seconds(max(3, repeats)) | {"target_seconds": 1.0}
+    results["mixture_decision"]["met"] = results["mixture_decision"]["seconds"] < 1.0
     results["mixture_change"] = scale.mixture_change_seconds(10**3 if args.quick else 10**4, 100)
     log("checkpoint")
     results["checkpoint"] = scale.checkpoint(repeats)

@@ -102,6 +102,14 @@ def markdown(results: dict[str, Any]) -> str:
             f"{mp['locate_seconds'] * 1000:.0f} ms) | lightning_sharding | {mp['seconds'] * 1000:.1f} ms | - | "
             f"< 1 s | {_status(mp)} |"
         )
+    md = results.get("mixture_decision")
+    if md is not None:
+        lines.append(
+            f"| replanning after a `MixtureController` decision (one replan a decision): {md['streams']} streams x "
+            f"10^6 items, {md['decisions']} decisions before it, 4,096 ranks x 8 workers, one rank's tasks and "
+            f"streams | lightning_sharding | {md['seconds'] * 1000:.1f} ms | - | < 1 s | "
+            f"{_status(md)} |"
+        )
     mc = results.get("mixture_change")
     if mc is not None:
         lines.append(

@@ -96,6 +96,44 @@ def mixture_planning_seconds(repeats: int, composition: str = "mixed") -> dict[s
     }
 
 
+def mixture_decision_seconds(repeats: int, decisions: int = 10) -> dict[str, Any]:
+    """Median seconds one rank spends replanning after a MixtureController's decision: 16 streams x
+    10^6 items under ``decisions`` earlier decisions of the epoch, 4,096 ranks x 8 workers, half the
+    epoch consumed (a prefix, as a controlled epoch is trained). It builds the decided epoch's order,
+    plans the rest without what was handed out, and builds the rank's tasks and their streams: what
+    :meth:`ShardedLoader._replan` and the first batches after it do, once per decision."""
+    from lightning_sharding.mixture.control import ControlledMixture, Decision
+    from lightning_sharding.mixture.order import Mixture, StreamSpec, plan_draws
+
+    specs = [StreamSpec(f"s{i}", weight=float(i + 1)) for i in range(STREAMS)]
+    draws = plan_draws(specs, [ITEMS] * STREAMS)
+    names = tuple(s.name for s in specs)
+    mixture = Mixture(names, tuple(s.describe() for s in specs), (ITEMS,) * STREAMS, tuple(draws))
+    counts = np.ones(STREAMS * ITEMS, dtype=np.int64)
+    total = sum(draws)
+    half = total // 2
+    rng = np.random.default_rng(0)
+    made = tuple(
+        Decision(0, (k + 1) * half // (decisions + 1), dict(zip(names, rng.random(STREAMS).tolist(), strict=True)), k)
+        for k in range(decisions)
+    )
+    controlled = ControlledMixture(mixture, made)
+    held = RangeSet.interval(half, half + RANKS * PLAN_BATCH * 2)  # two windows handed out ahead
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        decided = controlled.decided(Decision(0, half + RANKS * PLAN_BATCH * 2, {"s0": 1.0, "s15": 2.0}, decisions))
+        order = decided.order(counts, 0, 0)
+        plan = plan_epoch(
+            order, RangeSet.interval(0, half) | held, world_size=RANKS, num_workers=WORKERS, batch_size=PLAN_BATCH
+        )
+        tasks = list(plan.rank(RANKS - 1).tasks())
+        streams, _ = order.streams(np.concatenate([t.positions for t in tasks]))
+        times.append(time.perf_counter() - start)
+        assert plan.in_time and len(tasks) == plan.num_batches and set(np.unique(streams).tolist()) <= {0, 15}
+    return {"seconds": statistics.median(times), "runs": times, "decisions": decisions, "streams": STREAMS}
+
+
 def mixture_change_seconds(items: int, samples_per_item: int) -> dict[str, Any]:
     """Seconds a resume with ``allow_mixture_change`` spends once to change a mixture's epoch: 16
     streams of ``items`` items of ``samples_per_item`` samples, a quarter of the epoch consumed in 16

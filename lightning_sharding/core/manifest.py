@@ -148,9 +148,19 @@ class Manifest:
         """The blocks ``epoch``'s batches follow (``None``: the plan cuts batches anywhere)."""
         return self.epochs.blocks_at(epoch) if self.epochs is not None else None
 
-    def with_epochs(self, epochs: Epochs | None) -> Manifest:
-        """These items, their epochs ordered by ``epochs``."""
-        return Manifest(self.items, epochs)
+    def with_epochs(self, epochs: Epochs | None, *, same_identity: bool = False) -> Manifest:
+        """These items, their epochs ordered by ``epochs``. ``same_identity``: ``epochs`` has the
+        identity and summary of this manifest's (only the order changed, as by a mixture decision), so
+        the new manifest keeps what this one computed of them (cheap for a manifest of 10^7 items)."""
+        if not same_identity:
+            return Manifest(self.items, epochs)
+        new = object.__new__(Manifest)
+        object.__setattr__(new, "items", self.items)
+        object.__setattr__(new, "epochs", epochs)
+        for key in ("counts", "table", "_by_path", "fingerprint", "_summary"):
+            if key in self.__dict__:
+                new.__dict__[key] = self.__dict__[key]
+        return new
 
     @cached_property
     def fingerprint(self) -> str:

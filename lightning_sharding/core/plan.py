@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -59,13 +59,19 @@ Int64Array = npt.NDArray[np.int64]
 @dataclass(frozen=True)
 class BatchTask:
     """One batch to produce: ``positions`` (int64, shape ``(n,)``) of which the last ``num_padding``
-    repeat a real position and must never count as consumed. ``worker`` is the worker it is planned for."""
+    repeat a real position and must never count as consumed. ``worker`` is the worker it is planned for.
+
+    A pass planned again mid-way (a mixture decision changed the epoch's order) numbers its plans:
+    ``generation`` is the plan's, and ``epochs`` how the manifest's epochs are ordered now (``None``:
+    as the worker's manifest says), so a worker started before the change reads by the new order."""
 
     epoch: int
     index: int
     worker: int
     positions: Int64Array
     num_padding: int
+    generation: int = 0
+    epochs: Any = None
 
 
 def _split(total: int, parts: int, part: int) -> tuple[int, int]:

@@ -72,7 +72,11 @@ class PlannedBatches(Dataset[Delivery]):
     def __len__(self) -> int:
         raise TypeError("PlannedBatches is indexed by BatchTask and has no length")
 
-    def _epoch_order(self, epoch: int) -> Order:
+    def _epoch_order(self, epoch: int, epochs: Any = None) -> Order:
+        """``epoch``'s order; ``epochs``: a task's newer epochs (a mixture decision since this worker started)."""
+        if epochs is not None and epochs is not self.manifest.epochs and epochs != self.manifest.epochs:
+            self.manifest = self.manifest.with_epochs(epochs, same_identity=True)
+            self._order = None
         if self._order is None or self._order.epoch != epoch:
             self._order = self.manifest.order(self.seed, epoch, shuffle=self.shuffle)
         return self._order
@@ -93,10 +97,11 @@ class PlannedBatches(Dataset[Delivery]):
 
     def _batch(self, task: BatchTask) -> Delivery:
         ctx = self.context(task.epoch)
+        order = self._epoch_order(task.epoch, task.epochs)
         if self.reader.reads_sequences:  # packed sequences: the reader builds the whole batch
-            batch = self.reader.read_sequences(self._epoch_order(task.epoch), task.positions, self.items)
+            batch = self.reader.read_sequences(order, task.positions, self.items)
             return self._deliver(batch, task, task.positions, task.num_padding, ctx)
-        item_ids, indices = self._epoch_order(task.epoch).locate(task.positions)
+        item_ids, indices = order.locate(task.positions)
         if self.reader.fetch_ahead:
             self._tell_ahead(task, item_ids)
         # Read runs of consecutive positions that fall in the same item with one call.
@@ -248,7 +253,8 @@ class PlannedBatches(Dataset[Delivery]):
         if streams is not None and isinstance(batch, dict) and STREAM_KEY not in batch:
             batch = {**batch, STREAM_KEY: torch.from_numpy(streams)}
         skipped = NO_POSITIONS if skipped is None else skipped
-        return Delivery(batch, task.epoch, positions, num_padding, skipped, stats=self.reader.take_stats())
+        stats = self.reader.take_stats()
+        return Delivery(batch, task.epoch, positions, num_padding, skipped, stats=stats, generation=task.generation)
 
     def _stream_names_of(self, item_ids: npt.NDArray[np.int64]) -> list[str | None]:
         """The stream name of each item of ``item_ids`` (``None`` each outside a mixture)."""

@@ -27,7 +27,8 @@ class Delivery(NamedTuple):
     them padding; ``skipped`` (``(k,)``) failed to read under ``on_error="skip"`` and are consumed
     without being in the batch; ``used`` are the items whose shared memory the batch used
     (strategy ``broadcast``); ``end`` marks that the source has no more batches (``batch`` is None);
-    ``stats`` are the reader's counters since the worker's previous batch (see ``Reader.take_stats``).
+    ``stats`` are the reader's counters since the worker's previous batch (see ``Reader.take_stats``);
+    ``generation`` is the plan's of its task (see :class:`~lightning_sharding.core.plan.BatchTask`).
     """
 
     batch: Any
@@ -38,6 +39,7 @@ class Delivery(NamedTuple):
     used: Int64Array = NO_POSITIONS
     end: bool = False
     stats: Mapping[str, float] | None = None
+    generation: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -72,6 +73,9 @@ class PlanSampler(Sampler[BatchTask]):
         # Positions of this epoch handed to training under an earlier plan of the same pass and not in
         # the ledger yet (a mixture decision replanned the pass): never planned again.
         self.held = RangeSet()
+        self.generation = 0  # the plans of a pass planned again are numbered; the tasks carry it
+        self.task_epochs: Any = None  # the epochs a decision made, which tasks carry to workers started before
+        self.dealt = -1  # the generation whose every task the DataLoader has taken (-1: none yet)
 
     @classmethod
     def of(
@@ -127,7 +131,36 @@ class PlanSampler(Sampler[BatchTask]):
     def __iter__(self) -> Iterator[BatchTask]:
         self.epoch_plan = self.plan()
         self.rank_plan = self.epoch_plan.rank(self.world.data_rank)
-        return self.rank_plan.tasks()
+        return self._tasks()
+
+    def _tasks(self) -> Iterator[BatchTask]:
+        """The plan's tasks; after :meth:`switch` mid-pass, the new plan's (the DataLoader asks for
+        the next task as it goes, so none of the old plan is dealt after the switch)."""
+        generation = self.generation
+        assert self.rank_plan is not None
+        tasks = self.rank_plan.tasks()
+        while True:
+            if generation != self.generation:
+                generation = self.generation
+                tasks = self.rank_plan.tasks()
+            task = next(tasks, None)
+            if task is None:
+                self.dealt = generation
+                return
+            if generation or self.task_epochs is not None:
+                task = replace(task, generation=generation, epochs=self.task_epochs)
+            yield task
+
+    def switch(self, epochs: Any, orders: Callable[[int, int], Order], held: RangeSet | None) -> None:
+        """Order epochs by ``orders`` (of ``epochs``, which tasks carry to the workers) from now on;
+        ``held``: this pass goes on under a new plan (generation) without those positions, handed out already."""
+        self.orders = orders
+        self.task_epochs = epochs
+        if held is not None:
+            self.held = self.held | held
+            self.generation += 1
+            self.epoch_plan = self.plan()
+            self.rank_plan = self.epoch_plan.rank(self.world.data_rank)
 
 
 def handed_out(plan: EpochPlan, batches: int) -> tuple[RangeSet, int]:
@@ -170,10 +203,8 @@ class ShardedLoader(TrainLoader):
         self.sampler = sampler
         self.delivered = DeliveredLog(padding_key=options.padding_key, track=track)
         self._iterator: Iterator[Any] | None = None
-        self._dataset, self._options = dataset, options
+        self._options = options
         self._yielded = 0  # batches yielded under the current plan
-        self._next_manifest: Manifest | None = None  # a decision's manifest, planned from the next batch on
-        self._stale_workers = False  # persistent workers hold an order a decision changed since
         workers = options.num_workers
         start_method = options.multiprocessing_context or multiprocessing.get_start_method()
         if workers > 0 and start_method in ("spawn", "forkserver"):
@@ -229,26 +260,22 @@ class ShardedLoader(TrainLoader):
         return dataset, PlanSampler.of(r.ledger, r.world, r.options, r.worker_layout, orders)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._stale_workers:  # persistent workers started before a decision for this epoch
-            self._stop_workers()
         self._yielded = 0
+        self.batches_before_plan = 0
         self.delivered.clear()
         self.sampler.held = RangeSet()
-        self.batches_before_plan = 0
         while True:
-            self.batches_before_plan += self._yielded
-            self._yielded = 0
             for delivery in self._guarded(iter(self._loader)):
                 if self._pool is not None:
                     delivery = delivery._replace(batch=self._pool.unpack(delivery.batch))
+                if delivery.generation < self.sampler.generation:
+                    continue  # prepared ahead under a plan a decision replaced: never handed out (its slot goes free)
                 self._yielded += 1
                 yield self.delivered.accept(delivery, self.sampler.epoch)
-                if self._next_manifest is not None:
-                    break
-            else:
+            if self.sampler.dealt == self.sampler.generation:
                 return
-            self._replan()
-
+            # A decision replanned the pass after the DataLoader had taken the old plan's last task: one
+            # more pass of the DataLoader deals the new plan's (the same plan: nothing else changed).
     def decision_point(self) -> tuple[int, int]:
         """``(position, batches)``: the first epoch position of the current pass no rank has been handed
         (every rank yielded ``batches`` under the plan), from which a decision made now holds; the
@@ -259,42 +286,17 @@ class ShardedLoader(TrainLoader):
         return handed_out(plan, self._yielded)[1], self._yielded
 
     def switch_order(self, manifest: Manifest, *, now: bool) -> None:
-        """Serve by ``manifest``'s order (a decision changed it from :meth:`decision_point` on). ``now``:
-        from the next batch, the workers stop, what they prepared ahead is dropped, and the pass is
-        planned again without the positions handed out already; else from the next epoch (this one's
-        order is the same), with new workers."""
+        """Order epochs by ``manifest``'s (a decision changed it from :meth:`decision_point` on). ``now``:
+        the rest of this pass is planned again without the positions handed out already; what the
+        workers prepared ahead under the old plan is dropped when it arrives. Else from the next epoch
+        (this one's order is the same). The workers learn the new order from their next task."""
+        held = None
         if now:
-            self._next_manifest = manifest
-            return
-        self._use(manifest)
-        self._stale_workers = True
-
-    def _replan(self) -> None:
-        manifest, self._next_manifest = self._next_manifest, None
-        assert manifest is not None and self.sampler.epoch_plan is not None
-        held, _ = handed_out(self.sampler.epoch_plan, self._yielded)
-        self.sampler.held = self.sampler.held | held
-        self._stop_workers()
-        self._use(manifest)
-
-    def _stop_workers(self) -> None:
-        stop_workers(self._iterator)
-        self._iterator = None
-        self._loader._iterator = None  # persistent workers hold the old order: start new ones
-        self._stale_workers = False
-        if self._pool is not None:  # slots the stopped workers filled are never read: a fresh pool
-            self._pool.close()
-            options = self._options
-            self._pool = SlotPool(
-                options.num_workers, options.prefetch_factor, options.multiprocessing_context, options.pin_memory
-            )
-            self._dataset.slot_states = self._pool.states
-
-    def _use(self, manifest: Manifest) -> None:
-        """Plan and read by ``manifest``'s order from now on (workers started from now on)."""
-        self._dataset.manifest = manifest
-        self._dataset._order = None
-        self.sampler.orders = partial(manifest.order, shuffle=self._options.shuffle)
+            assert self.sampler.epoch_plan is not None
+            held, _ = handed_out(self.sampler.epoch_plan, self._yielded)
+            self.batches_before_plan += self._yielded
+            self._yielded = 0
+        self.sampler.switch(manifest.epochs, partial(manifest.order, shuffle=self._options.shuffle), held)
 
     def _guarded(self, iterator: Iterator[Delivery]) -> Iterator[Delivery]:
         """The DataLoader iterator's output; a dead worker is re-raised naming this rank, the worker and its pid."""

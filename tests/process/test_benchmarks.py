@@ -39,6 +39,7 @@ def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert mixture["streams"] == 16 and mixture["seconds"] > 0 and mixture["locate_seconds"] > 0
     assert results["mixture_planning_stratified"]["composition"] == "stratified"
     assert results["mixture_planning_per_stream"]["seconds"] > 0
+    assert results["mixture_decision"]["decisions"] == 10 and results["mixture_decision"]["seconds"] > 0
     assert results["mixture_change"]["consumed"] == 16 * (16 * 10**3 * 100 // 16 // 4)
     assert all(row["bytes"] > 0 and row["gather_save_seconds"] > 0 for row in results["checkpoint"].values())
     memory = results["memory"]["data_per_item"]
@@ -46,6 +47,7 @@ def test_quick_suite_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = done.stdout
     assert "| measure | system / setting |" in table and "planning a mixture" in table and "memory" in table
+    assert "replanning after a `MixtureController` decision" in table
     assert "batch transport: slot pool vs PyTorch's own path" in table and "worker scaling" in table
 
 
