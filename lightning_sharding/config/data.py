@@ -214,11 +214,15 @@ class StreamOptions:
 
 @dataclass
 class PhaseOptions:
-    """One phase of ``data.schedule``: from ``start`` (a fraction of the epoch) on, the streams draw
-    at ``shares`` (stream name -> weight; a stream not named draws nothing in the phase)."""
+    """One phase of ``data.schedule``: from ``start`` (a fraction of the epoch), or from ``samples``
+    trained since the start of training, on, the streams draw at ``shares`` (stream name -> weight;
+    a stream not named draws nothing in the phase); ``ramp``: the shares move there linearly over
+    that much (of the epoch, or samples) after the start."""
 
     start: float = 0.0
     shares: dict[str, float] = MISSING
+    samples: int | None = None
+    ramp: float = 0.0
 
 
 @dataclass

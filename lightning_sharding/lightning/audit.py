@@ -338,14 +338,27 @@ def _per_stream(
 
 def _phase_names(header: dict[str, Any], epoch: int, count: int) -> list[str]:
     """What started each phase of ``epoch``: a share schedule's start, or an online decision's step."""
-    if header.get("decisions") is not None:
-        within = [d for d in header["decisions"] if int(d["epoch"]) == epoch and int(d["position"]) < header["total"]]
-        within.sort(key=lambda d: int(d["position"]))
-        first = "phase 0 (the shares the epoch started with)"
-        return [first] + [f"phase {k + 1} (the decision of step {d['step']})" for k, d in enumerate(within)][
-            : count - 1
-        ]
-    return [f"phase {k} (from {p['start']:g} of the epoch)" for k, p in enumerate(header.get("schedule") or [])]
+    if header.get("decisions") is not None or header.get("training_schedule"):
+        from lightning_sharding.mixture import Decision
+        from lightning_sharding.mixture.control import epoch_decisions, static_decisions
+
+        total = int(header["total"])
+        decisions = static_decisions(header.get("training_schedule") or [], total)
+        decisions += [Decision.from_state(d) for d in header.get("decisions") or []]
+        names = ["phase 0 (the shares the epoch started with)"]
+        for d in epoch_decisions(decisions, epoch, total):
+            sample = epoch * total + d.position
+            what = f"decision of step {d.step}" if d.step >= 0 else f"schedule, from sample {sample}"
+            if d.position == 0:  # it gives the epoch's first phase its shares
+                names[0] = f"phase 0 (the {what})"
+            else:
+                names.append(f"phase {len(names)} (the {what})")
+        return names[:count]
+    labels = [
+        f"from {p['start']:g} of the epoch" + (f", {p['note']}" if p.get("note") else "")
+        for p in header.get("schedule") or []
+    ]
+    return [f"phase {k} ({label})" for k, label in enumerate(labels)]
 
 
 def _kept(lines: list[dict[str, Any]], cut: int | None) -> Iterable[dict[str, Any]]:

@@ -239,6 +239,11 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
             "allow_mixture_change continues a mixture under new streams or shares, but "
             f"{'the data is' if mixture is None else 'the checkpoint holds'} no mixture; use allow_data_change=True"
         )
+    if mixture.training or saved.get("training_schedule"):
+        raise MixtureChangeError(
+            "allow_mixture_change does not yet go on with a share schedule over training (Phase(samples=...)); "
+            "resume with the checkpoint's streams and schedule, or use allow_data_change=True"
+        )
     if mixture.stream_epochs or any("packing" in s for s in old):
         raise MixtureChangeError(
             "allow_mixture_change does not yet continue a mixture of packed token streams under new streams or "

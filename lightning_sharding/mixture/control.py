@@ -79,14 +79,34 @@ def shares_of_draws(names: Sequence[str], draws: Sequence[int]) -> dict[str, flo
     return {name: d / total for name, d in zip(names, draws, strict=True)}
 
 
+def static_decisions(training: Sequence[Mapping[str, Any]], total: int) -> list[Decision]:
+    """A share schedule over training (phases from ``samples`` trained since its start, in epochs of
+    ``total`` samples) as the decisions it stands for (``step`` -1: the schedule's)."""
+    return [Decision(int(p["samples"]) // total, int(p["samples"]) % total, dict(p["shares"])) for p in training]
+
+
+def in_order(decisions: Sequence[Decision], total: int) -> list[Decision]:
+    """``decisions`` by epoch and position (one at or past its epoch's end last in it); ties keep their
+    order, so a schedule's phase (listed first) gives way to an online decision at the same point."""
+    return sorted(decisions, key=lambda d: (d.epoch, min(d.position, total)))
+
+
+def epoch_decisions(decisions: Sequence[Decision], epoch: int, total: int) -> list[Decision]:
+    """The decisions that start a phase inside ``epoch``, in order."""
+    return [d for d in in_order(decisions, total) if d.epoch == epoch and d.position < total]
+
+
 def controlled_layout(names: Sequence[str], draws: Sequence[int], decisions: Sequence[Decision], epoch: int) -> Phased:
     """The layout of ``epoch`` of a mixture of streams ``names`` whose own ``draws`` an epoch (of their
     sum's positions) are changed by ``decisions`` (see the module)."""
     total = sum(draws)
-    before = [d for d in decisions if d.epoch < epoch]  # the last of them holds when the epoch starts
+    before = [d for d in in_order(decisions, total) if d.epoch < epoch]  # the last holds when the epoch starts
     first = list(draws) if not before else apportion(total, _row(before[-1].shares, names))
     rows, starts = [first], [0]
-    for d in sorted((d for d in decisions if d.epoch == epoch and d.position < total), key=lambda d: d.position):
+    for d in epoch_decisions(decisions, epoch, total):
+        if d.position == 0:  # from the epoch's start: its first phase
+            rows[0] = apportion(total, _row(d.shares, names))
+            continue
         rows.append(apportion(total - d.position, _row(d.shares, names)))
         starts.append(d.position)
     lengths = [b - a for a, b in zip(starts, [*starts[1:], total], strict=True)]
@@ -104,7 +124,7 @@ class ControlledMixture:
     mixture's: decisions change which samples an epoch draws, never what the data is."""
 
     mixture: Mixture
-    decisions: tuple[Decision, ...] = ()
+    decisions: tuple[Decision, ...] = ()  # made online (the mixture's schedule over training adds its own)
 
     def __post_init__(self) -> None:
         if self.mixture.composition != "mixed" or self.mixture.schedule or self.mixture.stream_epochs:
@@ -129,9 +149,15 @@ class ControlledMixture:
         """These epochs with one more decision."""
         return ControlledMixture(self.mixture, (*self.decisions, decision))
 
+    @property
+    def all_decisions(self) -> list[Decision]:
+        """The schedule's (over training) and the online decisions, in order."""
+        static = static_decisions(self.mixture.training, self.mixture.total)
+        return in_order([*static, *self.decisions], self.mixture.total)
+
     def layout(self, epoch: int) -> Phased:
         """The layout of ``epoch``."""
-        return controlled_layout(self.mixture.names, self.mixture.draws, self.decisions, epoch)
+        return controlled_layout(self.mixture.names, self.mixture.draws, self.all_decisions, epoch)
 
     def shares_at(self, epoch: int, position: int) -> dict[str, float]:
         """The shares in force at ``position`` of ``epoch``."""
@@ -167,11 +193,14 @@ class ControlledMixture:
 
 def layout_of_summary(streams: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], epoch: int = 0) -> Layout:
     """The layout of ``epoch`` a saved manifest summary or audit header describes: its online
-    ``decisions`` (:mod:`~lightning_sharding.mixture.control`), its share ``schedule``'s phases, or its
-    ``streams``' draws under its ``composition`` and ``batch_size`` (absent for ``mixed``)."""
-    if summary.get("decisions") is not None:
-        decisions = [Decision.from_state(d) for d in summary["decisions"]]
-        return controlled_layout([s["name"] for s in streams], [int(s["draws"]) for s in streams], decisions, epoch)
+    ``decisions`` and ``training_schedule`` (:mod:`~lightning_sharding.mixture.control`), its share
+    ``schedule``'s phases, or its ``streams``' draws under its ``composition`` and ``batch_size``
+    (absent for ``mixed``)."""
+    if summary.get("decisions") is not None or summary.get("training_schedule"):
+        draws = [int(s["draws"]) for s in streams]
+        decisions = static_decisions(summary.get("training_schedule") or [], sum(draws))
+        decisions += [Decision.from_state(d) for d in summary.get("decisions") or []]
+        return controlled_layout([s["name"] for s in streams], draws, decisions, epoch)
     if summary.get("schedule"):
         return Phased([p["draws"] for p in summary["schedule"]])
     return layout([int(s["draws"]) for s in streams], summary.get("composition", "mixed"), summary.get("batch_size"))

@@ -370,10 +370,12 @@ class Mixture:
     stream_epochs: tuple[Any, ...] = ()
     # A share schedule (mixture.schedule): each phase's start, shares and draws; () for fixed shares.
     schedule: tuple[dict[str, Any], ...] = ()
+    # A share schedule over training (mixture.control): each phase's samples since the start and shares.
+    training: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         layout(self.draws, self.composition, self.batch_size)  # checks the composition
-        if self.schedule and self.composition != "mixed":
+        if (self.schedule or self.training) and self.composition != "mixed":
             raise ValueError(
                 f"a share schedule needs batch_composition='mixed', not {self.composition!r}: its phases cut "
                 "the epoch where their fractions say, not at batch blocks"
@@ -415,6 +417,8 @@ class Mixture:
         and the share schedule (absent without one, as before schedules)."""
         if self.schedule:
             return {"schedule": [dict(p) for p in self.schedule]}
+        if self.training:
+            return {"training_schedule": [dict(p) for p in self.training]}
         if self.composition == "mixed":
             return {}
         return {"composition": self.composition, "batch_size": self.batch_size}
@@ -482,7 +486,14 @@ class Mixture:
                 diffs.append(f"the mixture's {name} was {was!r}, now {now!r}")
         if before.get("streams") and after.get("streams"):
             diffs += schedule_changes(before.get("schedule") or [], after.get("schedule") or [])
+            was, now = before.get("training_schedule") or [], after.get("training_schedule") or []
+            if was != now:
+                diffs.append(f"the mixture's schedule over training was {_phases_shown(was)}, now {_phases_shown(now)}")
         return diffs
+
+
+def _phases_shown(phases: list[dict[str, Any]]) -> str:
+    return "; ".join(f"from sample {p['samples']}: {dict(p['shares'])}" for p in phases) or "none"
 
 
 def _stream_changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str]:

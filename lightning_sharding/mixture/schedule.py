@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,18 +31,33 @@ from lightning_sharding.mixture.interleave import Interleave
 Int64Array = npt.NDArray[np.int64]
 
 
+RAMP_STEPS = 16  # a ramp is this many sub-phases, each at the interpolated shares of its middle
+
+
 @dataclass(frozen=True)
 class Phase:
-    """From ``start`` (a fraction of the epoch, ``0 <= start < 1``) on, the streams draw at ``shares``
-    (stream name -> weight; streams not named draw nothing)."""
+    """From ``start`` (a fraction of the epoch, ``0 <= start < 1``), or from ``samples`` trained since
+    the start of training, on, the streams draw at ``shares`` (stream name -> weight; streams not
+    named draw nothing). ``ramp``: the shares move from the previous phase's to these linearly over
+    that much after the start (a fraction of the epoch, or samples), in :data:`RAMP_STEPS` steps."""
 
-    start: float
-    shares: Mapping[str, float]
+    start: float = 0.0
+    shares: Mapping[str, float] = field(default_factory=dict)
+    samples: int | None = None
+    ramp: float = 0.0
+    note: str = ""  # what made a phase that phases_of inserted (a ramp's step)
 
     def __post_init__(self) -> None:
-        where = f"Phase(start={self.start!r})"
+        where = f"Phase(samples={self.samples!r})" if self.samples is not None else f"Phase(start={self.start!r})"
         if isinstance(self.start, bool) or not isinstance(self.start, (int, float)) or not 0 <= self.start < 1:
             raise ValueError(f"{where}: start is a fraction of the epoch, 0 <= start < 1")
+        if self.samples is not None:
+            if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 0:
+                raise ValueError(f"{where}: samples is a number of samples trained since the start of training, >= 0")
+            if self.start:
+                raise ValueError(f"{where}: give start (a fraction of the epoch) or samples (of training), not both")
+        if isinstance(self.ramp, bool) or not isinstance(self.ramp, (int, float)) or self.ramp < 0:
+            raise ValueError(f"{where}: ramp={self.ramp!r} must be >= 0")
         if not isinstance(self.shares, Mapping) or not self.shares:
             raise ValueError(f"{where}: shares must map stream names to weights, got {self.shares!r}")
         for name, share in self.shares.items():
@@ -51,47 +66,103 @@ class Phase:
         if sum(self.shares.values()) <= 0:
             raise ValueError(f"{where}: the shares {dict(self.shares)} sum to nothing; give one stream a share > 0")
 
+    @property
+    def at(self) -> float:
+        """Where the phase starts: its fraction of the epoch, or its samples of training."""
+        return float(self.samples) if self.samples is not None else float(self.start)
+
 
 def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str]) -> tuple[Phase, ...]:
-    """``schedule`` as :class:`Phase` objects (mappings ``{"start": ..., "shares": {...}}`` too, as
-    Hydra gives them), checked against the streams' ``names``: the first starts at 0, starts
-    increase, and every share names a stream."""
+    """``schedule`` as :class:`Phase` objects (mappings ``{"start" or "samples", "shares", "ramp"}``
+    too, as Hydra gives them), checked against the streams' ``names``: the first starts at 0, starts
+    increase, a ramp ends before the next phase, every share names a stream and every stream is
+    named by a phase. A ramp becomes :data:`RAMP_STEPS` phases of interpolated shares."""
     if isinstance(schedule, (Phase, Mapping, str)) or not isinstance(schedule, Sequence):
         raise ValueError(f"schedule={schedule!r} must be a list of phases: [Phase(0, {{...}}), Phase(0.7, {{...}})]")
     phases = []
     for i, phase in enumerate(schedule):
         if isinstance(phase, Mapping):
-            unknown = sorted(set(phase) - {"start", "shares"})
+            unknown = sorted(set(phase) - {"start", "shares", "samples", "ramp"})
             if unknown or "shares" not in phase:
                 raise ValueError(
-                    f"schedule phase {i}: {dict(phase)!r} needs `shares` (and `start`), not {unknown or 'nothing'}"
+                    f"schedule phase {i}: {dict(phase)!r} needs `shares` (and `start` or `samples`), not "
+                    f"{unknown or 'nothing'}"
                 )
-            start, shares = phase.get("start", 0.0), phase["shares"]
+            start, shares = phase.get("start") or 0.0, phase["shares"]
             if isinstance(start, bool) or not isinstance(start, (int, float)):
                 raise ValueError(f"schedule phase {i}: start={start!r} must be a fraction of the epoch, 0 <= start < 1")
             if not isinstance(shares, Mapping):
                 raise ValueError(
                     f"schedule phase {i}: shares={shares!r} must map stream names to weights, e.g. {{web: 3}}"
                 )
-            phase = Phase(float(start), dict(shares))
+            phase = Phase(float(start), dict(shares), phase.get("samples"), phase.get("ramp") or 0.0)
         if not isinstance(phase, Phase):
             raise ValueError(f"schedule phase {i} is {phase!r}; give Phase(start, shares) or a mapping")
         phases.append(phase)
     if not phases:
         raise ValueError("schedule=[] has no phase; give None for fixed shares, or one Phase(0, {...}) or more")
-    if phases[0].start != 0:
-        raise ValueError(f"the schedule's first phase starts at {phases[0].start}; it must start at 0")
+    if phases[0].samples is None and phases[0].start == 0 and len(phases) > 1 and phases[1].samples is not None:
+        phases[0] = replace(phases[0], samples=0)  # the first phase of a schedule over training starts at sample 0
+    if len({p.samples is None for p in phases}) > 1:
+        raise ValueError("the schedule mixes phases from a fraction of the epoch (start=) and of training (samples=)")
+    unit = "of the epoch" if phases[0].samples is None else "samples of training"
+    if phases[0].at != 0:
+        raise ValueError(f"the schedule's first phase starts at {phases[0].at:g} {unit}; it must start at 0")
+    if phases[0].ramp:
+        raise ValueError("the schedule's first phase has a ramp, but no phase before it to ramp from")
     for i in range(1, len(phases)):
-        if phases[i].start <= phases[i - 1].start:
+        if phases[i].at <= phases[i - 1].at:
             raise ValueError(
-                f"schedule phase {i} starts at {phases[i].start}, not after phase {i - 1} ({phases[i - 1].start}): "
-                "list the phases in order of their starts"
+                f"schedule phase {i} starts at {phases[i].at:g}, not after phase {i - 1} ({phases[i - 1].at:g}) "
+                f"{unit}: list the phases in order of their starts"
             )
+        if phases[i - 1].at + phases[i - 1].ramp > phases[i].at:
+            raise ValueError(
+                f"schedule phase {i - 1}'s ramp ends at {phases[i - 1].at + phases[i - 1].ramp:g} {unit}, after phase "
+                f"{i} starts ({phases[i].at:g}): shorten the ramp"
+            )
+    if phases[-1].samples is None and phases[-1].start + phases[-1].ramp > 1:
+        raise ValueError(f"schedule phase {len(phases) - 1}'s ramp runs past the end of the epoch: shorten it")
     for i, phase in enumerate(phases):
         unknown = sorted(set(phase.shares) - set(names))
         if unknown:
             raise ValueError(f"schedule phase {i} names {unknown}, which are not streams; the streams: {list(names)}")
-    return tuple(phases)
+    unnamed = [n for n in names if all(n not in p.shares for p in phases)]
+    if unnamed:
+        raise ValueError(
+            f"streams {unnamed} are named by no phase of the schedule, so they would draw nothing: give them a "
+            "share in a phase, or remove them from streams="
+        )
+    return tuple(_with_ramps(phases, names))
+
+
+def _with_ramps(phases: Sequence[Phase], names: Sequence[str]) -> list[Phase]:
+    """The phases, each ramp as RAMP_STEPS phases of linearly interpolated (normalized) shares."""
+    out: list[Phase] = []
+    for k, phase in enumerate(phases):
+        if not phase.ramp:
+            out.append(phase)
+            continue
+        before, after = _normalized(phases[k - 1].shares, names), _normalized(phase.shares, names)
+        for j in range(RAMP_STEPS):
+            t = (j + 0.5) / RAMP_STEPS
+            shares = {
+                n: (1 - t) * a + t * b for n, a, b in zip(names, before, after, strict=True) if (1 - t) * a + t * b
+            }
+            at = phase.at + j * phase.ramp / RAMP_STEPS
+            note = f"ramp {j + 1}/{RAMP_STEPS} to phase {k}"
+            if phase.samples is None:
+                out.append(Phase(at, shares, note=note))
+            else:
+                out.append(Phase(0.0, shares, samples=round(at), note=note))
+        end = phase.at + phase.ramp
+        out.append(Phase(end, phase.shares) if phase.samples is None else Phase(0.0, phase.shares, samples=round(end)))
+    return out
+
+
+def _normalized(shares: Mapping[str, float], names: Sequence[str]) -> list[float]:
+    total = sum(shares.values())
+    return [float(shares.get(n, 0.0)) / total for n in names]
 
 
 def phase_draws(phases: Sequence[Phase], names: Sequence[str], total: int) -> list[list[int]]:
@@ -100,7 +171,7 @@ def phase_draws(phases: Sequence[Phase], names: Sequence[str], total: int) -> li
     bounds = [math.floor(p.start * total) for p in phases] + [total]
     out = []
     for k, (phase, lo, hi) in enumerate(zip(phases, bounds[:-1], bounds[1:], strict=True)):
-        if hi <= lo:
+        if hi <= lo and not phase.note:  # a ramp's step may be empty in a short epoch
             raise ValueError(
                 f"schedule phase {k} (from {phase.start:g}) gets no position of an epoch of {total} samples: "
                 "move its start, or raise samples_per_epoch"
@@ -113,7 +184,12 @@ def phase_draws(phases: Sequence[Phase], names: Sequence[str], total: int) -> li
 def schedule_summary(phases: Sequence[Phase], draws: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
     """The schedule as a checkpoint keeps it: each phase's start, shares and draws per stream."""
     return [
-        {"start": p.start, "shares": dict(p.shares), "draws": [int(d) for d in row]}
+        {
+            "start": p.start,
+            "shares": dict(p.shares),
+            "draws": [int(d) for d in row],
+            **({"note": p.note} if p.note else {}),
+        }
         for p, row in zip(phases, draws, strict=True)
     ]
 

@@ -19,6 +19,7 @@ import numpy.typing as npt
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.world import ShardContext
 from lightning_sharding.mixture.composition import COMPOSITIONS
+from lightning_sharding.mixture.control import ControlledMixture
 from lightning_sharding.mixture.order import Mixture, StreamSpec, plan_draws
 from lightning_sharding.mixture.schedule import Phase, phase_draws, phases_of, schedule_summary
 from lightning_sharding.readers.base import Columns, Reader
@@ -165,7 +166,13 @@ class MixtureReader(Reader):
                 specs[i] = replace(specs[i], choose=max(1, sequences))
         draws = plan_draws(specs, sizes, self.samples_per_epoch)
         schedule: tuple[dict[str, Any], ...] = ()
-        if self.phases:  # the epoch keeps its size; each phase splits its part at its own shares
+        training: tuple[dict[str, Any], ...] = ()
+        if self.phases and self.phases[0].samples is not None:  # phases over training: decisions made in advance
+            training = tuple(
+                {"samples": p.samples, "shares": dict(p.shares), **({"note": p.note} if p.note else {})}
+                for p in self.phases
+            )
+        elif self.phases:  # the epoch keeps its size; each phase splits its part at its own shares
             names = [s.name for s in self.streams]
             rows = phase_draws(self.phases, names, sum(draws))
             schedule = tuple(schedule_summary(self.phases, rows))
@@ -179,7 +186,10 @@ class MixtureReader(Reader):
             batch_size=None if self.composition == "mixed" else batch_size or self.batch_size,
             stream_epochs=stream_epochs,
             schedule=schedule,
+            training=training,
         )
+        if training:
+            return Manifest(tuple(self.items()), ControlledMixture(mixture))
         return Manifest(tuple(self.items()), mixture)
 
     def read_sequences(self, order: Any, positions: npt.NDArray[np.int64], items: Sequence[Item]) -> Any:

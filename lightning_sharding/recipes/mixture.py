@@ -62,5 +62,15 @@ def mixture(
         samples_per_epoch=samples_per_epoch,
         batch_composition=batch_composition,
         allow_mixture_change=allow_mixture_change,
-        schedule=None if schedule is None else [{"start": p["start"], "shares": dict(p["shares"])} for p in schedule],
+        schedule=None if schedule is None else [_phase(p) for p in schedule],
     )
+
+
+def _phase(phase: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``data.schedule`` phase as the mixture takes it (the keys a user set, ``shares`` a dict)."""
+    out: dict[str, Any] = {"start": phase.get("start") or 0.0, "shares": dict(phase["shares"])}
+    if phase.get("samples") is not None:
+        out["samples"] = int(phase["samples"])
+    if phase.get("ramp"):
+        out["ramp"] = phase["ramp"]
+    return out

@@ -276,6 +276,7 @@ class ShardedLoader(TrainLoader):
                 return
             # A decision replanned the pass after the DataLoader had taken the old plan's last task: one
             # more pass of the DataLoader deals the new plan's (the same plan: nothing else changed).
+
     def decision_point(self) -> tuple[int, int]:
         """``(position, batches)``: the first epoch position of the current pass no rank has been handed
         (every rank yielded ``batches`` under the plan), from which a decision made now holds; the

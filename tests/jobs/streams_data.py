@@ -54,14 +54,20 @@ def planned_ids(
 
 
 def planned_under_decisions(
-    specs: list[dict[str, Any]], samples_per_epoch: int, seed: int, epoch: int, decisions: list[dict[str, Any]]
+    specs: list[dict[str, Any]],
+    samples_per_epoch: int,
+    seed: int,
+    epoch: int,
+    decisions: list[dict[str, Any]],
+    schedule: Any = None,
 ) -> Counter[int]:
     """How often each sample id is planned in ``epoch`` of a mixture under online control, given the
-    decisions (as a ledger keeps them) a run made."""
-    from lightning_sharding.mixture import ControlledMixture, Decision
+    decisions (as a ledger keeps them) a run made, and a share ``schedule`` over training."""
+    from lightning_sharding.mixture import ControlledMixture, Decision, mixture_of
 
-    manifest = MixtureReader(make_streams(specs), samples_per_epoch).manifest()
-    controlled = ControlledMixture(manifest.epochs, tuple(Decision.from_state(d) for d in decisions))  # type: ignore[arg-type]
+    manifest = MixtureReader(make_streams(specs), samples_per_epoch, schedule=schedule).manifest()
+    mixture = mixture_of(manifest)
+    controlled = ControlledMixture(mixture, tuple(Decision.from_state(d) for d in decisions))  # type: ignore[arg-type]
     items, index = controlled.order(manifest.counts, seed, epoch).locate(np.arange(manifest.total))
     starts = np.concatenate(([0], np.cumsum(manifest.counts)))
     return Counter((starts[items] + index).tolist())

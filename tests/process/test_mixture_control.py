@@ -8,10 +8,13 @@ what an uninterrupted run given the same decisions holds, and each epoch's plann
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_sharding.lightning.audit import audit, format_audit
 from tests.harness import Checks, Data, Job, Loading, Training, check_resume, run_segment, weights_of_run
@@ -27,11 +30,18 @@ STREAMS = (
 PER_EPOCH = 150
 SEED = 1234
 TOTAL = 158
+# A schedule over training: books only from sample 100 (epoch 0, position 100), then from sample 200
+# (epoch 1, position 50) a ramp of 64 samples back to all three; the controller decides in between.
+SCHEDULE = (
+    {"samples": 0, "shares": {"web": 3, "code": 1, "books": 1}},
+    {"samples": 100, "shares": {"books": 1}},
+    {"samples": 200, "shares": {"web": 1, "code": 1, "books": 1}, "ramp": 64},
+)
 
 
 def controlled_job(controller: dict[str, object], epochs: int = 2) -> Job:
     return Job(
-        data=Data(streams=STREAMS, samples_per_epoch=PER_EPOCH, controller=controller),
+        data=Data(streams=STREAMS, samples_per_epoch=PER_EPOCH, controller=controller, schedule=SCHEDULE),
         loading=Loading(seed=SEED),
         training=Training(epochs=epochs),
         checks=Checks(audit=True, count_weights=True),
@@ -39,10 +49,11 @@ def controlled_job(controller: dict[str, object], epochs: int = 2) -> Job:
 
 
 def test_online_decisions_resume_on_other_topologies_training_what_the_same_decisions_plan(tmp_path: Path) -> None:
-    """Decisions every 4 steps (a rotating policy: one stream 3, the next 1, the third nothing), the
-    job SIGKILLed on 2 x 2 and on 1 x 2 and finished on 2 x 1. The decisions the checkpoints hold
-    are replayed, the later ones made again; the final ledger's decisions, replayed by an
-    uninterrupted run on 1 rank without workers, give the same weights, sample by sample."""
+    """Decisions every 4 steps (a rotating policy: one stream 3, the next 1, the third nothing) beside
+    a schedule of three phases over training (one a ramp), the job SIGKILLed on 2 x 2 and on 1 x 2
+    and finished on 2 x 1. The decisions the checkpoints hold are replayed, the later ones made
+    again; the final ledger's decisions, replayed by an uninterrupted run on 1 rank without workers,
+    give the same weights, sample by sample."""
     job = controlled_job({"every": 4, "policy": "rotate"})
     then = [job.on(world_size=1), job.on(num_workers=1)]
     seen, segments = check_resume(tmp_path / "chain", job, then, checkpoint_every=3)
@@ -54,7 +65,7 @@ def test_online_decisions_resume_on_other_topologies_training_what_the_same_deci
     weights = weights_of_run(tmp_path / "chain", segments)
     previous = np.zeros(TOTAL)
     for epoch in (0, 1):
-        planned = planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, epoch, decisions)
+        planned = planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, epoch, decisions, SCHEDULE)
         assert sum(planned.values()) == PER_EPOCH
         assert seen[epoch] == planned, f"epoch {epoch}: served {sum(seen[epoch].values())} of {PER_EPOCH} draws"
         expected = np.zeros(TOTAL)
@@ -62,10 +73,15 @@ def test_online_decisions_resume_on_other_topologies_training_what_the_same_deci
         assert np.array_equal(weights[epoch] - previous, expected), f"epoch {epoch}"
         previous = weights[epoch]
     # The decisions moved the draws: books (11 samples) repeats under the shares that favour it.
-    assert max(planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, 0, decisions).values()) > 1
+    assert max(planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, 0, decisions, SCHEDULE).values()) > 1
     # An uninterrupted run given the same decisions (policy None: a replay) trains the same weights.
     replay = Job(
-        data=Data(streams=STREAMS, samples_per_epoch=PER_EPOCH, controller={"every": 4, "decisions": decisions}),
+        data=Data(
+            streams=STREAMS,
+            samples_per_epoch=PER_EPOCH,
+            controller={"every": 4, "decisions": decisions},
+            schedule=SCHEDULE,
+        ),
         loading=Loading(seed=SEED),
         training=Training(epochs=2),
         checks=Checks(count_weights=True),
@@ -82,10 +98,21 @@ def test_online_decisions_resume_on_other_topologies_training_what_the_same_deci
     table = format_audit(results)
     assert all(r.ok and r.complete for r in results) and "MISMATCH" not in table, table
     for r in results:
-        planned = planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, r.epoch, decisions)
+        planned = planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, r.epoch, decisions, SCHEDULE)
         per_stream = [
             sum(n for i, n in planned.items() if lo <= i < hi) for lo, hi in ((0, 107), (107, 147), (147, 158))
         ]
         assert [s.expected for s in r.streams] == [s.consumed for s in r.streams] == per_stream, table
         within = [d for d in decisions if d["epoch"] == r.epoch and d["position"] < PER_EPOCH]
-        assert [len(s.phases) for s in r.streams] == [1 + len(within)] * 3, table
+        scheduled = {0: 1, 1: 1 + 16}[r.epoch]  # epoch 0: books only from 100; epoch 1: the ramp's 16 steps and its end
+        assert [len(s.phases) for s in r.streams] == [1 + scheduled + len(within)] * 3, table
+    # inspect lists the decisions the last checkpoint holds.
+    last = sorted((tmp_path / "chain" / "checkpoints").glob("seg2-*.ckpt"))[-1]
+    shown = subprocess.run(
+        [sys.executable, "-m", "lightning_sharding.cli", "inspect", str(last)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    held = torch.load(last, weights_only=True)["lightning_sharding"]["decisions"]
+    assert f"controlled   {len(held)} decision(s)" in shown and f"decision     step {held[0]['step']}: " in shown, shown

@@ -230,7 +230,9 @@ def test_a_schedule_reaches_the_datamodule_and_a_bad_one_is_named(tmp_path: Path
         (0.7, {"code": 1.0, "books": 1.0}),
     ]
     cfg = make(tmp_path, "recipe=anneal", "data.num_workers=0", "data.schedule.1.start=0")
-    with pytest.raises(InstantiationException, match=r"schedule phase 1 starts at 0.0, not after phase 0 \(0.0\)"):
+    with pytest.raises(
+        InstantiationException, match=r"schedule phase 1 starts at 0, not after phase 0 \(0\) of the epoch"
+    ):
         build_datamodule(cfg)
 
 

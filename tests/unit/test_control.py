@@ -109,3 +109,46 @@ def test_a_mixture_with_a_schedule_or_blocks_is_not_put_under_control() -> None:
     blocked = MixtureReader(streams, 40, composition="stratified", batch_size=8).manifest()
     with pytest.raises(ValueError, match="batch_composition='stratified'"):
         ControlledMixture(blocked.epochs)
+
+
+def test_a_schedule_over_training_cuts_the_epochs_where_its_samples_fall() -> None:
+    """Phases from samples of training: a phase at sample 180 of epochs of 120 starts at position 60
+    of epoch 1; epoch 0 is the first phase's, epoch 2 the last's; the ramp's 16 steps move between."""
+    from lightning_sharding.mixture import Phase
+
+    streams = [Stream("a", SyntheticReader(sizes=[50, 50])), Stream("b", SyntheticReader(sizes=[30]))]
+    schedule = [Phase(shares={"a": 1}), Phase(shares={"b": 1}, samples=180, ramp=32)]
+    m = MixtureReader(streams, 120, schedule=schedule).manifest()
+    assert isinstance(m.epochs, ControlledMixture) and m.summary()["training_schedule"][0] == {
+        "samples": 0,
+        "shares": {"a": 1},
+    }
+    orders = [m.order(7, e) for e in (0, 1, 2)]
+    assert [o.draws for o in orders] == [(120, 0), (76, 44), (0, 120)]
+    streams_1, _ = orders[1].streams(np.arange(120))
+    assert set(streams_1[:60].tolist()) == {0} and set(streams_1[92:].tolist()) == {1}
+    ramp = streams_1[60:92]
+    assert 0 < int(ramp.sum()) < 32 and ramp[:8].sum() < ramp[-8:].sum()  # more b as the ramp goes
+    # The audit and inspect lay the epochs out from the summary alone, as the order does.
+    from lightning_sharding.mixture import layout_of_summary
+
+    summary = m.summary()
+    for e, order in enumerate(orders):
+        again, _ = layout_of_summary(summary["streams"], summary, e).streams(np.arange(120))
+        assert np.array_equal(again, order.streams(np.arange(120))[0])
+    # Another schedule is another mixture: a checkpoint of one refuses the other, naming it.
+    other = MixtureReader(streams, 120, schedule=[Phase(shares={"a": 1}), Phase(shares={"b": 1}, samples=240)])
+    changed = other.manifest()
+    assert changed.fingerprint != m.fingerprint
+    assert "schedule over training was from sample 0" in changed.explain_mismatch(summary)
+
+
+def test_a_ramp_in_a_schedule_of_the_epoch_moves_the_shares_in_steps() -> None:
+    from lightning_sharding.mixture import Phase
+
+    streams = [Stream("a", SyntheticReader(sizes=[50, 50])), Stream("b", SyntheticReader(sizes=[30]))]
+    m = MixtureReader(streams, 160, schedule=[Phase(0, {"a": 1}), Phase(0.5, {"b": 1}, ramp=0.2)]).manifest()
+    schedule = m.summary()["schedule"]
+    assert len(schedule) == 2 + 16 and schedule[1]["note"] == "ramp 1/16 to phase 1"
+    assert [p["draws"][1] for p in schedule[1:17]] == sorted(p["draws"][1] for p in schedule[1:17])
+    assert schedule[-1]["start"] == pytest.approx(0.7) and schedule[-1]["draws"] == [0, 48]

@@ -100,7 +100,18 @@ def test_a_fixed_mixture_is_unchanged_by_the_schedule_code() -> None:
     ("schedule", "message"),
     [
         ([], r"schedule=\[\] has no phase"),
-        ([Phase(0.2, {"web": 1})], r"first phase starts at 0.2; it must start at 0"),
+        ([Phase(0.2, {"web": 1})], r"first phase starts at 0.2 of the epoch; it must start at 0"),
+        ([Phase(0, {"web": 1, "code": 1})], r"streams \['books'\] are named by no phase of the schedule"),
+        (
+            [Phase(0, {"web": 1}), Phase(shares={"books": 1, "code": 1}, samples=100)],
+            r"mixes phases from a fraction of the epoch \(start=\) and of training \(samples=\)",
+        ),
+        (
+            [Phase(0, {"web": 1}), Phase(0.5, {"code": 1}, ramp=0.3), Phase(0.7, {"books": 1})],
+            r"phase 1's ramp ends at 0.8 of the epoch, after phase 2 starts \(0.7\)",
+        ),
+        ([Phase(0, {"web": 1, "code": 1, "books": 1}, ramp=0.1)], r"first phase has a ramp"),
+        ([{"samples": -5, "shares": {"web": 1}}], r"Phase\(samples=-5\): samples is a number of samples"),
         ([Phase(0, {"web": 1}), Phase(0.5, {"code": 1}), Phase(0.4, {"web": 1})], r"phase 2 starts at 0.4, not after"),
         ([Phase(0, {"web": 1, "news": 2})], r"phase 0 names \['news'\], which are not streams"),
         ([{"start": 0, "shares": {"web": 1}, "weight": 2}], r"schedule phase 0: .* not \['weight'\]"),
@@ -113,7 +124,7 @@ def test_a_fixed_mixture_is_unchanged_by_the_schedule_code() -> None:
         ),
         ([{"start": "70%", "shares": {"web": 1}}], r"schedule phase 0: start='70%' must be a fraction"),
         (
-            [Phase(0, {"web": 1}), Phase(0.001, {"code": 1})],  # phase 1 starts at position 0 too
+            [Phase(0, {"web": 1, "books": 1}), Phase(0.001, {"code": 1})],  # phase 1 starts at position 0 too
             r"phase 0 \(from 0\) gets no position of an epoch of 150",
         ),
     ],
