@@ -96,6 +96,12 @@ def build_callbacks(cfg: DictConfig) -> tuple[ShardingCallback, list[pl.Callback
                 save_last=c.save_last,
             )
         )
+    control = c.get("mixture_controller")
+    if control is not None and control.every_n_steps:
+        from lightning_sharding.lightning.controller import ExcessLossWeights, MixtureController
+
+        policy = ExcessLossWeights(dict(control.reference), lr=control.lr, smoothing=control.smoothing)
+        callbacks.append(MixtureController(policy, every_n_steps=control.every_n_steps))
     return sharding, callbacks
 
 

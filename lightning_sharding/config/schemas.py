@@ -129,8 +129,22 @@ class TokenModel:
 
 
 @dataclass
+class MixtureControllerOptions:
+    """A ``MixtureController`` deciding a mixture's shares with ``ExcessLossWeights`` (DoReMi-style)
+    every ``every_n_steps`` optimizer steps (``None``: no controller): each stream's loss above its
+    ``reference`` loss (0 when not given) raises its share, at rate ``lr``, mixed with the uniform
+    shares by ``smoothing``. The recipes' regressor hands its per-stream losses to it."""
+
+    every_n_steps: int | None = None
+    reference: dict[str, float] = field(default_factory=dict)
+    lr: float = 1.0
+    smoothing: float = 1e-3
+
+
+@dataclass
 class CallbacksConfig:
-    """Checkpoints (``ModelCheckpoint``) and the data summary (``ShardingCallback``)."""
+    """Checkpoints (``ModelCheckpoint``), the data summary (``ShardingCallback``), and a mixture's
+    online share decisions (``mixture_controller``)."""
 
     checkpoint: bool = True
     dirpath: str = "${out_dir}/checkpoints"  # where ckpt_path=last looks
@@ -139,6 +153,7 @@ class CallbacksConfig:
     save_last: bool = True
     print_summary: bool = True
     log_every_n_steps: int = 10  # data/progress, data/samples_per_s, data/wait
+    mixture_controller: MixtureControllerOptions = field(default_factory=MixtureControllerOptions)
 
 
 @dataclass

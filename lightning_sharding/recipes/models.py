@@ -30,6 +30,10 @@ class Regressor(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Mean squared error of the prediction of ``y`` from ``x``."""
         error = (self.net(batch["x"].float()).squeeze(-1) - batch["y"].float()) ** 2
+        if "stream" in batch:  # a mixture: train/loss/<stream>, and a MixtureController's statistics
+            from lightning_sharding.lightning.controller import log_stream_loss
+
+            log_stream_loss(self, error.detach(), batch)
         loss = _real(batch, error)
         self.log("train/loss", loss, prog_bar=True)
         return loss

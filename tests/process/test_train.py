@@ -68,6 +68,24 @@ def test_every_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str)
     assert list((tmp_path / "cache" / "datasets").iterdir()), "the recipe wrote no data set"
 
 
+def test_a_mixture_controller_from_the_config_decides_the_shares_and_the_checkpoint_keeps_them(
+    tmp_path: Path,
+) -> None:
+    """``callbacks.mixture_controller.every_n_steps=2`` with ``recipe=mixture``: the regressor hands
+    its per-stream losses to an ExcessLossWeights controller; its decisions are in the checkpoint."""
+    import torch
+
+    tiny = ["data.samples_per_epoch=96", "data.batch_size=16", "data.streams.0.num_items=2"]
+    tiny += [f"data.streams.{i}.samples_per_item={n}" for i, n in enumerate((32, 32, 16))]
+    control = ["callbacks.mixture_controller.every_n_steps=2", "callbacks.mixture_controller.lr=5"]
+    cfg = make(tmp_path, "recipe=mixture", *tiny, *control, "data.num_workers=0", "trainer.max_epochs=2")
+    result = run(cfg)
+    assert [e["consumed"] for e in result["epochs"]] == [96, 96]
+    ledger = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["lightning_sharding"]
+    assert [d["step"] for d in ledger["decisions"]] == [2, 4, 6, 8, 10, 12]
+    assert all(abs(sum(d["shares"].values()) - 1) < 1e-9 for d in ledger["decisions"])
+
+
 def test_recipe_pretrain_trains_packed_documents_and_prints_their_tokens(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

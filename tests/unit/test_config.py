@@ -236,6 +236,14 @@ def test_a_schedule_reaches_the_datamodule_and_a_bad_one_is_named(tmp_path: Path
         build_datamodule(cfg)
 
 
+def test_a_schedule_over_training_with_a_ramp_reaches_the_datamodule(tmp_path: Path) -> None:
+    schedule = "data.schedule=[{samples: 0, shares: {web: 3, code: 1}}, {samples: 3000, shares: {books: 1}, ramp: 160}]"
+    cfg = make(tmp_path, "recipe=anneal", "data.num_workers=0", schedule)
+    training = build_datamodule(cfg).make_reader().manifest().summary()["training_schedule"]
+    assert training[0] == {"samples": 0, "shares": {"web": 3.0, "code": 1.0}} and len(training) == 1 + 16 + 1
+    assert training[1]["samples"] == 3000 and training[-1] == {"samples": 3160, "shares": {"books": 1.0}}
+
+
 def test_allow_mixture_change_reaches_the_datamodule(tmp_path: Path) -> None:
     cfg = make(tmp_path, "data=mixture", "data.num_workers=0")
     assert build_datamodule(cfg).allow_mixture_change is False
