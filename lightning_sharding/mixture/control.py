@@ -127,17 +127,15 @@ class ControlledMixture:
     decisions: tuple[Decision, ...] = ()  # made online (the mixture's schedule over training adds its own)
 
     def __post_init__(self) -> None:
-        if self.mixture.composition != "mixed" or self.mixture.schedule or self.mixture.stream_epochs:
+        if self.mixture.composition != "mixed" or self.mixture.schedule:
             what = (
                 f"batch_composition={self.mixture.composition!r}"
                 if self.mixture.composition != "mixed"
-                else "a share schedule"
-                if self.mixture.schedule
-                else "packed token streams"
+                else "a share schedule of the epoch (Phase(start=...))"
             )
             raise ValueError(
-                f"a MixtureController decides the shares of a mixture with batch_composition='mixed', no schedule= "
-                f"and unpacked streams; this one has {what}. Give one or the other."
+                f"a MixtureController decides the shares of a mixture with batch_composition='mixed' and no schedule "
+                f"of the epoch (a schedule over training, Phase(samples=...), goes with it); this one has {what}"
             )
 
     @property
@@ -171,7 +169,15 @@ class ControlledMixture:
         """The order of ``epoch`` under the decisions made so far."""
         m = self.mixture
         return MixtureOrder(
-            m.names, counts, m.stream_items, m.draws, seed, epoch, shuffle=shuffle, controlled=self.layout(epoch)
+            m.names,
+            counts,
+            m.stream_items,
+            m.draws,
+            seed,
+            epoch,
+            shuffle=shuffle,
+            stream_epochs=m.stream_epochs,
+            controlled=self.layout(epoch),
         )
 
     def blocks_at(self, epoch: int) -> Blocks | None:

@@ -36,19 +36,28 @@ RAMP_STEPS = 16  # a ramp is this many sub-phases, each at the interpolated shar
 
 @dataclass(frozen=True)
 class Phase:
-    """From ``start`` (a fraction of the epoch, ``0 <= start < 1``), or from ``samples`` trained since
-    the start of training, on, the streams draw at ``shares`` (stream name -> weight; streams not
-    named draw nothing). ``ramp``: the shares move from the previous phase's to these linearly over
-    that much after the start (a fraction of the epoch, or samples), in :data:`RAMP_STEPS` steps."""
+    """From ``start`` (a fraction of the epoch, ``0 <= start < 1``), or from ``samples`` (or, of packed
+    token streams, ``tokens``) trained since the start of training, on, the streams draw at
+    ``shares`` (stream name -> weight; streams not named draw nothing). ``ramp``: the shares move
+    from the previous phase's to these linearly over that much after the start (a fraction of the
+    epoch, samples or tokens), in :data:`RAMP_STEPS` steps."""
 
     start: float = 0.0
     shares: Mapping[str, float] = field(default_factory=dict)
     samples: int | None = None
     ramp: float = 0.0
     note: str = ""  # what made a phase that phases_of inserted (a ramp's step)
+    tokens: int | None = None
 
     def __post_init__(self) -> None:
-        where = f"Phase(samples={self.samples!r})" if self.samples is not None else f"Phase(start={self.start!r})"
+        where = f"Phase(start={self.start!r})"
+        where = f"Phase(samples={self.samples!r})" if self.samples is not None else where
+        where = f"Phase(tokens={self.tokens!r})" if self.tokens is not None else where
+        if self.tokens is not None:
+            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
+                raise ValueError(f"{where}: tokens is a number of tokens trained since the start of training, >= 0")
+            if self.start or self.samples is not None:
+                raise ValueError(f"{where}: give one of start (of the epoch), samples or tokens (of training)")
         if isinstance(self.start, bool) or not isinstance(self.start, (int, float)) or not 0 <= self.start < 1:
             raise ValueError(f"{where}: start is a fraction of the epoch, 0 <= start < 1")
         if self.samples is not None:
@@ -67,9 +76,16 @@ class Phase:
             raise ValueError(f"{where}: the shares {dict(self.shares)} sum to nothing; give one stream a share > 0")
 
     @property
+    def unit(self) -> str:
+        """What the phase's start and ramp count: ``"epoch"`` (a fraction of it), ``"samples"`` or ``"tokens"``."""
+        return "tokens" if self.tokens is not None else "samples" if self.samples is not None else "epoch"
+
+    @property
     def at(self) -> float:
-        """Where the phase starts: its fraction of the epoch, or its samples of training."""
-        return float(self.samples) if self.samples is not None else float(self.start)
+        """Where the phase starts: its fraction of the epoch, or its samples or tokens of training."""
+        return float(
+            self.tokens if self.tokens is not None else self.samples if self.samples is not None else self.start
+        )
 
 
 def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str]) -> tuple[Phase, ...]:
@@ -82,7 +98,7 @@ def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str
     phases = []
     for i, phase in enumerate(schedule):
         if isinstance(phase, Mapping):
-            unknown = sorted(set(phase) - {"start", "shares", "samples", "ramp"})
+            unknown = sorted(set(phase) - {"start", "shares", "samples", "tokens", "ramp"})
             if unknown or "shares" not in phase:
                 raise ValueError(
                     f"schedule phase {i}: {dict(phase)!r} needs `shares` (and `start` or `samples`), not "
@@ -95,17 +111,22 @@ def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str
                 raise ValueError(
                     f"schedule phase {i}: shares={shares!r} must map stream names to weights, e.g. {{web: 3}}"
                 )
-            phase = Phase(float(start), dict(shares), phase.get("samples"), phase.get("ramp") or 0.0)
+            ramp = phase.get("ramp") or 0.0
+            phase = Phase(float(start), dict(shares), phase.get("samples"), ramp, tokens=phase.get("tokens"))
         if not isinstance(phase, Phase):
             raise ValueError(f"schedule phase {i} is {phase!r}; give Phase(start, shares) or a mapping")
         phases.append(phase)
     if not phases:
         raise ValueError("schedule=[] has no phase; give None for fixed shares, or one Phase(0, {...}) or more")
-    if phases[0].samples is None and phases[0].start == 0 and len(phases) > 1 and phases[1].samples is not None:
-        phases[0] = replace(phases[0], samples=0)  # the first phase of a schedule over training starts at sample 0
-    if len({p.samples is None for p in phases}) > 1:
-        raise ValueError("the schedule mixes phases from a fraction of the epoch (start=) and of training (samples=)")
-    unit = "of the epoch" if phases[0].samples is None else "samples of training"
+    if phases[0].unit == "epoch" and phases[0].start == 0 and len(phases) > 1 and phases[1].unit != "epoch":
+        # the first phase of a schedule over training starts at its start
+        phases[0] = replace(phases[0], **{phases[1].unit: 0})  # type: ignore[arg-type]
+    if len({p.unit for p in phases}) > 1:
+        raise ValueError(
+            "the schedule mixes phases from a fraction of the epoch (start=) and of training (samples= or tokens=): "
+            f"{[p.unit for p in phases]}"
+        )
+    unit = {"epoch": "of the epoch", "samples": "samples of training", "tokens": "tokens of training"}[phases[0].unit]
     if phases[0].at != 0:
         raise ValueError(f"the schedule's first phase starts at {phases[0].at:g} {unit}; it must start at 0")
     if phases[0].ramp:
@@ -121,7 +142,7 @@ def phases_of(schedule: Sequence[Phase | Mapping[str, Any]], names: Sequence[str
                 f"schedule phase {i - 1}'s ramp ends at {phases[i - 1].at + phases[i - 1].ramp:g} {unit}, after phase "
                 f"{i} starts ({phases[i].at:g}): shorten the ramp"
             )
-    if phases[-1].samples is None and phases[-1].start + phases[-1].ramp > 1:
+    if phases[-1].unit == "epoch" and phases[-1].start + phases[-1].ramp > 1:
         raise ValueError(f"schedule phase {len(phases) - 1}'s ramp runs past the end of the epoch: shorten it")
     for i, phase in enumerate(phases):
         unknown = sorted(set(phase.shares) - set(names))
@@ -151,13 +172,16 @@ def _with_ramps(phases: Sequence[Phase], names: Sequence[str]) -> list[Phase]:
             }
             at = phase.at + j * phase.ramp / RAMP_STEPS
             note = f"ramp {j + 1}/{RAMP_STEPS} to phase {k}"
-            if phase.samples is None:
-                out.append(Phase(at, shares, note=note))
-            else:
-                out.append(Phase(0.0, shares, samples=round(at), note=note))
-        end = phase.at + phase.ramp
-        out.append(Phase(end, phase.shares) if phase.samples is None else Phase(0.0, phase.shares, samples=round(end)))
+            out.append(_at(phase.unit, at, shares, note))
+        out.append(_at(phase.unit, phase.at + phase.ramp, phase.shares, ""))
     return out
+
+
+def _at(unit: str, at: float, shares: Mapping[str, float], note: str) -> Phase:
+    """A phase from ``at`` (of the epoch, or samples or tokens of training)."""
+    if unit == "epoch":
+        return Phase(at, shares, note=note)
+    return Phase(0.0, shares, note=note, **{unit: round(at)})
 
 
 def _normalized(shares: Mapping[str, float], names: Sequence[str]) -> list[float]:

@@ -167,11 +167,8 @@ class MixtureReader(Reader):
         draws = plan_draws(specs, sizes, self.samples_per_epoch)
         schedule: tuple[dict[str, Any], ...] = ()
         training: tuple[dict[str, Any], ...] = ()
-        if self.phases and self.phases[0].samples is not None:  # phases over training: decisions made in advance
-            training = tuple(
-                {"samples": p.samples, "shares": dict(p.shares), **({"note": p.note} if p.note else {})}
-                for p in self.phases
-            )
+        if self.phases and self.phases[0].unit != "epoch":  # phases over training: decisions made in advance
+            training = tuple(self._over_training(p, stream_epochs) for p in self.phases)
         elif self.phases:  # the epoch keeps its size; each phase splits its part at its own shares
             names = [s.name for s in self.streams]
             rows = phase_draws(self.phases, names, sum(draws))
@@ -191,6 +188,20 @@ class MixtureReader(Reader):
         if training:
             return Manifest(tuple(self.items()), ControlledMixture(mixture))
         return Manifest(tuple(self.items()), mixture)
+
+    def _over_training(self, phase: Phase, stream_epochs: Sequence[Any]) -> dict[str, Any]:
+        """A phase of a schedule over training as the mixture keeps it: from ``samples`` (a phase in
+        tokens starts at the sequence holding its token: tokens // seq_len, the streams packed alike)."""
+        row: dict[str, Any] = {"samples": phase.samples, "shares": dict(phase.shares)}
+        if phase.tokens is not None:
+            if not stream_epochs:
+                raise ValueError(
+                    f"Phase(tokens={phase.tokens}) counts tokens, but the streams are not packed token sequences: "
+                    "give samples= instead"
+                )
+            seq_len = int(stream_epochs[0].packing.seq_len)
+            row = {"samples": phase.tokens // seq_len, "tokens": phase.tokens, "shares": dict(phase.shares)}
+        return row | ({"note": phase.note} if phase.note else {})
 
     def read_sequences(self, order: Any, positions: npt.NDArray[np.int64], items: Sequence[Item]) -> Any:
         """The batch of the mixture's ``positions``: each stream's rows read by its own packed

@@ -85,7 +85,8 @@ class RecordingModel(pl.LightningModule):
             # tokens, one per token id (tests/jobs/tokens_data.py: ids 1..T, 0 pads).
             manifest = self.trainer.datamodule.manifest  # type: ignore[attr-defined]
             packed = [manifest.epochs] if hasattr(manifest.epochs, "packing") else []
-            packed = packed or [e for e in getattr(manifest.epochs, "stream_epochs", ()) if e is not None]
+            mixture = getattr(manifest.epochs, "mixture", None)  # a mixture's, also under control
+            packed = packed or [e for e in getattr(mixture, "stream_epochs", ()) if e is not None]
             total = sum(e.tokens for e in packed) + 1 if packed else int(manifest.counts.sum())
             self.w = torch.nn.Parameter(torch.zeros(total, dtype=torch.float64))
 
@@ -99,6 +100,10 @@ class RecordingModel(pl.LightningModule):
             raise RuntimeError(f"RecordingModel: deliberate failure in training_step of batch {self._batches}")
         if "input_ids" in batch:
             loss = sum(p.sum() for p in self.layer.parameters()) * 0.0  # the layer takes part in every step (DDP)
+            if self.stream_losses:  # a loss per sequence: its trained tokens' count, so streams differ
+                from lightning_sharding.lightning.controller import log_stream_loss
+
+                log_stream_loss(self, (batch["input_ids"] != 0).sum(dim=1).double(), batch)
         elif self.stream_losses:
             from lightning_sharding.lightning.controller import log_stream_loss
 

@@ -48,3 +48,21 @@ def packed_streams(directories: list[str]) -> list[Stream]:
 def packed_spec(spec: dict[str, Any]) -> Packing:
     """``Packing`` of a job's ``tokens`` data spec."""
     return Packing(seq_len=spec["seq_len"], mode=spec["mode"])
+
+
+def planned_tokens(streams: list[str], spec: dict[str, Any], seed: int, epoch: int, decisions: list[Any]) -> Any:
+    """How often each token id (index = id; 0, the padding id, left at 0) is planned in ``epoch`` of a
+    mixture of the corpora ``streams`` packed by ``spec`` (a job's ``tokens`` spec) under a share
+    ``spec["schedule"]`` and the online ``decisions`` a run made: every sequence of the order, read."""
+    from lightning_sharding.mixture import ControlledMixture, Decision, MixtureReader, mixture_of
+    from lightning_sharding.tokens import PackedReader
+
+    packing = packed_spec(spec)
+    mixed = [Stream(s.name, PackedReader(s.reader, packing), repeat=1.0) for s in packed_streams(streams)]
+    reader = MixtureReader(mixed, schedule=spec.get("schedule"))
+    manifest = reader.manifest()
+    controlled = ControlledMixture(mixture_of(manifest), tuple(Decision.from_state(d) for d in decisions))  # type: ignore[arg-type]
+    order = controlled.order(manifest.counts, seed, epoch)
+    batch = reader.read_sequences(order, np.arange(order.total), manifest.items)
+    ids = batch["input_ids"].numpy().ravel()
+    return np.bincount(ids[ids != 0], minlength=int(ids.max()) + 1)

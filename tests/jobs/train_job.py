@@ -55,7 +55,9 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
 
         tokens = spec["tokens"]
         if tokens.get("streams"):  # a mixture of token streams, each packed the same way
-            data = dict(streams=packed_streams(tokens["streams"]), packing=packed_spec(tokens))
+            data = dict(
+                streams=packed_streams(tokens["streams"]), packing=packed_spec(tokens), schedule=spec["schedule"]
+            )
         else:
             data = dict(reader=packed_reader(tokens["dir"]), packing=packed_spec(tokens))
     elif spec["streams"]:

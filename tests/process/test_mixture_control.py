@@ -116,3 +116,45 @@ def test_online_decisions_resume_on_other_topologies_training_what_the_same_deci
     ).stdout
     held = torch.load(last, weights_only=True)["lightning_sharding"]["decisions"]
     assert f"controlled   {len(held)} decision(s)" in shown and f"decision     step {held[0]['step']}: " in shown, shown
+
+
+def test_token_streams_under_a_controller_and_a_schedule_in_tokens_train_each_planned_token(tmp_path: Path) -> None:
+    """Two corpora of distinct token ids, packed with ``best_fit``, under decisions every 3 steps and a
+    schedule over training in tokens (the second corpus alone from token 600, back to both with a
+    ramp from token 1,200): 2 x 2 killed, 1 x 2 killed, 2 x 1 to the end of two epochs. Each epoch's
+    weights hold every token of its planned sequences as often as the decisions and the schedule plan it."""
+    from tests.jobs.tokens_data import planned_tokens, write_corpus
+
+    first = write_corpus(tmp_path / "web", files=3, documents=16)
+    total = first + write_corpus(tmp_path / "code", files=2, documents=12, seed=1, first_token=first + 1)
+    schedule = (
+        {"tokens": 0, "shares": {"s0": 1, "s1": 1}},
+        {"tokens": 600, "shares": {"s1": 1}},
+        {"tokens": 1200, "shares": {"s0": 1, "s1": 1}, "ramp": 320},
+    )
+    spec = {"streams": [str(tmp_path / "web"), str(tmp_path / "code")], "seq_len": 16, "mode": "best_fit"}
+
+    def job(world: int, workers: int) -> Job:
+        data = Data(tokens=spec, controller={"every": 3, "policy": "rotate"}, schedule=schedule)
+        return (
+            Job(data=data, loading=Loading(batch_size=3, seed=SEED), training=Training(epochs=2))
+            .on(world_size=world, num_workers=workers)
+            .but(checks=dict(count_weights=True))
+        )
+
+    out = tmp_path / "run"
+    _, segments = check_resume(out, job(2, 2), [job(1, 2), job(2, 1)], checkpoint_every=3)
+    decisions = json.loads((out / "decisions-seg2.json").read_text())
+    assert len(decisions) >= 4, decisions
+    weights = weights_of_run(out, segments)
+    previous = np.zeros(total + 1)
+    for epoch in (0, 1):
+        planned = planned_tokens(spec["streams"], {**spec, "schedule": list(schedule)}, SEED, epoch, decisions)
+        expected = np.zeros(total + 1)
+        expected[: planned.size] = planned
+        assert np.array_equal(weights[epoch] - previous, expected), f"epoch {epoch}"
+        previous = weights[epoch]
+    # The schedule moved the draws: the second corpus's tokens are planned more than once in epoch 0.
+    assert (
+        planned_tokens(spec["streams"], {**spec, "schedule": list(schedule)}, SEED, 0, decisions)[first + 1 :].max() > 1
+    )
