@@ -16,6 +16,7 @@ losses of the batch; it logs ``train/loss/<stream>`` and hands them to the contr
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,7 @@ class MixtureController(pl.Callback):
         self._totals = torch.zeros(0, dtype=torch.float64)
         self._last_step: int | None = None
         self._restored: dict[str, Any] | None = None
+        self._warned = False
 
     @staticmethod
     def decisions_in(checkpoint: str | Path) -> list[dict[str, Any]]:
@@ -189,6 +191,14 @@ class MixtureController(pl.Callback):
         if trainer.is_global_zero:
             assert self.policy is not None
             stats = self._stats(step, keeper.ledger.epoch, controlled.shares_at(keeper.ledger.epoch, position))
+            if not any(stats.samples.values()) and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"MixtureController at step {step}: no per-stream loss was handed to it since its last decision "
+                    "(every StreamStats.loss is NaN). Call lightning_sharding.log_stream_loss(self, per_sample_loss, "
+                    "batch) in training_step.",
+                    stacklevel=2,
+                )
             try:
                 shares = check_shares(
                     self.policy(stats), self._names, f"MixtureController: the policy's shares at step {step}"

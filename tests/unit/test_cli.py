@@ -277,6 +277,22 @@ def test_plan_of_recipe_anneal_shows_each_phase_and_its_draws(
     assert set(firsts[0]) == {"W", "C"} and set(firsts[1]) == {"C", "B"}
 
 
+def test_plan_of_a_schedule_over_training_shows_the_phases_of_the_epoch_it_plans(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Phases from samples of training: epoch 1 of 1024 holds the phase from sample 1,500 (its
+    position 476) and the 16 steps of its ramp; epoch 2 is all of the last phase."""
+    schedule = "data.schedule=[{samples: 0, shares: {web: 3, code: 1}}, {samples: 1500, shares: {books: 1}, ramp: 320}]"
+    overrides = [f"data.cache_dir={tmp_path}", "recipe=anneal", schedule]
+    code, out, err = run(capsys, "plan", *overrides, "--world-size", "2", "--epoch", "1")
+    assert code == 0, err
+    phases = re.findall(r"^phase (\d+): positions (\d+)\.\.(\d+): (.*)$", out, re.M)
+    assert len(phases) == 1 + 16 + 1 and phases[0][1:3] == ("0", "475") and phases[1][1] == "476", out
+    assert phases[-1][1:] == ("796", "1023", "books 228"), out
+    code, out, err = run(capsys, "plan", *overrides, "--world-size", "2", "--epoch", "2")
+    assert code == 0 and "phase 0: positions 0..1023: books 1024" in out and "phase 1" not in out, out
+
+
 @pytest.mark.needs("matplotlib")
 def test_plan_plot_of_a_mixture_draws_its_streams(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from matplotlib.image import imread
