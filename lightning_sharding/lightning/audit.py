@@ -339,8 +339,7 @@ def _per_stream(
 def _phase_names(header: dict[str, Any], epoch: int, count: int) -> list[str]:
     """What started each phase of ``epoch``: a share schedule's start, or an online decision's step."""
     if header.get("decisions") is not None or header.get("training_schedule"):
-        from lightning_sharding.mixture import Decision
-        from lightning_sharding.mixture.control import epoch_decisions, static_decisions
+        from lightning_sharding.mixture import Decision, epoch_decisions, static_decisions
 
         total = int(header["total"])
         decisions = static_decisions(header.get("training_schedule") or [], total)

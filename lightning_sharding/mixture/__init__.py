@@ -19,6 +19,8 @@ _EXPORTS = {
     "ControlledMixture": "control",
     "Decision": "control",
     "check_shares": "control",
+    "epoch_decisions": "control",
+    "static_decisions": "control",
     "change_of": "order",
     "mixture_of": "order",
     "Mixture": "order",
@@ -45,6 +47,8 @@ __all__ = [
     "ControlledMixture",
     "Decision",
     "check_shares",
+    "epoch_decisions",
+    "static_decisions",
     "change_of",
     "mixture_of",
     "Mixture",
@@ -74,7 +78,14 @@ if TYPE_CHECKING:
         changed_counts,
     )
     from lightning_sharding.mixture.composition import COMPOSITIONS, check_blocks, layout
-    from lightning_sharding.mixture.control import ControlledMixture, Decision, check_shares, layout_of_summary
+    from lightning_sharding.mixture.control import (
+        ControlledMixture,
+        Decision,
+        check_shares,
+        epoch_decisions,
+        layout_of_summary,
+        static_decisions,
+    )
     from lightning_sharding.mixture.order import (
         SHARES,
         Mixture,

@@ -34,7 +34,15 @@ from lightning_sharding.core.order import EpochOrder, derive_seed
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture.composition import Layout, apportion, blocks_of, layout
 from lightning_sharding.mixture.control import layout_of_summary
-from lightning_sharding.mixture.order import Mixture, MixtureOrder, StreamOrder, locate_streams, mixture_of, stream_seed
+from lightning_sharding.mixture.order import (
+    Mixture,
+    MixtureOrder,
+    OnMixture,
+    StreamOrder,
+    locate_streams,
+    mixture_of,
+    stream_seed,
+)
 
 Int64Array = npt.NDArray[np.int64]
 _REST_SEEDS = 0x4E57
@@ -190,17 +198,13 @@ class MixtureChange:
 
 
 @dataclass(frozen=True)
-class ChangedMixture:
+class ChangedMixture(OnMixture):
     """The epochs of a manifest whose checkpoint's mixture changed in epoch ``change.epoch``: that
-    epoch is the :class:`MixtureChange`, every other one an epoch of ``mixture``."""
+    epoch is the :class:`MixtureChange`, every other one an epoch of ``mixture`` (the new one, whose
+    data, identity and size these epochs have)."""
 
     mixture: Mixture
     change: MixtureChange
-
-    @property
-    def total(self) -> int:
-        """Positions of an ordinary epoch of the new mixture."""
-        return self.mixture.total
 
     def order(
         self, counts: npt.NDArray[np.int64], seed: int, epoch: int, *, shuffle: bool = True
@@ -213,18 +217,6 @@ class ChangedMixture:
     def blocks_at(self, epoch: int) -> Blocks | None:
         """The changed epoch's blocks, or the mixture's."""
         return self.change.blocks if epoch == self.change.epoch else self.mixture.blocks
-
-    def identity(self, counts: npt.NDArray[np.int64]) -> list[Any]:
-        """The new mixture's: the data and the mixture are the new ones."""
-        return self.mixture.identity(counts)
-
-    def summary(self, items: Sequence[Any], counts: npt.NDArray[np.int64]) -> dict[str, Any]:
-        """The new mixture's."""
-        return self.mixture.summary(items, counts)
-
-    def explain(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-        """The new mixture's."""
-        return self.mixture.explain(before, after)
 
 
 def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -> MixtureChange:

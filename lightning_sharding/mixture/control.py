@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from lightning_sharding.core.blocks import Blocks
 from lightning_sharding.mixture.composition import Layout, apportion, layout
-from lightning_sharding.mixture.order import Mixture, MixtureOrder
+from lightning_sharding.mixture.order import Mixture, MixtureOrder, OnMixture
 from lightning_sharding.mixture.schedule import Phased
 
 
@@ -118,7 +118,7 @@ def _row(shares: Mapping[str, float], names: Sequence[str]) -> list[float]:
 
 
 @dataclass(frozen=True)
-class ControlledMixture:
+class ControlledMixture(OnMixture):
     """The epochs of a manifest whose mixture is under online control: each epoch laid out by the
     :class:`Decision` s made so far (:func:`controlled_layout`). Its identity and summary are the
     mixture's: decisions change which samples an epoch draws, never what the data is."""
@@ -137,11 +137,6 @@ class ControlledMixture:
                 f"a MixtureController decides the shares of a mixture with batch_composition='mixed' and no schedule "
                 f"of the epoch (a schedule over training, Phase(samples=...), goes with it); this one has {what}"
             )
-
-    @property
-    def total(self) -> int:
-        """Positions of an epoch: the mixture's."""
-        return self.mixture.total
 
     def decided(self, decision: Decision) -> ControlledMixture:
         """These epochs with one more decision."""
@@ -183,18 +178,6 @@ class ControlledMixture:
     def blocks_at(self, epoch: int) -> Blocks | None:
         """None: a controlled epoch is ``mixed``."""
         return None
-
-    def identity(self, counts: npt.NDArray[np.int64]) -> list[Any]:
-        """The mixture's."""
-        return self.mixture.identity(counts)
-
-    def summary(self, items: Sequence[Any], counts: npt.NDArray[np.int64]) -> dict[str, Any]:
-        """The mixture's."""
-        return self.mixture.summary(items, counts)
-
-    def explain(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-        """The mixture's."""
-        return self.mixture.explain(before, after)
 
 
 def layout_of_summary(streams: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], epoch: int = 0) -> Layout:

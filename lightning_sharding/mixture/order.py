@@ -492,6 +492,31 @@ class Mixture:
         return diffs
 
 
+class OnMixture:
+    """Epochs that keep a ``mixture``'s data and identity and order some epochs their own way (a
+    change on resume, online decisions): their size, identity, summary and explanations are the
+    mixture's. Subclasses are frozen dataclasses with a ``mixture`` field."""
+
+    mixture: Mixture
+
+    @property
+    def total(self) -> int:
+        """Positions of an epoch of the mixture."""
+        return self.mixture.total
+
+    def identity(self, counts: npt.NDArray[np.int64]) -> list[Any]:
+        """The mixture's: the data and the mixture are its."""
+        return self.mixture.identity(counts)
+
+    def summary(self, items: Sequence[Any], counts: npt.NDArray[np.int64]) -> dict[str, Any]:
+        """The mixture's."""
+        return self.mixture.summary(items, counts)
+
+    def explain(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+        """The mixture's."""
+        return self.mixture.explain(before, after)
+
+
 def _phases_shown(phases: list[dict[str, Any]]) -> str:
     return "; ".join(f"from sample {p['samples']}: {dict(p['shares'])}" for p in phases) or "none"
 
