@@ -187,7 +187,7 @@ class MixtureController(pl.Callback):
         controlled = keeper.manifest.epochs
         assert isinstance(controlled, ControlledMixture) and keeper.train_loader is not None
         position, batches = keeper.train_loader.decision_point()
-        shares, error = None, None
+        shares, error, cause = None, None, None
         if trainer.is_global_zero:
             assert self.policy is not None
             stats = self._stats(step, keeper.ledger.epoch, controlled.shares_at(keeper.ledger.epoch, position))
@@ -199,15 +199,19 @@ class MixtureController(pl.Callback):
                     "batch) in training_step.",
                     stacklevel=2,
                 )
+            where = f"MixtureController: the policy's shares at step {step}"
             try:
-                shares = check_shares(
-                    self.policy(stats), self._names, f"MixtureController: the policy's shares at step {step}"
-                )
+                returned = self.policy(stats)
             except Exception as err:  # noqa: BLE001 - said on every rank, so that none waits forever
-                error = f"{type(err).__name__}: {err}"
+                cause, error = err, f"MixtureController: the policy raised at step {step}: {type(err).__name__}: {err}"
+            else:
+                try:
+                    shares = check_shares(returned, self._names, where)
+                except ValueError as err:
+                    cause, error = err, str(err)
         shares, error, position, batches = trainer.strategy.broadcast((shares, error, position, batches), src=0)
         if error is not None or shares is None:
-            raise ValueError(error)
+            raise ValueError(error) from cause
         decision = keeper.decide(shares, step, position, batches)
         self.decisions.append(decision)
         for callback in trainer.callbacks:  # type: ignore[attr-defined]

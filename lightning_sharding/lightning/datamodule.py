@@ -198,6 +198,17 @@ class ShardedDataModule(pl.LightningDataModule):
         self._train_data: Reader | Source | None = None
 
     @property
+    def manifest(self) -> Manifest | None:
+        """The training manifest (after ``setup("fit")``), as the ledger plans by it now: a mixture
+        changed on resume or a MixtureController's decisions change its epochs' orders."""
+        keeper = getattr(self, "ledger_keeper", None)
+        return keeper.manifest if keeper is not None else self._manifest
+
+    @manifest.setter
+    def manifest(self, value: Manifest | None) -> None:
+        self._manifest = value
+
+    @property
     def ledger(self) -> Ledger | None:
         """The training ledger (after ``setup("fit")``)."""
         return self.ledger_keeper.ledger if self.ledger_keeper is not None else None
@@ -247,7 +258,6 @@ class ShardedDataModule(pl.LightningDataModule):
                         "cannot: use strategy='shard'"
                     )
                 self.ledger_keeper.start_control(controllers[0].replay)
-                self.manifest = self.ledger_keeper.manifest
 
     def _shared_seed(self) -> int:
         if self.seed is not None:
@@ -271,10 +281,9 @@ class ShardedDataModule(pl.LightningDataModule):
             keeper.start_epoch(epoch_lightning_runs_next(self.trainer))
         self.seed = keeper.ledger.seed  # a restored checkpoint's seed
         keeper.options = self.options  # the batch-size finder may have changed them
-        self.manifest = keeper.manifest  # a mixture change may have changed it
         self.strategy.release(keeper.train_loader)
         keeper.train_loader = self.strategy.build(
-            self._train_data, self.manifest, keeper.ledger, self.world, self.options, track=True
+            self._train_data, keeper.manifest, keeper.ledger, self.world, self.options, track=True
         )
         return keeper.train_loader
 

@@ -231,7 +231,13 @@ class LedgerKeeper:
             raise ValueError("a MixtureController decides the shares of a mixture: give ShardedDataModule(streams=...)")
         controlled = ControlledMixture(mixture, tuple(decisions or ()))
         for d in controlled.decisions:
-            check_shares(d.shares, mixture.names, f"the replayed decision of step {d.step} (epoch {d.epoch})")
+            where = f"the replayed decision of step {d.step} (epoch {d.epoch}, position {d.position})"
+            check_shares(d.shares, mixture.names, where)
+            if (d.total is not None and d.total != mixture.total) or d.position > mixture.total:
+                raise ValueError(
+                    f"{where} was made in epochs of {d.total or 'other'} samples, and these have {mixture.total}: its "
+                    "position would fall elsewhere. Replay decisions with the samples_per_epoch they were made with"
+                )
         self.manifest = self.manifest.with_epochs(controlled)
         self.ledger.decisions = [d.state() for d in controlled.decisions]
 
@@ -248,6 +254,13 @@ class LedgerKeeper:
                 )
             decisions = tuple(Decision.from_state(d) for d in restored.decisions)
             self.manifest = self.manifest.with_epochs(ControlledMixture(mixture, decisions))
+            if decisions and not self.controlled and self.world.rank == 0:
+                warnings.warn(
+                    f"{source} holds {len(decisions)} decision(s) of a MixtureController and this run has none: "
+                    f"they are replayed, and the shares of the last one (step {decisions[-1].step}) hold from there "
+                    "on. Add the MixtureController to the trainer's callbacks to go on deciding.",
+                    stacklevel=3,
+                )
             return
         if self.controlled:
             if restored.consumed:
@@ -269,7 +282,7 @@ class LedgerKeeper:
                 f"rank {self.world.rank} yielded {counted} batches of this pass (its decision point {mine}), rank 0 "
                 f"{batches} (point {position}): the ranks are not in step, so a mixture decision cannot be placed"
             )
-        decision = Decision(self.ledger.epoch, position, dict(shares), step)
+        decision = Decision(self.ledger.epoch, position, dict(shares), step, self.ledger.total)
         controlled = self.manifest.epochs
         assert isinstance(controlled, ControlledMixture)
         self.manifest = self.manifest.with_epochs(controlled.decided(decision))

@@ -42,16 +42,19 @@ class Decision:
     position: int
     shares: Mapping[str, float]
     step: int = -1
+    total: int | None = None  # the positions of the epochs it was made in (a replay checks it)
 
     def state(self) -> dict[str, Any]:
         """As a checkpoint keeps it."""
-        return {"epoch": self.epoch, "position": self.position, "shares": dict(self.shares), "step": self.step}
+        state = {"epoch": self.epoch, "position": self.position, "shares": dict(self.shares), "step": self.step}
+        return state | ({"total": self.total} if self.total is not None else {})
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Decision:
         """From :meth:`state`."""
         shares = {str(k): float(v) for k, v in dict(state["shares"]).items()}
-        return cls(int(state["epoch"]), int(state["position"]), shares, int(state.get("step", -1)))
+        total = int(state["total"]) if state.get("total") is not None else None
+        return cls(int(state["epoch"]), int(state["position"]), shares, int(state.get("step", -1)), total)
 
 
 def check_shares(shares: Any, names: Sequence[str], where: str) -> dict[str, float]:
@@ -64,10 +67,13 @@ def check_shares(shares: Any, names: Sequence[str], where: str) -> dict[str, flo
         raise ValueError(f"{where}: {unknown} are not streams of the mixture; the streams: {list(names)}")
     out = {}
     for name, share in shares.items():
-        bad = isinstance(share, bool) or not isinstance(share, (int, float, np.floating, np.integer))
-        if bad or not math.isfinite(float(share)) or float(share) < 0:
+        try:  # a Python, NumPy or 0-d torch number
+            value = float(share) if not isinstance(share, (bool, str, bytes)) else math.nan
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
             raise ValueError(f"{where}: the share of stream {name!r} is {share!r}; give a finite number >= 0")
-        out[str(name)] = float(share)
+        out[str(name)] = value
     if sum(out.values()) <= 0:
         raise ValueError(f"{where}: the shares {out} sum to nothing; give at least one stream a share > 0")
     return out
@@ -131,11 +137,12 @@ class ControlledMixture(OnMixture):
             what = (
                 f"batch_composition={self.mixture.composition!r}"
                 if self.mixture.composition != "mixed"
-                else "a share schedule of the epoch (Phase(start=...))"
+                else "a share schedule of the epoch (Phase(start=...); Hydra data.schedule with start:)"
             )
             raise ValueError(
                 f"a MixtureController decides the shares of a mixture with batch_composition='mixed' and no schedule "
-                f"of the epoch (a schedule over training, Phase(samples=...), goes with it); this one has {what}"
+                f"of the epoch (a schedule over training, Phase(samples=...) or Hydra data.schedule with samples:, "
+                f"goes with it); this one has {what}"
             )
 
     def decided(self, decision: Decision) -> ControlledMixture:
@@ -153,12 +160,14 @@ class ControlledMixture(OnMixture):
         return controlled_layout(self.mixture.names, self.mixture.draws, self.all_decisions, epoch)
 
     def shares_at(self, epoch: int, position: int) -> dict[str, float]:
-        """The shares in force at ``position`` of ``epoch``."""
-        phased = self.layout(epoch)
-        k = int(phased.phase_of(min(position, phased.total - 1)))
-        row = phased.phases[k]
-        draws = row.draws if row is not None else [0] * len(self.mixture.names)
-        return shares_of_draws(self.mixture.names, draws)
+        """The shares in force at ``position`` of ``epoch``, summing to 1: the last decision's (or
+        schedule phase's) before it, as it was given, or the mixture's own draws' before any."""
+        total = self.mixture.total
+        last = [d for d in self.all_decisions if (d.epoch, min(d.position, total)) <= (epoch, position)]
+        if not last:
+            return shares_of_draws(self.mixture.names, self.mixture.draws)
+        weights = _row(last[-1].shares, self.mixture.names)
+        return {name: w / sum(weights) for name, w in zip(self.mixture.names, weights, strict=True)}
 
     def order(self, counts: npt.NDArray[np.int64], seed: int, epoch: int, *, shuffle: bool = True) -> MixtureOrder:
         """The order of ``epoch`` under the decisions made so far."""

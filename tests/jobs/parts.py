@@ -350,9 +350,23 @@ class WriteDecisions(pl.Callback):
             self.path.write_text(json.dumps(decisions))
 
 
+class StatsLogged:
+    """A policy that first appends what it is handed (step, samples per stream) to ``path``."""
+
+    def __init__(self, policy: Any, path: Path) -> None:
+        self.policy, self.path = policy, path
+
+    def __call__(self, stats: Any) -> Any:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": stats.step, "samples": stats.samples}) + "\n")
+        return self.policy(stats)
+
+
 def controller_of(spec: dict[str, Any], path: Path) -> list[pl.Callback]:
-    """The MixtureController a job's ``controller`` spec asks for, and the callback writing its decisions."""
+    """The MixtureController a job's ``controller`` spec asks for (its policy's statistics logged to
+    ``stats-<segment>.jsonl`` beside ``path``), and the callback writing its decisions to ``path``."""
     from lightning_sharding.lightning.controller import MixtureController
 
-    policy = rotating_shares if spec.get("policy") == "rotate" else None
+    stats = path.with_name(path.name.replace("decisions-", "stats-").replace(".json", ".jsonl"))
+    policy = StatsLogged(rotating_shares, stats) if spec.get("policy") == "rotate" else None
     return [MixtureController(policy, spec["every"], decisions=spec.get("decisions") or ()), WriteDecisions(path)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,17 @@ import pytest
 import torch
 
 from lightning_sharding.lightning.audit import audit, format_audit
-from tests.harness import Checks, Data, Job, Loading, Training, check_resume, run_segment, weights_of_run
+from tests.harness import (
+    Checks,
+    Data,
+    Job,
+    Loading,
+    Training,
+    check_resume,
+    kept_records,
+    run_segment,
+    weights_of_run,
+)
 from tests.jobs.streams_data import planned_under_decisions
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
@@ -72,6 +83,18 @@ def test_online_decisions_resume_on_other_topologies_training_what_the_same_deci
         expected[list(planned)] = list(planned.values())
         assert np.array_equal(weights[epoch] - previous, expected), f"epoch {epoch}"
         previous = weights[epoch]
+    # Each decision was handed the samples of the 4 steps before it, over all ranks: also the first one
+    # after each resume, from the statistics its checkpoint kept of the steps before it.
+    kept = kept_records(segments[0], 3) + kept_records(segments[1], 6) + kept_records(segments[2], None)
+    per_step = Counter()
+    for record in kept:
+        per_step[record["gs"]] += len(record["ids"])
+    handed = {}
+    for segment in segments:  # a later segment made again what an earlier one made after its checkpoint
+        for line in (tmp_path / "chain" / f"stats-{segment.name}.jsonl").read_text().splitlines():
+            handed[json.loads(line)["step"]] = sum(json.loads(line)["samples"].values())
+    steps = [d["step"] for d in decisions]
+    assert [handed[s] for s in steps] == [sum(per_step[g] for g in range(s - 3, s + 1)) for s in steps], handed
     # The decisions moved the draws: books (11 samples) repeats under the shares that favour it.
     assert max(planned_under_decisions(list(STREAMS), PER_EPOCH, SEED, 0, decisions, SCHEDULE).values()) > 1
     # An uninterrupted run given the same decisions (policy None: a replay) trains the same weights.

@@ -152,3 +152,111 @@ def test_a_ramp_in_a_schedule_of_the_epoch_moves_the_shares_in_steps() -> None:
     assert len(schedule) == 2 + 16 and schedule[1]["note"] == "ramp 1/16 to phase 1"
     assert [p["draws"][1] for p in schedule[1:17]] == sorted(p["draws"][1] for p in schedule[1:17])
     assert schedule[-1]["start"] == pytest.approx(0.7) and schedule[-1]["draws"] == [0, 48]
+
+
+def _fit(policy, tmp_path, epochs: int = 1, decisions=(), checkpoint_every: int | None = None):  # type: ignore[no-untyped-def]
+    """An in-process fit of a small mixture under a MixtureController: (datamodule, controller)."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_sharding import ShardedDataModule, log_stream_loss
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            per_sample = (self.w - batch["y"].float()) ** 2
+            log_stream_loss(self, per_sample, batch)
+            return per_sample.mean()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    streams = [Stream("a", SyntheticReader(sizes=[50, 50])), Stream("b", SyntheticReader(sizes=[30]))]
+    data = ShardedDataModule(streams=streams, samples_per_epoch=120, batch_size=10, seed=3)
+    controller = MixtureController(policy, every_n_steps=2, decisions=decisions)
+    saves = [ModelCheckpoint(tmp_path, every_n_train_steps=checkpoint_every, save_top_k=-1)] if checkpoint_every else []
+    pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        callbacks=[controller, *saves],
+        logger=False,
+        enable_checkpointing=bool(saves),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(Model(), datamodule=data)
+    return data, controller
+
+
+def test_a_policy_that_raises_or_returns_a_tensor_share_is_handled_naming_the_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    def broken(stats: StreamStats) -> dict[str, float]:
+        raise KeyError("missing")
+
+    with pytest.raises(ValueError, match=r"the policy raised at step 2: KeyError: 'missing'") as err:
+        _fit(broken, tmp_path)
+    assert isinstance(err.value.__cause__, KeyError)  # the policy's own traceback is kept
+    # A 0-d tensor is a number; the shares the policy is handed are the ones it gave, exactly.
+    handed: list[dict[str, float]] = []
+
+    def tensors(stats: StreamStats) -> dict[str, object]:
+        handed.append(stats.shares)
+        return {"a": torch.tensor(0.01), "b": torch.tensor(0.99)}
+
+    data, controller = _fit(tensors, tmp_path, epochs=2)
+    assert handed[0] == {"a": 0.5, "b": 0.5} and all(h == pytest.approx({"a": 0.01, "b": 0.99}) for h in handed[1:])
+    # The datamodule's manifest is the one the ledger plans by: it knows the decisions.
+    from lightning_sharding.mixture import mixture_of
+
+    manifest = data.manifest
+    assert manifest is not None
+    again = ControlledMixture(mixture_of(manifest), tuple(controller.decisions))  # type: ignore[arg-type]
+    draws = manifest.order(3, 1).draws
+    assert draws == again.order(manifest.counts, 3, 1).draws and draws[0] < 10 and draws != (60, 60)
+    assert len(controller.decisions) == 12
+
+
+def test_decisions_replay_only_into_epochs_of_their_size_and_a_run_without_the_controller_is_warned(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    made = [Decision(0, 40, {"b": 1.0}, 4, total=100).state()]
+    with pytest.raises(ValueError, match=r"made in epochs of 100 samples, and these have 120"):
+        _fit(None, tmp_path, decisions=made)
+    _fit(lambda stats: {"a": 1.0, "b": 3.0}, tmp_path / "run", checkpoint_every=3)
+    checkpoint = sorted((tmp_path / "run").glob("*step=6.ckpt"))[0]
+    held = MixtureController.decisions_in(checkpoint)
+    assert [d["step"] for d in held] == [2, 4, 6] and held[0]["total"] == 120
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_sharding import ShardedDataModule, ShardingCallback
+
+    class Plain(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return ((self.w - batch["y"].float()) ** 2).mean()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    streams = [Stream("a", SyntheticReader(sizes=[50, 50])), Stream("b", SyntheticReader(sizes=[30]))]
+    data = ShardedDataModule(streams=streams, samples_per_epoch=120, batch_size=10, seed=3)
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", callbacks=[ShardingCallback()], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"holds 3 decision\(s\) of a MixtureController and this run has none"):
+        trainer.fit(Plain(), datamodule=data, ckpt_path=str(checkpoint))
+    from lightning_sharding.mixture import mixture_of
+
+    manifest = data.manifest
+    assert manifest is not None
+    again = ControlledMixture(mixture_of(manifest), tuple(Decision.from_state(d) for d in held))  # type: ignore[arg-type]
+    assert manifest.order(3, 0).draws == again.order(manifest.counts, 3, 0).draws != (60, 60)

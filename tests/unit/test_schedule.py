@@ -103,8 +103,8 @@ def test_a_fixed_mixture_is_unchanged_by_the_schedule_code() -> None:
         ([Phase(0.2, {"web": 1})], r"first phase starts at 0.2 of the epoch; it must start at 0"),
         ([Phase(0, {"web": 1, "code": 1})], r"streams \['books'\] are named by no phase of the schedule"),
         (
-            [Phase(0, {"web": 1}), Phase(shares={"books": 1, "code": 1}, samples=100)],
-            r"mixes phases from a fraction of the epoch \(start=\) and of training \(samples=\)",
+            [Phase(shares={"web": 1}, samples=0), Phase(0.5, {"books": 1, "code": 1})],
+            r"mixes phases from a fraction of the epoch \(start=\) and of training \(samples= or tokens=\)",
         ),
         (
             [Phase(0, {"web": 1}), Phase(0.5, {"code": 1}, ramp=0.3), Phase(0.7, {"books": 1})],
