@@ -62,8 +62,9 @@ class BatchTask:
     repeat a real position and must never count as consumed. ``worker`` is the worker it is planned for.
 
     A pass planned again mid-way (a mixture decision changed the epoch's order) numbers its plans:
-    ``generation`` is the plan's, and ``epochs`` how the manifest's epochs are ordered now (``None``:
-    as the worker's manifest says), so a worker started before the change reads by the new order."""
+    ``generation`` is the plan's, and ``change`` what changed the manifest's epochs since (``None``:
+    nothing; else ``change.apply(epochs)`` gives the epochs to order by), so a worker started before
+    the change reads by the new order. It is small: it travels with every task."""
 
     epoch: int
     index: int
@@ -71,7 +72,7 @@ class BatchTask:
     positions: Int64Array
     num_padding: int
     generation: int = 0
-    epochs: Any = None
+    change: Any = None
 
 
 def _split(total: int, parts: int, part: int) -> tuple[int, int]:

@@ -124,6 +124,18 @@ def _row(shares: Mapping[str, float], names: Sequence[str]) -> list[float]:
 
 
 @dataclass(frozen=True)
+class Decided:
+    """The online decisions made so far, as a worker's task carries them: ``apply(epochs)`` gives the
+    controlled epochs of the mixture the worker's manifest holds (a few hundred bytes a decision)."""
+
+    decisions: tuple[Decision, ...]
+
+    def apply(self, epochs: Any) -> ControlledMixture:
+        """The epochs of ``epochs``' mixture under these decisions."""
+        return ControlledMixture(getattr(epochs, "mixture", epochs), self.decisions)
+
+
+@dataclass(frozen=True)
 class ControlledMixture(OnMixture):
     """The epochs of a manifest whose mixture is under online control: each epoch laid out by the
     :class:`Decision` s made so far (:func:`controlled_layout`). Its identity and summary are the
@@ -148,6 +160,10 @@ class ControlledMixture(OnMixture):
     def decided(self, decision: Decision) -> ControlledMixture:
         """These epochs with one more decision."""
         return ControlledMixture(self.mixture, (*self.decisions, decision))
+
+    def for_tasks(self) -> Decided:
+        """What a worker needs to order epochs as these: the decisions, without the mixture it holds."""
+        return Decided(self.decisions)
 
     @property
     def all_decisions(self) -> list[Decision]:

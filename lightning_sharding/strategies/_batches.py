@@ -57,6 +57,7 @@ class PlannedBatches(Dataset[Delivery]):
         self._slots: WorkerSlots | None = None
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
         self._order: Order | None = None
+        self._change: Any = None  # the last change of the epochs a task brought (a mixture decision)
         # A mixture's stream of each item (stream after stream), for SampleContext.stream and the
         # batch's "stream" rows; None outside a mixture.
         mixture = mixture_of(self.manifest)
@@ -72,10 +73,17 @@ class PlannedBatches(Dataset[Delivery]):
     def __len__(self) -> int:
         raise TypeError("PlannedBatches is indexed by BatchTask and has no length")
 
-    def _epoch_order(self, epoch: int, epochs: Any = None) -> Order:
-        """``epoch``'s order; ``epochs``: a task's newer epochs (a mixture decision since this worker started)."""
-        if epochs is not None and epochs is not self.manifest.epochs and epochs != self.manifest.epochs:
-            self.manifest = self.manifest.with_epochs(epochs, same_identity=True)
+    def reorder(self) -> None:
+        """The manifest's epochs changed (a mixture decision): build the order again when next asked."""
+        self._order = None
+        self._change = None
+
+    def _epoch_order(self, epoch: int, change: Any = None) -> Order:
+        """``epoch``'s order; ``change``: a task's change of the epochs since this worker started (a
+        mixture decision), applied to the manifest once."""
+        if change is not None and change != self._change:
+            self.manifest = self.manifest.with_epochs(change.apply(self.manifest.epochs), same_identity=True)
+            self._change = change
             self._order = None
         if self._order is None or self._order.epoch != epoch:
             self._order = self.manifest.order(self.seed, epoch, shuffle=self.shuffle)
@@ -97,7 +105,7 @@ class PlannedBatches(Dataset[Delivery]):
 
     def _batch(self, task: BatchTask) -> Delivery:
         ctx = self.context(task.epoch)
-        order = self._epoch_order(task.epoch, task.epochs)
+        order = self._epoch_order(task.epoch, task.change)
         if self.reader.reads_sequences:  # packed sequences: the reader builds the whole batch
             batch = self.reader.read_sequences(order, task.positions, self.items)
             return self._deliver(batch, task, task.positions, task.num_padding, ctx)

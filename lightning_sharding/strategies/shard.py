@@ -74,7 +74,7 @@ class PlanSampler(Sampler[BatchTask]):
         # the ledger yet (a mixture decision replanned the pass): never planned again.
         self.held = RangeSet()
         self.generation = 0  # the plans of a pass planned again are numbered; the tasks carry it
-        self.task_epochs: Any = None  # the epochs a decision made, which tasks carry to workers started before
+        self.change: Any = None  # what decisions changed of the epochs, which tasks carry to workers started before
         self.dealt = -1  # the generation whose every task the DataLoader has taken (-1: none yet)
 
     @classmethod
@@ -147,15 +147,15 @@ class PlanSampler(Sampler[BatchTask]):
             if task is None:
                 self.dealt = generation
                 return
-            if generation or self.task_epochs is not None:
-                task = replace(task, generation=generation, epochs=self.task_epochs)
+            if generation or self.change is not None:
+                task = replace(task, generation=generation, change=self.change)
             yield task
 
-    def switch(self, epochs: Any, orders: Callable[[int, int], Order], held: RangeSet | None) -> None:
-        """Order epochs by ``orders`` (of ``epochs``, which tasks carry to the workers) from now on;
+    def switch(self, change: Any, orders: Callable[[int, int], Order], held: RangeSet | None) -> None:
+        """Order epochs by ``orders`` from now on (made by ``change``, which tasks carry to the workers);
         ``held``: this pass goes on under a new plan (generation) without those positions, handed out already."""
         self.orders = orders
-        self.task_epochs = epochs
+        self.change = change
         if held is not None:
             self.held = self.held | held
             self.generation += 1
@@ -204,6 +204,7 @@ class ShardedLoader(TrainLoader):
         self.delivered = DeliveredLog(padding_key=options.padding_key, track=track)
         self._iterator: Iterator[Any] | None = None
         self._options = options
+        self._dataset = dataset
         self._yielded = 0  # batches yielded under the current plan
         workers = options.num_workers
         start_method = options.multiprocessing_context or multiprocessing.get_start_method()
@@ -297,7 +298,10 @@ class ShardedLoader(TrainLoader):
             held, _ = handed_out(self.sampler.epoch_plan, self._yielded)
             self.batches_before_plan += self._yielded
             self._yielded = 0
-        self.sampler.switch(manifest.epochs, partial(manifest.order, shuffle=self._options.shuffle), held)
+        self._dataset.manifest = manifest  # loading in this process, and workers started from now on
+        self._dataset.reorder()
+        change = manifest.epochs.for_tasks()  # type: ignore[union-attr]  # a ControlledMixture's decisions
+        self.sampler.switch(change, partial(manifest.order, shuffle=self._options.shuffle), held)
 
     def _guarded(self, iterator: Iterator[Delivery]) -> Iterator[Delivery]:
         """The DataLoader iterator's output; a dead worker is re-raised naming this rank, the worker and its pid."""
