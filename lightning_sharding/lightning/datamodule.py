@@ -252,10 +252,10 @@ class ShardedDataModule(pl.LightningDataModule):
             if len(controllers) > 1:
                 raise ValueError(f"the trainer has {len(controllers)} MixtureControllers; give it one")
             if controllers:  # the mixture's epochs under online control, from any decisions to replay
-                if self.strategy.name != "shard":
+                if not self.strategy.replans:
                     raise ValueError(
                         f"a MixtureController replans the epoch mid-pass, which strategy={self.strategy.name!r} "
-                        "cannot: use strategy='shard'"
+                        f"cannot: use {strategies_where(lambda s: s.replans)}"
                     )
                 self.ledger_keeper.start_control(controllers[0].replay)
 

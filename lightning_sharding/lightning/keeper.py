@@ -2,7 +2,9 @@
 
 The DataModule makes one at ``setup("fit")``; :class:`~lightning_sharding.lightning.callbacks.ShardingCallback`
 drives it: it starts epochs, gathers every rank's consumed positions, writes the checkpoint entry
-and restores one, and tells the train loader when a checkpoint is saved.
+and restores one, and tells the train loader when a checkpoint is saved. Under a
+:class:`~lightning_sharding.lightning.controller.MixtureController` it also records the decisions
+(:meth:`LedgerKeeper.decide`) and replays a checkpoint's.
 """
 
 from __future__ import annotations

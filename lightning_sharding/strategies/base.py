@@ -146,7 +146,8 @@ class Strategy(ABC):
     ``shuffles`` (whether ``shuffle`` applies), ``mixes`` (whether it reads a mixture of
     ``streams``: it plans by the manifest's order), ``compositions`` (the mixture batch compositions
     it plans), ``packs`` (whether its workers build batches of packed sequences, from a reader
-    that :attr:`~lightning_sharding.readers.base.Reader.reads_sequences`), ``fixed_options`` (loader
+    that :attr:`~lightning_sharding.readers.base.Reader.reads_sequences`), ``replans`` (whether its
+    loader plans the rest of a pass again when a mixture decision changes the order), ``fixed_options`` (loader
     options that do not apply) and the reasons said when an option or ``on_error="skip"`` is refused.
     """
 
@@ -158,6 +159,7 @@ class Strategy(ABC):
     shuffles: ClassVar[bool] = True
     mixes: ClassVar[bool] = False
     packs: ClassVar[bool] = False
+    replans: ClassVar[bool] = False  # its loader can plan a pass again mid-way (a MixtureController's decision)
     compositions: ClassVar[tuple[str, ...]] = ("mixed",)
     fixed_options: ClassVar[tuple[str, ...]] = ("batch_transform",)  # a strategy that runs it says so
     no_skip_reason: ClassVar[str] = ""

@@ -7,6 +7,11 @@ than steps that completed, and its ``load_state_dict`` asserts the same ``num_wo
 with torchdata 0.11: Lightning restores it and resuming on another worker count crashes). We keep
 no loader state at all, so there is nothing for it to save.
 
+A mixture decision (:class:`~lightning_sharding.lightning.controller.MixtureController`) changes the
+order from the first position no rank has been handed (:func:`handed_out`): the sampler plans the
+rest of the pass again and deals the new plan's tasks, which carry the decisions to the workers, and
+the loader drops what the workers prepared ahead under the old plan (:meth:`ShardedLoader.switch_order`).
+
 Why map-style tasks instead of an ``IterableDataset``: the main process deals each worker a
 :class:`~lightning_sharding.core.plan.BatchTask` through the DataLoader's own index queues. A new epoch
 is then a new plan in the main process; persistent workers need no message, and the DataLoader
@@ -336,6 +341,7 @@ class ShardStrategy(Strategy):
     fixed_options = ()  # every option applies, batch_transform too
     mixes = True
     packs = True  # its workers' PlannedBatches hand a packing reader the order's positions
+    replans = True  # ShardedLoader.switch_order: the sampler deals the new plan's tasks from the next one
     compositions = COMPOSITIONS
     skips_errors = True
 
