@@ -60,6 +60,7 @@ _EXPORTS = {
     "Stream": "mixture",
     "ShardContext": "core.world",
     "ShardedDataModule": "lightning.datamodule",
+    "ShardedData": "lightning.loop",
     "ShardedLoader": "strategies.shard",
     "ShardingCallback": "lightning.callbacks",
     "MixtureController": "lightning.controller",
@@ -112,6 +113,7 @@ __all__ = [
     "SqliteSource",
     "Stream",
     "ShardContext",
+    "ShardedData",
     "ShardedDataModule",
     "ShardedLoader",
     "ShardingCallback",
@@ -142,6 +144,7 @@ if TYPE_CHECKING:
     )
     from lightning_sharding.lightning.datamodule import ShardedDataModule
     from lightning_sharding.lightning.keeper import ReplicaMismatchError
+    from lightning_sharding.lightning.loop import ShardedData
     from lightning_sharding.lightning.release import ReleaseProcessGroup
     from lightning_sharding.lightning.summary import EpochReport
     from lightning_sharding.mixture import Phase, Stream

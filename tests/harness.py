@@ -236,16 +236,22 @@ def run_segment(out: Path, name: str, job: Job, *, expect_death: bool = False) -
     config = {**asdict(job), "out": str(out), "segment": name}
     path = out / f"config-{name}.json"
     path.write_text(json.dumps(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = job_env()
     before = _checkpoints(out)
-    returncode, output = _launch(job.topology, path, env)
+    returncode, output = launch(job.topology, path, env)
     (out / f"returncode-{name}.txt").write_text(str(returncode))
     if expect_death:
         assert returncode != 0, f"segment {name} was meant to die but finished:\n{output[-3000:]}"
     else:
         assert returncode == 0, f"segment {name} failed with {returncode}:\n{output[-5000:]}"
     return _collect(out, name, job, returncode, output, sorted(_checkpoints(out) - before))
+
+
+def job_env() -> dict[str, str]:
+    """The environment of a job's processes: one thread each, a free rendezvous port, this repository importable."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
 
 
 def _checkpoints(out: Path) -> set[Path]:
@@ -307,10 +313,10 @@ def run_at_once(root: Path, jobs: dict[str, Job]) -> dict[str, Segment]:
     return results
 
 
-def _launch(topology: Topology, config: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Start the job's processes (one, or one torchrun per node), wait with a timeout, kill on expiry."""
+def launch(topology: Topology, config: Path, env: dict[str, str], job: Path = JOB) -> tuple[int, str]:
+    """Start ``job``'s processes (one, or one torchrun per node), wait with a timeout, kill on expiry."""
     if topology.launcher in ("spawn", "ddp"):
-        commands = [[sys.executable, str(JOB), str(config)]]
+        commands = [[sys.executable, str(job), str(config)]]
     else:
         per_node = topology.world_size // topology.num_nodes
         commands = [
@@ -323,7 +329,7 @@ def _launch(topology: Topology, config: Path, env: dict[str, str]) -> tuple[int,
                 f"--nproc_per_node={per_node}",
                 "--master_addr=127.0.0.1",
                 f"--master_port={env['MASTER_PORT']}",
-                str(JOB),
+                str(job),
                 str(config),
             ]
             for node in range(topology.num_nodes)

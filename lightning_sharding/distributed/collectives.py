@@ -7,8 +7,9 @@ from typing import Any
 import torch.distributed as dist
 
 
-def gather_objects(obj: Any, world_size: int) -> list[Any]:
-    """Every rank's ``obj``, in rank order; a collective call when the world has several ranks."""
+def gather_objects(obj: Any, world_size: int, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order; a collective call when the world has several ranks (over
+    ``group``, default the whole world's)."""
     if world_size <= 1:
         return [obj]
     if not dist.is_available() or not dist.is_initialized():
@@ -19,7 +20,7 @@ def gather_objects(obj: Any, world_size: int) -> list[Any]:
             "(ddp, ddp_spawn, fsdp, deepspeed)"
         )
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 

@@ -24,6 +24,7 @@ from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.plan import EvenBatches
 from lightning_sharding.core.world import DataParallel, World, check_data_parallel
 from lightning_sharding.distributed.agreement import agree
+from lightning_sharding.distributed.collectives import broadcast_object
 from lightning_sharding.lightning.callbacks import ShardingCallback
 from lightning_sharding.lightning.controller import controllers_of
 from lightning_sharding.lightning.keeper import LedgerKeeper
@@ -265,6 +266,8 @@ class ShardedDataModule(pl.LightningDataModule):
         seed = int(np.random.SeedSequence().generate_state(1, dtype=np.uint32)[0])
         if self.trainer is not None and self.world.world_size > 1:
             seed = int(self.trainer.strategy.broadcast(seed, src=0))
+        elif self.world.world_size > 1:  # a loop of its own (ShardedData): torch.distributed's default group
+            seed = int(broadcast_object(seed, self.world.world_size))
         self.seed = seed
         return seed
 

@@ -71,6 +71,7 @@ class LedgerKeeper:
         self.audit_dir = audit_dir
         self.root_map = dict(root_map or {})
         self.train_loader: TrainLoader | None = None
+        self.group: Any = None  # the process group the ledgers are gathered over (None: the default one)
         self.restored_from: str | None = None  # the checkpoint restored, until the first loader after it
         # The manifest fingerprint of a checkpoint of another mixture this run went on from (the audit
         # links the runs through it), and what rank 0 says of the change once the epoch is known.
@@ -84,7 +85,7 @@ class LedgerKeeper:
         that differs is a :class:`ReplicaMismatchError`, never a silent union.
         """
         mine = (self.world.data_rank, self.ledger.epoch, self.ledger.consumed.to_state())
-        for consumed in one_ledger_per_replica(gather_objects(mine, self.world.world_size)):
+        for consumed in one_ledger_per_replica(gather_objects(mine, self.world.world_size, self.group)):
             self.ledger.merge(consumed)
 
     def state(self, global_step: int | None = None) -> dict[str, Any]:

@@ -1,0 +1,166 @@
+"""One segment of a hand-written training loop over ``ShardedData``: Lightning Fabric or plain PyTorch under torchrun.
+
+Run as ``python tests/jobs/loop_job.py CONFIG.json`` (``launcher: "fabric"``: Fabric starts the
+other ranks) or under ``torchrun`` (``launcher: "torchrun"``). The model counts in its weights: one
+float64 weight per sample id, trained by SGD with learning rate 1 on ``-w[ids].sum()`` (scaled by the
+world size, which DDP's averaging divides out), so ``w[i]`` is how often sample ``i``'s gradient was
+applied. The loop steps every ``accumulate`` batches and once more after an epoch's last batch.
+
+Every ``save_every`` batches (after the step, if the batch ends an accumulation window; else inside
+the window) it writes a checkpoint ``ckpt-<segment>-<batches>`` by ``save``:
+``"fabric"`` (``fabric.save``), ``"dcp"`` (``torch.distributed.checkpoint.save``, a directory) or
+``"torch"`` (``data.state_dict()`` on every rank, ``torch.save`` on rank 0). After ``die_after``
+batches of the segment (and the checkpoint of that batch) every rank SIGKILLs itself, like a
+preempted job. Rank 0 writes the weights at every epoch's end to ``w-<segment>-epoch<E>.npy``.
+``rank0_alone``: rank 0 calls ``data.state_dict()`` alone after the first step (a save that forgot
+to gather).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def main(config_path: str) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from lightning_sharding import ShardedData
+
+    cfg = json.loads(Path(config_path).read_text())
+    out, segment = Path(cfg["out"]), cfg["segment"]
+    fabric = None
+    if cfg["launcher"] == "fabric":
+        from lightning.fabric import Fabric
+
+        ranks = cfg["ranks"]
+        fabric = Fabric(accelerator="cpu", devices=ranks, strategy="ddp" if ranks > 1 else "auto")
+        fabric.launch()
+        rank, world_size = fabric.global_rank, fabric.world_size
+    else:
+        dist.init_process_group("gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    source = _data(cfg)
+    module = counting_model(_num_ids(cfg), world_size)
+    optimizer = torch.optim.SGD([{"params": module.layer.parameters(), "lr": 0.01}, {"params": [module.w], "lr": 1.0}])
+    if fabric is not None:
+        model, optimizer = fabric.setup(module, optimizer)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(module) if world_size > 1 else module
+    options: dict[str, Any] = dict(batch_size=8, num_workers=cfg["workers"], seed=1234, transport="torch")
+    data = ShardedData(**source, **options, optimizer=optimizer, world=fabric, gather_timeout=cfg["gather_timeout"])
+    resume = cfg["resume_from"]
+    if resume:
+        _load(resume, module, optimizer, data, fabric)
+    batches = 0
+    accumulate = cfg["accumulate"]
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+        if cfg["rank0_alone"] and rank == 0:
+            data.state_dict()  # the other ranks never call it
+
+    def after_batch() -> None:
+        if batches % cfg["save_every"] == 0:  # with accumulation, also inside a window
+            _save(out / f"ckpt-{segment}-{batches:03d}", cfg["save"], module, optimizer, data, fabric, rank)
+        if batches == cfg["die_after"]:
+            if world_size > 1:
+                dist.barrier()  # every rank's part of the checkpoint is written
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    for epoch in range(data.epoch, cfg["epochs"]):
+        pending = 0
+        for batch in data.train_loader(epoch):
+            ids = batch["id"][~batch["is_padding"]]
+            loss = model(batch["x"], batch["y"], ids)
+            if fabric is not None:
+                fabric.backward(loss)
+            else:
+                loss.backward()
+            pending += 1
+            batches += 1
+            with open(out / f"seen-{segment}-rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"epoch": epoch, "ids": ids.tolist()}) + "\n")
+            if pending == accumulate:
+                step()
+                pending = 0
+            after_batch()
+        if pending:
+            step()  # the epoch's last batches, as Lightning steps them
+        if rank == 0:
+            np.save(out / f"w-{segment}-epoch{epoch}.npy", module.w.detach().numpy())
+    data.close()
+
+
+def counting_model(num_ids: int, world_size: int) -> Any:
+    """A small regression layer and one weight per sample id, whose loss pulls each trained id's weight up by 1."""
+    import torch
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+            self.w = torch.nn.Parameter(torch.zeros(num_ids, dtype=torch.float64))
+
+        def forward(self, x: Any, y: Any, ids: Any) -> Any:
+            fit = torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), y)
+            return fit - self.w[ids].sum() * world_size  # DDP averages over the ranks: 1 per applied sample
+
+    return Counting()
+
+
+def _data(cfg: dict[str, Any]) -> dict[str, Any]:
+    from lightning_sharding import SyntheticReader
+    from tests.jobs.streams_data import make_streams
+
+    if cfg["streams"]:
+        return dict(streams=make_streams(cfg["streams"]), samples_per_epoch=cfg["samples_per_epoch"])
+    return dict(reader=SyntheticReader(sizes=cfg["sizes"]))
+
+
+def _num_ids(cfg: dict[str, Any]) -> int:
+    if cfg["streams"]:
+        return sum(sum(s["sizes"]) for s in cfg["streams"])
+    return sum(cfg["sizes"])
+
+
+def _save(path: Path, how: str, module: Any, optimizer: Any, data: Any, fabric: Any, rank: int) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if how == "fabric":
+        fabric.save(path, {"model": module, "optimizer": optimizer, "data": data})
+    elif how == "dcp":
+        dcp.save({"model": module.state_dict(), "data": data}, checkpoint_id=str(path))
+    else:
+        state = data.state_dict()  # on every rank: it gathers
+        if rank == 0:
+            torch.save({"model": module.state_dict(), "data": state}, path)
+
+
+def _load(path: str, module: Any, optimizer: Any, data: Any, fabric: Any) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if Path(path).is_dir():  # a DCP checkpoint, written on any number of ranks
+        state = {"model": module.state_dict(), "data": data}
+        dcp.load(state, checkpoint_id=path)
+        module.load_state_dict(state["model"])
+    elif fabric is not None:
+        fabric.load(path, {"model": module, "optimizer": optimizer, "data": data})
+    else:
+        state = torch.load(path, weights_only=True)
+        module.load_state_dict(state["model"])
+        data.load_state_dict(state["data"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
