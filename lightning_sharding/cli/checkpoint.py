@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from lightning_sharding.cli._common import CliError, _check_plot_path, _draw, _first_line, _plural
-from lightning_sharding.core.ledger import CHECKPOINT_KEY, GLOBAL_STEP_KEY, ledger_step_mismatch
+from lightning_sharding.core.ledger import CHECKPOINT_KEY, GLOBAL_STEP_KEY, ledger_step_mismatch, loop_state_entry
 from lightning_sharding.core.rangeset import RangeSet
 
 
@@ -18,11 +18,15 @@ def register(sub: Any) -> None:
     """Add the ``inspect`` subcommand to the subparsers ``sub``."""
     inspect = sub.add_parser(
         "inspect",
-        help="show the data ledger of a Lightning checkpoint",
+        help="show the data ledger of a checkpoint",
         description="Print what a checkpoint's lightning_sharding ledger holds: seed, epoch, data fingerprint, "
-        "consumed and remaining samples, the topology that wrote it, and Lightning's step and epoch.",
+        "consumed and remaining samples, the topology that wrote it, and Lightning's step and epoch. A checkpoint "
+        "of Lightning's Trainer, or one holding a ShardedData state (fabric.save, torch.save, or a "
+        "torch.distributed.checkpoint directory).",
     )
-    inspect.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by Lightning")
+    inspect.add_argument(
+        "checkpoint", metavar="CKPT", help="a checkpoint file, or a torch.distributed.checkpoint directory"
+    )
     inspect.add_argument("--plot", metavar="FILE.png", help="also draw the epoch's progress into this image")
     inspect.add_argument(
         "--data",
@@ -37,20 +41,42 @@ def register(sub: Any) -> None:
 
 
 def _load_checkpoint(path: Path) -> Mapping[str, Any]:
-    """``torch.load`` a checkpoint safely; every failure is a :class:`CliError` naming the path."""
+    """``torch.load`` a checkpoint safely (a ``torch.distributed.checkpoint`` directory: into one file
+    first); a ``ShardedData`` state in it becomes the entry ``inspect`` reads. Every failure is a
+    :class:`CliError` naming the path."""
     if not path.exists():
         raise CliError(f"no such checkpoint file: {path}")
-    if path.is_dir():
-        raise CliError(f"{path} is a directory, not a checkpoint file")
+    if path.is_dir() and not (path / ".metadata").is_file():
+        raise CliError(f"{path} is a directory, not a checkpoint file or a torch.distributed.checkpoint directory")
     import torch
 
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        if path.is_dir():
+            ckpt = _load_dcp(path)
+        else:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure to unpickle is the file's fault
         raise CliError(f"{path} is not a readable PyTorch checkpoint: {_first_line(err)}") from None
     if not isinstance(ckpt, Mapping):
         raise CliError(f"{path} holds a {type(ckpt).__name__}, not a Lightning checkpoint")
+    if CHECKPOINT_KEY not in ckpt:
+        for key, value in ckpt.items():  # {"data": data, ...} saved by fabric.save, DCP or torch.save
+            entry = loop_state_entry(value)
+            if entry is not None:
+                return {CHECKPOINT_KEY: entry, "state key": key}
     return ckpt
+
+
+def _load_dcp(path: Path) -> Any:
+    """A ``torch.distributed.checkpoint`` directory as one state dict (converted in a temporary file)."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "state.pt")
+        return torch.load(Path(tmp) / "state.pt", map_location="cpu", weights_only=True)
 
 
 def _percent(part: int, whole: int) -> str:
@@ -88,7 +114,9 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
             f"remaining    {remaining} samples ({_percent(remaining, ledger.total)})",
             f"writer       {topology}",
             f"ledger size  {_plural(ledger.consumed.num_ranges, 'range')}, {ranges.nbytes} bytes",
-            f"lightning    global_step {ckpt.get('global_step', 'n/a')}, epoch {ckpt.get('epoch', 'n/a')}",
+            f"state        ShardedData, under {ckpt['state key']!r}"
+            if "state key" in ckpt
+            else f"lightning    global_step {ckpt.get('global_step', 'n/a')}, epoch {ckpt.get('epoch', 'n/a')}",
             _step_line(state, ckpt.get("global_step")),
             *_stream_lines(manifest.get("streams"), ledger, manifest),
             *_packing_lines(manifest.get("packing")),
@@ -187,7 +215,9 @@ def _inspect(args: argparse.Namespace) -> int:
     plot = _check_plot_path(args.plot)
     ckpt = _load_checkpoint(path)
     if CHECKPOINT_KEY not in ckpt:
-        raise CliError(f"{path} holds no lightning_sharding data ledger (it was written without ShardedDataModule)")
+        raise CliError(
+            f"{path} holds no lightning_sharding data ledger (it was written without ShardedDataModule or ShardedData)"
+        )
     try:
         report = format_inspect(path, ckpt)
     except (CheckpointMismatchError, ValueError) as err:

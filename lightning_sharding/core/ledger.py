@@ -22,6 +22,15 @@ CHANGED_VERSION = 2  # a ledger of an epoch whose mixture changed on resume: ear
 CONTROLLED_VERSION = 3  # a ledger of a mixture under online control (its decisions): earlier releases refuse it
 CHECKPOINT_KEY = "lightning_sharding"  # where a Lightning checkpoint holds the ledger
 GLOBAL_STEP_KEY = "global_step"  # the optimizer step whose weights the checkpointed ledger matches
+LOOP_STATE_KEY = "ledger"  # a ShardedData state, {"ledger": (entry,)}: DCP stores a tuple whole
+
+
+def loop_state_entry(state: Any) -> Mapping[str, Any] | None:
+    """The ledger entry of a ``ShardedData`` state (``{"ledger": (entry,)}``), or None if ``state`` is none."""
+    held = state.get(LOOP_STATE_KEY) if isinstance(state, Mapping) else None
+    if isinstance(held, tuple | list) and len(held) == 1 and isinstance(held[0], Mapping) and "consumed" in held[0]:
+        return held[0]
+    return None
 
 
 def ledger_step_mismatch(state: Mapping[str, Any], global_step: int | None) -> str | None:

@@ -30,18 +30,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.ledger import LOOP_STATE_KEY, Ledger, loop_state_entry
 from lightning_sharding.core.world import DataParallel, World, check_data_parallel
 from lightning_sharding.distributed.collectives import cpu_group
 from lightning_sharding.lightning.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.lightning.keeper import LedgerKeeper
 from lightning_sharding.strategies.base import TrainLoader
-
-STATE_KEY = "ledger"
-"""The one key of :meth:`ShardedData.state_dict`: the ledger entry in a 1-tuple, so that
-``torch.distributed.checkpoint`` stores and loads it whole (it loads tensors in place, and a
-ledger's size differs from one checkpoint to the next)."""
 
 _TRAINER_ONLY = ("audit_dir",)  # written by the Trainer's callback
 
@@ -191,19 +186,18 @@ class ShardedData:
         self._sync()
         entry = self.keeper.state(global_step=self._steps)
         self._saved = True
-        return {STATE_KEY: (entry,)}
+        return {LOOP_STATE_KEY: (entry,)}  # a tuple: DCP loads tensors in place, and ledgers differ in size
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from a state of :meth:`state_dict`, written on any number of ranks or workers."""
-        entry = state.get(STATE_KEY) if isinstance(state, dict) else None
-        if not (isinstance(entry, tuple | list) and len(entry) == 1 and isinstance(entry[0], dict)):
+        ledger = loop_state_entry(state)
+        if ledger is None:
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
                 f"ShardedData.load_state_dict() takes what ShardedData.state_dict() returned, {{'ledger': (entry,)}}; "
                 f"got {found}"
             )
-        ledger = entry[0]
-        self.keeper.restore(ledger, None, "the loaded state")
+        self.keeper.restore(dict(ledger), None, "the loaded state")
         self._steps = int(ledger.get("global_step") or 0)
         self._accounting.start_run(self._steps)
         self._module.seed = self.keeper.ledger.seed

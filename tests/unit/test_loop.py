@@ -110,3 +110,30 @@ def test_bad_input_is_named() -> None:
         other.load_state_dict(data.state_dict())
     data.close()
     other.close()
+
+
+def test_inspect_reads_a_loops_state_from_a_file_and_from_a_dcp_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_sharding import cli
+
+    optimizer = sgd()
+    data = make(optimizer)
+    for n, _ in enumerate(data.train_loader(0)):
+        optimizer.step()
+        if n == 1:
+            break
+    model = torch.nn.Linear(2, 1)
+    torch.save({"model": model.state_dict(), "data": data.state_dict()}, tmp_path / "loop.pt")
+    dcp.save({"model": model.state_dict(), "data": data}, checkpoint_id=str(tmp_path / "dcp"))
+    data.close()
+    for path in (tmp_path / "loop.pt", tmp_path / "dcp"):
+        assert cli.main(["inspect", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "consumed     8 of 26 samples" in out, out
+        assert "state        ShardedData, under 'data'" in out and "matches      optimizer step 2" in out, out
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["inspect", str(tmp_path / "empty")]) != 0
+    assert "not a checkpoint file or a torch.distributed.checkpoint directory" in capsys.readouterr().err
