@@ -25,6 +25,7 @@ first line at that step), exactly as the resumed run's ledger does.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
+from lightning_sharding.core.private import make_dirs, open_or_create
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture import mixture_of
 
@@ -84,8 +86,9 @@ class AuditWriter:
 
     def __init__(self, directory: str | Path, run: str, rank: int, header: dict[str, Any]) -> None:
         self.path = Path(directory) / f"{run}-rank{rank}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        make_dirs(self.path.parent)  # 0700, 0600: only the user reads which samples trained when
+        fd = open_or_create(self.path, os.O_WRONLY | os.O_APPEND)
+        self._file: IO[str] | None = os.fdopen(fd, "a", buffering=1)
         self._write({"kind": _RUN, "version": AUDIT_VERSION, _RUN: run, "rank": rank, **header})
 
     def _write(self, record: dict[str, Any]) -> None:

@@ -27,6 +27,9 @@ import shutil
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+from lightning_sharding.core.private import FILE_MODE, create_file, dir_mode, make_dirs, open_or_create
 
 _PART = ".part-"  # in the hidden name of a download under way: .<name>.part-<host>-<pid>-<random>
 _LOCK = ".lock"  # the end of a copy's fetch lock: .<name>.lock
@@ -60,9 +63,10 @@ def _held_bytes(directory: Path) -> int:
 class ShardCache:
     """Whole remote files under ``directory``, at most ``limit`` bytes of them (see the module)."""
 
-    def __init__(self, directory: str | os.PathLike[str], limit: int | float) -> None:
+    def __init__(self, directory: str | os.PathLike[str], limit: int | float, mode: int = FILE_MODE) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.mode = mode  # of every file made here (copies, partial downloads, locks); 0600 by default
+        make_dirs(self.directory, dir_mode(mode))
         self.limit = resolve_limit(limit, self.directory)
         self.hits = 0
         self.fetches = 0
@@ -87,7 +91,10 @@ class ShardCache:
                     continue  # a copy, a lock file, or a name of ours that only contains ".part-"
                 if not host_pid_random[1].isdigit() or entry.name.endswith(_LOCK):
                     continue
-                with contextlib.suppress(OSError), open(self.directory / f".{name}{_LOCK}", "a+b") as lock:
+                with contextlib.suppress(OSError):
+                    if entry.stat().st_uid != os.getuid():
+                        continue  # another user's download, in a cache shared on purpose: theirs to clean
+                with contextlib.suppress(OSError), self._lock_file(name) as lock:
                     try:
                         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except BlockingIOError:
@@ -130,14 +137,19 @@ class ShardCache:
                 if self._over.exists():  # a copy in use kept the cache over its budget: try again now
                     self.evict()
 
+    def _lock_file(self, name: str) -> Any:
+        """The fetch lock of copy ``name``, opened (made given the cache's mode when missing)."""
+        return os.fdopen(open_or_create(self.directory / f".{name}{_LOCK}", os.O_RDWR | os.O_APPEND, self.mode), "a+b")
+
     def _fetch(self, url: str, path: Path, size: int, fetch: Callable[[str], None]) -> bool:
         """Download ``url`` to ``path`` unless another process did meanwhile; whether this one did."""
-        with open(path.with_name(f".{path.name}{_LOCK}"), "a+b") as lock:
+        with self._lock_file(path.name) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if path.exists():  # another process fetched it while this one waited
                 return False
             part = path.with_name(f".{path.name}{_PART}{self._host}-{os.getpid()}-{secrets.token_hex(3)}")
             try:
+                os.close(create_file(part, mode=self.mode))  # the download writes into it: its mode stays
                 fetch(str(part))
                 got = os.path.getsize(part)
                 if got != size:
@@ -169,7 +181,8 @@ class ShardCache:
             # Its (empty) lock file stays: removing it would let two processes fetch and replace the
             # copy at once, and a reader could then read a copy that no lock keeps.
         if held > self.limit:
-            self._over.touch()
+            with contextlib.suppress(FileExistsError):
+                os.close(create_file(self._over, mode=self.mode))
         else:
             self._over.unlink(missing_ok=True)
 

@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.private import check_mode
 from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
@@ -66,6 +67,9 @@ class FileReader(Reader):
             others receive the items), ``"node"`` (each node's local rank 0, for nodes that share no
             disk) or ``"rank"`` (every rank). See :mod:`lightning_sharding.readers.shared_index`.
         retry: retries of transient storage errors.
+        cache_mode: the file mode of what goes into ``cache_dir`` (indexes, listings, copies, lock
+            files): ``0o600``, its owner's only, by default, whatever the umask; ``0o640`` or ``0o660``
+            to share a cache with the owner's group. Directories made for it get the matching mode.
     """
 
     format: ClassVar[str] = "file"
@@ -82,12 +86,14 @@ class FileReader(Reader):
         index_once_per: str = "job",
         prefetch_files: int = 0,
         prefetch_bytes: int | None = None,
+        cache_mode: int | None = None,
     ) -> None:
         if isinstance(urls, str):
             urls = [urls]
         self.urls = [os.fspath(u) for u in urls]
         self.storage_options = dict(storage_options or {})
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_mode = check_mode(cache_mode, f"{type(self).__name__}(cache_mode")
         if scan_threads < 1:
             raise ValueError(f"`{type(self).__name__}(scan_threads={scan_threads})` must be at least 1")
         self.scan_threads = scan_threads
@@ -183,7 +189,7 @@ class FileReader(Reader):
                 sub = _SUB + suffix if suffix else ""
                 items.append(Item(info.url + sub, int(count), tag, info.name + sub, content))
         rows = [[it.key, it.num_samples, it.fingerprint, it.name, it.content] for it in items]
-        write_atomically(listing, json.dumps(rows).encode())
+        write_atomically(listing, json.dumps(rows).encode(), self.cache_mode)
         return items
 
     def _digest(self, info: FileInfo) -> str:
@@ -218,7 +224,7 @@ class FileReader(Reader):
             raise ValueError(f"{info.url}: cannot index this {self.format} file: {err}") from err
         if len(idx.suffixes) != len(idx.counts):
             raise RuntimeError(f"{type(self).__name__}.scan({info.url}) returned mismatched suffixes and counts")
-        idx.save(self._cache_path(info.url, info.fingerprint))
+        idx.save(self._cache_path(info.url, info.fingerprint), self.cache_mode)
         return idx
 
     # -- inside workers -----------------------------------------------------------------------
@@ -290,7 +296,8 @@ class FileReader(Reader):
             yield None
             return
         if self._shards is None:
-            self._shards = ShardCache((self.cache_dir or default_cache_dir()) / "shards", self.cache_limit)
+            shards = (self.cache_dir or default_cache_dir()) / "shards"
+            self._shards = ShardCache(shards, self.cache_limit, self.cache_mode)
         fingerprint = self.file_fingerprint(item)
         size = self._file_size(item)
 

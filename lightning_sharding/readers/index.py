@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.private import FILE_MODE, dir_mode, make_dirs
+
 # Part of every cache name: bump it when a reader's index layout changes, and old caches are ignored.
 INDEX_VERSION = 1
 
@@ -38,9 +40,8 @@ class FileIndex:
     counts: list[int]
     arrays: list[dict[str, npt.NDArray[Any]]] = field(default_factory=list)
 
-    def save(self, path: Path) -> None:
-        """Write atomically: ranks on one machine may index the same file at once."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def save(self, path: Path, mode: int = FILE_MODE) -> None:
+        """Write atomically (ranks on one machine may index the same file at once), given ``mode``."""
         flat: dict[str, npt.NDArray[Any]] = {
             "suffixes": np.array(self.suffixes, dtype=str),
             "counts": np.array(self.counts, dtype=np.int64),
@@ -49,7 +50,7 @@ class FileIndex:
             flat.update({f"{j}/{name}": value for name, value in arrays.items()})
         buf = io.BytesIO()
         np.savez(buf, **flat)  # type: ignore[arg-type]  # numpy's stub wants positional arrays
-        write_atomically(path, buf.getvalue())
+        write_atomically(path, buf.getvalue(), mode)
 
     @classmethod
     def load(cls, path: Path) -> FileIndex:
@@ -64,11 +65,13 @@ class FileIndex:
             return cls(suffixes, [int(c) for c in z["counts"]], arrays)
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file, the new one, or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_atomically(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file, the new one, or none; the file
+    gets ``mode`` (its owner's only by default) and the directories made for it the matching one."""
+    make_dirs(path.parent, dir_mode(mode))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

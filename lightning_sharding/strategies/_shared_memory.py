@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.private import create_file
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "lsh-"
 
@@ -59,7 +61,7 @@ def write_shared_array(name: str, chunks: Any, shape: tuple[int, ...], dtype: np
     path = SHM_DIR / name
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     written = 0
-    with open(path, "xb") as f:
+    with os.fdopen(create_file(path), "wb") as f:  # 0600: other users of the node must not read the data
         for chunk in chunks:
             data = np.ascontiguousarray(chunk, dtype=dtype)
             f.write(data.data.cast("B"))
@@ -88,10 +90,16 @@ def unlink(name: str) -> None:
 
 
 def sweep_dead() -> list[str]:
-    """Remove the ``/dev/shm`` files (shared arrays, batch slots) whose owner process is gone (a run
-    killed by SIGKILL); returns their names."""
+    """Remove this user's ``/dev/shm`` files (shared arrays, batch slots) whose owner process is gone
+    (a run killed by SIGKILL); returns their names. Another user's files are left alone."""
     removed = []
+    me = os.getuid()
     for path in SHM_DIR.glob(f"{PREFIX}*"):
+        try:
+            if path.stat().st_uid != me:  # another user's run: never ours to judge or remove
+                continue
+        except FileNotFoundError:
+            continue
         parts = path.name.split("-")
         if len(parts) < 3 or "." not in parts[2]:
             continue

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 import lightning_sharding.strategies._shared_memory as shared_memory
+from lightning_sharding.core.private import create_file
 
 # Batches smaller than this go through PyTorch's own path. The benchmark's transport rows found no
 # batch size at which PyTorch's path is faster: the pool was 3.6x at 4 KiB batches, 1.3x at 67 KiB
@@ -154,7 +155,7 @@ class WorkerSlots:
             return current
         size = max(total, 2 * len(current[1]) if current is not None else total)
         name = f"{self.states.prefix}-w{self.worker}.{os.getpid()}-s{slot}-g{next(self.generation)}"
-        fd = os.open(shared_memory.SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_file(shared_memory.SHM_DIR / name, os.O_RDWR)  # 0600 whatever the umask
         try:
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size)
