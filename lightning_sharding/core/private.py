@@ -78,3 +78,62 @@ def open_or_create(path: str | os.PathLike[str], flags: int = os.O_RDWR, mode: i
         return create_file(path, flags, mode)
     except FileExistsError:
         return os.open(path, flags)
+
+
+# -- credentials in URLs -----------------------------------------------------------------------
+
+REDACTED = "REDACTED"
+URL_CREDENTIALS = "lightning_sharding:url_credentials"
+"""The key, in a reader's ``storage_options``, of ``{shown URL: real URL}``: only the storage layer
+opens the real one; keys, summaries, checkpoints, audit files and messages hold the shown one."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its credentials replaced by ``REDACTED``: a password in its user part
+    (``https://user:pw@host``) and every query value (signed URLs, SAS and access tokens), in each
+    part of a chained URL. A URL without either is returned as it is."""
+    if "::" in url:
+        return "::".join(redact_url(part) for part in url.split("::"))
+    if "://" not in url:
+        return url
+    from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, host = netloc.rsplit("@", 1)
+        netloc = f"{user.split(':', 1)[0]}:{REDACTED}@{host}"
+    query = "&".join(f"{k}={REDACTED}" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
+    if netloc == parts.netloc and not parts.query:
+        return url
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def hide_credentials(urls: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The URLs as shown (credentials redacted), and ``{shown: real}`` for those that had any."""
+    shown = [redact_url(u) for u in urls]
+    return shown, {s: u for s, u in zip(shown, urls, strict=True) if s != u}
+
+
+def scrub(text: str, hidden: dict[str, str]) -> str:
+    """``text`` with every real URL of ``hidden`` (and its secret parts) replaced by the shown one."""
+    for shown, real in hidden.items():
+        text = text.replace(real, shown)
+        for secret in _secrets_of(real):
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def _secrets_of(url: str) -> list[str]:
+    """The secret strings inside ``url``: its password and query values (long enough to be secrets)."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    found = []
+    for part in url.split("::"):
+        if "://" not in part:
+            continue
+        parts = urlsplit(part)
+        if "@" in parts.netloc and ":" in parts.netloc.rsplit("@", 1)[0]:
+            found.append(parts.netloc.rsplit("@", 1)[0].split(":", 1)[1])
+        found += [v for _, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return sorted({s for v in found for s in (v, unquote(v)) if len(s) >= 6}, key=len, reverse=True)

@@ -64,6 +64,24 @@ class Reader(ABC):
         """
         return [self.read(item, int(i), ctx) for i in indices]
 
+    def scrub(self, text: str) -> str:
+        """``text`` (an error's message) without the secrets this reader holds: a reader of URLs with
+        credentials in them replaces those with the URL as shown (see :mod:`lightning_sharding.core.private`)."""
+        return text
+
+    def scrubbed(self, err: BaseException) -> BaseException:
+        """``err`` itself, or, when it or an exception it was raised from shows a secret :meth:`scrub`
+        removes, a new error of its message scrubbed, to raise without the chain."""
+        seen: set[int] = set()
+        current: BaseException | None = err
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            if self.scrub(repr(current)) != repr(current):
+                message = self.scrub(str(err))
+                return type(err)(message) if type(err).__module__ == "builtins" else OSError(message)
+            current = current.__cause__ or current.__context__
+        return err
+
     def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
         """Samples ``indices`` of one item as columns: one array of shape ``(n, ...)``, or a dict of
         such arrays, exactly what PyTorch's default collate makes of :meth:`read_batch`'s samples.

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.private import check_mode
+from lightning_sharding.core.private import URL_CREDENTIALS, check_mode, hide_credentials, scrub
 from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
@@ -90,8 +90,12 @@ class FileReader(Reader):
     ) -> None:
         if isinstance(urls, str):
             urls = [urls]
-        self.urls = [os.fspath(u) for u in urls]
+        # Credentials in a URL (a password, a signed query) stay in storage_options, which only the
+        # storage layer reads: item keys, summaries, checkpoints and messages show the URL redacted.
+        self.urls, hidden = hide_credentials([os.fspath(u) for u in urls])
         self.storage_options = dict(storage_options or {})
+        if hidden:
+            self.storage_options[URL_CREDENTIALS] = hidden
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.cache_mode = check_mode(cache_mode, f"{type(self).__name__}(cache_mode")
         if scan_threads < 1:
@@ -151,7 +155,17 @@ class FileReader(Reader):
         list of a listing seen before (same files, same fingerprints) comes from one
         small cache file, so a restart costs one listing and one read.
         """
-        return shared_items(self._list_and_index, self.index_once_per, f"{self.format} files {self.urls}")
+        try:
+            return shared_items(self._list_and_index, self.index_once_per, f"{self.format} files {self.urls}")
+        except Exception as err:
+            clean = self.scrubbed(err)
+            if clean is err:
+                raise
+            raise clean from None  # the original's chain would show the credentials
+
+    def scrub(self, text: str) -> str:
+        """``text`` with the credentials of this reader's URLs redacted."""
+        return scrub(text, self.storage_options.get(URL_CREDENTIALS) or {})
 
     def _list_and_index(self) -> Sequence[Item]:
         files = list_files(self.urls, self.storage_options, self.retry)

@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from lightning_sharding.core.identity import common_root
+from lightning_sharding.core.private import URL_CREDENTIALS
 
 T = TypeVar("T")
 
@@ -169,8 +170,10 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     """
     scheme = scheme_of(url)
     package, extra = STORAGES.get(scheme, ("", ""))
+    options = dict(storage_options or {})
+    real = (options.pop(URL_CREDENTIALS, None) or {}).get(url, url)  # a URL shown redacted: open the real one
     try:
-        fs, path = _fsspec().core.url_to_fs(url, **dict(storage_options or {}))
+        fs, path = _fsspec().core.url_to_fs(real, **options)
     except ImportError as err:
         cause = err.__cause__ or err  # fsspec's own message only says which package it wanted
         if not package:
@@ -275,9 +278,10 @@ def list_files(
         raise ValueError("no data URLs were given: pass a path, a glob or a list of URLs")
     files: list[FileInfo] = []
     seen: dict[tuple[int, str], str] = {}  # (filesystem, canonical URL) -> how it was named first
+    hidden = (storage_options or {}).get(URL_CREDENTIALS) or {}
     for url in entries:
         fs, path = filesystem(url, storage_options)
-        if any(c in path for c in _GLOB_CHARS):
+        if url not in hidden and any(c in path for c in _GLOB_CHARS):  # a signed URL's "?" is no glob
             found = with_retries(partial(fs.glob, path, detail=True), f"listing {url}", retry)
             matches = sorted((p, i) for p, i in found.items() if i.get("type", "file") == "file")
             if not matches:

@@ -219,20 +219,21 @@ class PlannedBatches(Dataset[Delivery]):
     def _read_one(self, item: Item, index: int, position: int, ctx: ShardContext) -> Any:
         try:
             return self.reader.read(item, index, ctx)
-        except Exception as err:
-            if is_transient(err):  # storage down beyond the retry budget is not bad data: never skip it
+        except Exception as raised:
+            err = self.reader.scrubbed(raised)  # a URL's credentials: shown redacted, the chain dropped
+            if is_transient(raised):  # storage down beyond the retry budget is not bad data: never skip it
                 raise SampleError(
                     f"cannot read item {item.key!r} (rank {ctx.rank}, worker {ctx.worker_id}): the storage "
                     f"failed beyond the retry budget: {err}. No sample of this batch counts as consumed; once "
                     "the storage is back, resume from the last checkpoint (or raise the reader's retry=RetryPolicy)."
-                ) from err
+                ) from (err if err is raised else None)
             failure = SampleError(
                 f"cannot read sample {index} of item {item.key!r} (epoch {ctx.epoch}, position {position}, "
                 f"rank {ctx.rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}. "
                 "Fix or remove the data, or pass on_error='skip' to skip bad samples (counted and reported)."
             )
             if self.on_error == "raise":
-                raise failure from err
+                raise failure from (err if err is raised else None)
             return Failed(str(failure))
 
     def _transform(self, sample: Any, sctx: SampleContext) -> Any:
