@@ -120,23 +120,9 @@ class LedgerKeeper:
         ledger = self.ledger
         source = self.restored_from
         self.restored_from = None
-        # A mixture changed in an epoch Lightning does not go on with (a checkpoint written at its end):
-        # what counts is what the checkpoint consumed of its own epoch, and no rest is drawn.
-        changed_now = self._change_note is not None and ledger.change is not None
-        skipped = ledger.change["before"] if changed_now and epoch > ledger.epoch else None  # type: ignore[index]
-        total = int(skipped["total"]) if skipped is not None else ledger.total
-        consumed = len(RangeSet.from_state(np.asarray(skipped["consumed"]))) if skipped else len(ledger.consumed)
-        left = total - consumed
-        # "drop" (and "sync") may leave up to one sample per data-parallel rank untrained by design (a
-        # batch per rank when a stratified or per_stream mixture's batches are blocks).
-        mixture = mixture_of(self.manifest)
-        blocks = mixture.blocks if mixture is not None else None
-        per_rank = blocks.size if blocks is not None else 1
-        if skipped is not None:  # the blocks of the mixture that epoch was planned under
-            was = skipped["manifest"]
-            per_rank = int(was.get("batch_size") or 1) if was.get("composition", "mixed") != "mixed" else 1
-        tolerated = self.world.data_size * per_rank if self.options.even_batches != "pad" else 1
-        if source is not None and epoch > ledger.epoch and consumed and left >= tolerated:
+        behind = self.left_behind(epoch)
+        if source is not None and behind is not None:
+            consumed, total, left = behind
             warnings.warn(
                 f"{source} stopped epoch {ledger.epoch} after {consumed} of its {total} samples, and "
                 f"Lightning goes on with epoch {epoch}: the other {left} samples of epoch {ledger.epoch} are "
@@ -159,6 +145,30 @@ class LedgerKeeper:
             )
         self._change_note = None
         ledger.start_epoch(epoch)
+
+    def left_behind(self, epoch: int) -> tuple[int, int, int] | None:
+        """``(consumed, total, left)`` of the ledger's epoch when moving on to ``epoch`` would leave part
+        of it untrained (more than ``even_batches="drop"`` may leave by design); None otherwise."""
+        ledger = self.ledger
+        # A mixture changed in an epoch Lightning does not go on with (a checkpoint written at its end):
+        # what counts is what the checkpoint consumed of its own epoch, and no rest is drawn.
+        changed_now = self._change_note is not None and ledger.change is not None
+        skipped = ledger.change["before"] if changed_now and epoch > ledger.epoch else None  # type: ignore[index]
+        total = int(skipped["total"]) if skipped is not None else ledger.total
+        consumed = len(RangeSet.from_state(np.asarray(skipped["consumed"]))) if skipped else len(ledger.consumed)
+        left = total - consumed
+        # "drop" (and "sync") may leave up to one sample per data-parallel rank untrained by design (a
+        # batch per rank when a stratified or per_stream mixture's batches are blocks).
+        mixture = mixture_of(self.manifest)
+        blocks = mixture.blocks if mixture is not None else None
+        per_rank = blocks.size if blocks is not None else 1
+        if skipped is not None:  # the blocks of the mixture that epoch was planned under
+            was = skipped["manifest"]
+            per_rank = int(was.get("batch_size") or 1) if was.get("composition", "mixed") != "mixed" else 1
+        tolerated = self.world.data_size * per_rank if self.options.even_batches != "pad" else 1
+        if epoch > ledger.epoch and consumed and left >= tolerated:
+            return consumed, total, left
+        return None
 
     def committed(self) -> None:
         """The checkpoint written last is saved: the train loader may tell its source."""

@@ -141,13 +141,27 @@ class ShardedData:
                 f"loop `for epoch in range(data.epoch, max_epochs)`"
             )
         self._sync()
+        # Every rank plans the rest of the epoch from the same ledger (a collective call: every rank
+        # asks for its loader at the same point of the loop), also after a pass left early.
+        self.keeper.gather()
         if epoch != self.epoch and self.keeper.ledger.pending:
             warnings.warn(
                 f"epoch {epoch} starts while {len(self.keeper.ledger.pending)} samples of epoch {self.epoch} were "
-                "yielded but no optimizer step applied them: they are not trained in that epoch. Step the "
-                "optimizer after an epoch's last batch (as Lightning does with gradient accumulation)",
+                f"yielded but no optimizer step has applied them yet: epoch {self.epoch}'s ledger does not count "
+                "them, and a resume from a later state will not train them in that epoch. Step the optimizer after "
+                "an epoch's last batch (as Lightning does with gradient accumulation)",
                 stacklevel=2,
             )
+        behind = self.keeper.left_behind(epoch)
+        if behind is not None:
+            consumed, total, left = behind
+            warnings.warn(
+                f"train_loader({epoch}) leaves epoch {self.epoch} after {consumed} of its {total} samples: the "
+                f"other {left} are not trained in it. To finish it, call train_loader({self.epoch}) first (it serves "
+                "what is left)",
+                stacklevel=2,
+            )
+        self.keeper.restored_from = None  # said above, in a loop's words
         self.keeper.start_epoch(epoch)
         loader = self.keeper.train_loader
         if loader is None:
@@ -192,7 +206,7 @@ class ShardedData:
         """Go on from a state of :meth:`state_dict`, written on any number of ranks or workers."""
         ledger = loop_state_entry(state)
         if ledger is None:
-            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            found = f"a dict with keys {sorted(state)}" if isinstance(state, dict) else f"a {type(state).__name__}"
             raise ValueError(
                 f"ShardedData.load_state_dict() takes what ShardedData.state_dict() returned, {{'ledger': (entry,)}}; "
                 f"got {found}"
@@ -215,7 +229,7 @@ class ShardedData:
         except RuntimeError as err:
             raise RuntimeError(
                 f"ShardedData.{call} on rank {self.world.rank} gathers every rank's ledger, and the other ranks did "
-                f"not call it within {self.gather_timeout:g} s ({err}). Call it on every rank: fabric.save and "
+                f"not call it (waited up to {self.gather_timeout:g} s: {err}). Call it on every rank: fabric.save and "
                 "torch.distributed.checkpoint.save do; for torch.save on rank 0, take `state = data.state_dict()` "
                 "on every rank and write it on rank 0 alone. A state of one rank would lose the others' samples"
             ) from err

@@ -13,7 +13,8 @@ the window) it writes a checkpoint ``ckpt-<segment>-<batches>`` by ``save``:
 batches of the segment (and the checkpoint of that batch) every rank SIGKILLs itself, like a
 preempted job. Rank 0 writes the weights at every epoch's end to ``w-<segment>-epoch<E>.npy``.
 ``rank0_alone``: rank 0 calls ``data.state_dict()`` alone after the first step (a save that forgot
-to gather).
+to gather). ``reenter_after``: the first pass of the segment is left after that many batches, and
+the loop asks for the same epoch again (it serves the rest; every rank's ledger alike).
 """
 
 from __future__ import annotations
@@ -76,23 +77,30 @@ def main(config_path: str) -> None:
                 dist.barrier()  # every rank's part of the checkpoint is written
             os.kill(os.getpid(), signal.SIGKILL)
 
+    reentered = False
     for epoch in range(data.epoch, cfg["epochs"]):
         pending = 0
-        for batch in data.train_loader(epoch):
-            ids = batch["id"][~batch["is_padding"]]
-            loss = model(batch["x"], batch["y"], ids)
-            if fabric is not None:
-                fabric.backward(loss)
-            else:
-                loss.backward()
-            pending += 1
-            batches += 1
-            with open(out / f"seen-{segment}-rank{rank}.jsonl", "a") as f:
-                f.write(json.dumps({"epoch": epoch, "ids": ids.tolist()}) + "\n")
-            if pending == accumulate:
-                step()
-                pending = 0
-            after_batch()
+        left_early = True
+        while left_early:
+            left_early = False
+            for n, batch in enumerate(data.train_loader(epoch), 1):
+                ids = batch["id"][~batch["is_padding"]]
+                loss = model(batch["x"], batch["y"], ids)
+                if fabric is not None:
+                    fabric.backward(loss)
+                else:
+                    loss.backward()
+                pending += 1
+                batches += 1
+                with open(out / f"seen-{segment}-rank{rank}.jsonl", "a") as f:
+                    f.write(json.dumps({"epoch": epoch, "ids": ids.tolist()}) + "\n")
+                if pending == accumulate:
+                    step()
+                    pending = 0
+                after_batch()
+                if n == cfg["reenter_after"] and not reentered:  # leave the pass, then ask for the epoch again
+                    reentered = left_early = True
+                    break
         if pending:
             step()  # the epoch's last batches, as Lightning steps them
         if rank == 0:

@@ -87,12 +87,31 @@ def test_an_epoch_left_with_unstepped_batches_is_warned_about() -> None:
     data = make(optimizer)
     for _ in data.train_loader(0):
         pass  # never stepped
-    with pytest.warns(UserWarning, match=r"yielded but no optimizer step applied them"):
+    with pytest.warns(UserWarning, match=r"yielded but no optimizer step has applied them yet"):
         data.train_loader(1)
     assert data.epoch == 1
     with pytest.raises(ValueError, match=r"train_loader\(0\): the ledger is at epoch 1 already"):
         data.train_loader(0)
     data.close()
+
+
+def test_leaving_an_epoch_part_trained_is_warned_about_in_a_loops_words() -> None:
+    optimizer = sgd()
+    data = make(optimizer)
+    for n, _ in enumerate(data.train_loader(0), 1):
+        optimizer.step()
+        if n == 2:
+            break
+    state = data.state_dict()
+    with pytest.warns(UserWarning, match=r"train_loader\(1\) leaves epoch 0 after 8 of its 26 samples") as caught:
+        data.train_loader(1)
+    resumed = make(sgd())
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"call train_loader\(0\) first") as again:
+        resumed.train_loader(1)
+    assert not [w for w in [*caught, *again] if "Lightning" in str(w.message)], "a loop is not Lightning's"
+    data.close()
+    resumed.close()
 
 
 def test_bad_input_is_named() -> None:
@@ -103,7 +122,7 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match=r"gather_timeout=0\)"):
         ShardedData(SyntheticReader(sizes=SIZES), optimizer=sgd(), gather_timeout=0)
     data = make(sgd())
-    with pytest.raises(ValueError, match=r"takes what ShardedData.state_dict\(\) returned.*got \['model'\]"):
+    with pytest.raises(ValueError, match=r"state_dict\(\) returned.*got a dict with keys \['model'\]"):
         data.load_state_dict({"model": {}})
     other = make(sgd(), reader=SyntheticReader(sizes=[10, 7, 8]))
     with pytest.raises(CheckpointMismatchError, match=r"the loaded state was written for other data"):
