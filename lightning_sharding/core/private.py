@@ -100,8 +100,8 @@ def redact_url(url: str) -> str:
 
     parts = urlsplit(url)
     netloc = parts.netloc
-    if "@" in netloc:
-        user, host = netloc.rsplit("@", 1)
+    user, at, host = netloc.rpartition("@")
+    if at and ":" in user:  # a password; a user part alone (abfss://container@account...) is no secret
         netloc = f"{user.split(':', 1)[0]}:{REDACTED}@{host}"
     query = "&".join(f"{k}={REDACTED}" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
     if netloc == parts.netloc and not parts.query:

@@ -4,9 +4,10 @@ Two recognisable secrets go into a real ``lightning-sharding-train`` job over a 
 loopback (moto, reached over HTTP): one in ``storage_options`` (a header the HTTP filesystem sends)
 and one in the data URLs (a signed URL's query token). Both come from the environment through
 Hydra's ``${oc.env:...}``, as the Security page advises. The job fails once on purpose (a missing
-object, named in the error), then trains with checkpoints and the audit trail, and ``inspect`` and
-``audit`` read what it wrote. Every file under the run directory (the checkpoints, the audit
-trail, Hydra's ``.hydra`` folder, the caches) and every captured line of output is scanned.
+object, named in the error), then trains with checkpoints and the audit trail, resumes with the
+URLs signed again (another token), and ``inspect`` and ``audit`` read what it wrote. Every file
+under the run directory (the checkpoints, the audit trail, Hydra's ``.hydra`` folder, the caches)
+and every captured line of output is scanned.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from tests.process.test_train import QUIET, _env
 from tests.s3 import S3Server
 
 URL_SECRET = "PlantedUrlToken9c1e7"
+FRESH_URL_SECRET = "PlantedFreshToken3a5f0"  # the same files signed again, for the resume
 OPTION_SECRET = "PlantedHeaderKey4b2d8"
-SECRETS = (URL_SECRET, OPTION_SECRET)
+SECRETS = (URL_SECRET, FRESH_URL_SECRET, OPTION_SECRET)
 
 
 def upload_shards(server: S3Server, count: int) -> list[str]:
@@ -37,14 +39,14 @@ def upload_shards(server: S3Server, count: int) -> list[str]:
     return [url.replace("s3://", f"{server.endpoint}/") for url in urls]
 
 
-def train(tmp_path: Path, urls: list[str], *extra: str) -> subprocess.CompletedProcess[str]:
+def train(tmp_path: Path, urls: list[str], *extra: str, token: str = URL_SECRET) -> subprocess.CompletedProcess[str]:
     signed = ",".join(f"'{u}?X-Amz-Signature=${{oc.env:LSH_URL_TOKEN}}'" for u in urls)
     cmd = [sys.executable, "-m", "lightning_sharding.train", "data=files", "data.format=tar", f"data.urls=[{signed}]"]
     cmd += ["+data.storage_options={client_kwargs: {headers: {X-Api-Key: '${oc.env:LSH_API_KEY}'}}}"]
     cmd += ["data.batch_size=8", "data.num_workers=1", "data.multiprocessing_context=spawn", "trainer.max_epochs=1"]
     cmd += ["checkpoint_every_n_steps=2", "audit.enabled=true", f"out_dir={tmp_path / 'run'}"]
     cmd += [f"data.cache_dir={tmp_path / 'run' / 'cache'}", *QUIET, *extra]
-    env = {**_env(), "LSH_URL_TOKEN": URL_SECRET, "LSH_API_KEY": OPTION_SECRET}
+    env = {**_env(), "LSH_URL_TOKEN": token, "LSH_API_KEY": OPTION_SECRET}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
 
 
@@ -66,6 +68,10 @@ def test_a_planted_secret_is_nowhere_the_job_wrote_or_printed(tmp_path: Path, s3
     assert "72" in trained.stdout  # the summary: 3 shards of 24 samples consumed
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
     assert checkpoints, "the run wrote no checkpoint"
+    # Signed again (another token), the same files resume: the checkpoint knows them by name and content.
+    resumed = train(tmp_path, urls, "ckpt_path=last", "trainer.max_epochs=2", token=FRESH_URL_SECRET)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert "written for other data" not in resumed.stderr
     cli = [sys.executable, "-m", "lightning_sharding.cli"]
     tools = [
         subprocess.run([*cli, "inspect", str(checkpoints[-1])], capture_output=True, text=True, timeout=120),
@@ -81,6 +87,7 @@ def test_a_planted_secret_is_nowhere_the_job_wrote_or_printed(tmp_path: Path, s3
     outputs = {
         "failed run": failed.stdout + failed.stderr,
         "trained run": trained.stdout + trained.stderr,
+        "resumed run": resumed.stdout + resumed.stderr,
         "inspect": tools[0].stdout + tools[0].stderr,
         "audit": tools[1].stdout + tools[1].stderr,
     }

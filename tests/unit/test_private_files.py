@@ -167,3 +167,31 @@ def test_the_sweeps_of_dead_runs_leave_another_users_files_alone(tmp_path: Path)
     assert part.exists(), "another user's partial download in a shared cache is left alone"
     assert not own.exists(), "this user's dead partial download is swept"
     np.testing.assert_equal(sorted(p.name for p in (tmp_path / "shards").iterdir() if ".part-" in p.name), [part.name])
+
+
+def test_urls_are_shown_without_their_credentials_and_errors_are_scrubbed() -> None:
+    from lightning_sharding.core.private import hide_credentials, redact_url, scrub
+
+    assert redact_url("https://alice:pw-4711@host/x.tar?sig=abc%2Bdef&v=2") == (
+        "https://alice:REDACTED@host/x.tar?sig=REDACTED&v=REDACTED"
+    )
+    for plain in ("s3://bucket/train/*.tar", "/data/x.npy", "abfss://container@account.dfs.core.windows.net/a.tar"):
+        assert redact_url(plain) == plain, "nothing to hide: the user's spelling is kept"
+    assert redact_url("simplecache::https://h/x.tar?token=t0ken123") == "simplecache::https://h/x.tar?token=REDACTED"
+    shown, hidden = hide_credentials(["https://h/a.tar?X-Amz-Signature=s3cr3tvalue", "s3://b/c.tar"])
+    assert shown == ["https://h/a.tar?X-Amz-Signature=REDACTED", "s3://b/c.tar"]
+    assert hidden == {shown[0]: "https://h/a.tar?X-Amz-Signature=s3cr3tvalue"}
+    message = "404 for url='https://h/a.tar?X-Amz-Signature=s3cr3tvalue' (signature s3cr3tvalue)"
+    assert scrub(message, hidden) == f"404 for url='{shown[0]}' (signature REDACTED)"
+    reader = TarReader(["https://h/a.tar?X-Amz-Signature=s3cr3tvalue"])
+    assert reader.urls == [shown[0]] and "s3cr3tvalue" not in repr(reader.urls)
+    try:
+        try:
+            raise FileNotFoundError(message)
+        except FileNotFoundError as inner:
+            raise OSError("reading failed") from inner
+    except OSError as outer:
+        raised, clean = outer, reader.scrubbed(outer)
+    assert clean is not raised and clean.__cause__ is None and "s3cr3tvalue" not in str(clean)
+    harmless = ValueError("no secret here")
+    assert reader.scrubbed(harmless) is harmless
