@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_sharding.core.private import make_dirs
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.sources import Source
@@ -45,9 +46,9 @@ def generated(cache_dir: str | None, name: str, write: Callable[[Path], object])
     final = cache_root(cache_dir) / "datasets" / name
     if final.is_dir():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(final.parent)  # 0700, like the rest of the cache: the set is the owner's
     tmp = final.with_name(f".{name}.{uuid.uuid4().hex}")
-    tmp.mkdir()
+    make_dirs(tmp)
     try:
         write(tmp)
         os.rename(tmp, final)
