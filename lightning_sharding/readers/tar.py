@@ -7,7 +7,6 @@ never the shard from its start.
 
 from __future__ import annotations
 
-import tarfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,6 +19,7 @@ from lightning_sharding.readers.decoding import DECODERS, decoders
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
 from lightning_sharding.readers.storage import FileInfo, filesystem
+from lightning_sharding.readers.tar_headers import file_members, local_members
 
 _BLOCK = 512
 
@@ -64,7 +64,8 @@ class TarReader(FileReader):
         self.fields = None if fields is None else set(fields)
 
     def scan(self, info: FileInfo) -> FileIndex:
-        """Walk the shard's headers: each sample's ``[start, end)`` bytes and its key."""
+        """Walk the shard's headers (:mod:`~lightning_sharding.readers.tar_headers`): each sample's
+        ``[start, end)`` bytes and its key."""
         fs, path = filesystem(info.url, self.storage_options)
         starts: list[int] = []
         ends: list[int] = []
@@ -74,28 +75,31 @@ class TarReader(FileReader):
         fields: list[str] = []
         offsets: list[int] = []
         sizes: list[int] = []
-        with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, ext = split_name(member.name)
-                end = member.offset_data + -(-member.size // _BLOCK) * _BLOCK
-                fields.append(ext)
-                offsets.append(member.offset_data)
-                sizes.append(member.size)
-                if keys and keys[-1] == key:
-                    ends[-1] = end
-                    continue
-                if key in seen:
-                    raise ValueError(
-                        f"key {key!r} appears again at member {member.name!r} after other keys: a WebDataset "
-                        "shard must keep each sample's files together"
-                    )
-                keys.append(key)
-                seen.add(key)
-                starts.append(member.offset)
-                ends.append(end)
-                first_member.append(len(fields) - 1)
+        where = self.scrub(info.url)
+        if type(fs).__name__ == "LocalFileSystem":  # a memory map: no read per header
+            found = local_members(path, where)
+        else:  # a remote file: seek from header to header (the file object reads ahead in blocks)
+            with fs.open(path, "rb") as f:
+                found = file_members(f, info.size, where)
+        for name, offset, offset_data, size in found:
+            key, ext = split_name(name)
+            end = offset_data + -(-size // _BLOCK) * _BLOCK
+            fields.append(ext)
+            offsets.append(offset_data)
+            sizes.append(size)
+            if keys and keys[-1] == key:
+                ends[-1] = end
+                continue
+            if key in seen:
+                raise ValueError(
+                    f"key {key!r} appears again at member {name!r} after other keys: a WebDataset "
+                    "shard must keep each sample's files together"
+                )
+            keys.append(key)
+            seen.add(key)
+            starts.append(offset)
+            ends.append(end)
+            first_member.append(len(fields) - 1)
         arrays: dict[str, npt.NDArray[Any]] = {
             "start": np.array(starts, dtype=np.int64),
             "end": np.array(ends, dtype=np.int64),
