@@ -26,21 +26,24 @@ import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.private import URL_CREDENTIALS, check_mode, hide_credentials, scrub
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
 from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, Progress, default_cache_dir, write_atomically
 from lightning_sharding.readers.prefetch import Prefetcher, check_prefetch, files_ahead
-from lightning_sharding.readers.shared_index import check_index_once_per, shared_items
+from lightning_sharding.readers.shared_index import check_index_once_per, current_world, on_every_rank, shared_items
 from lightning_sharding.readers.storage import (
     FileInfo,
     RetryPolicy,
     content_digest,
     filesystem,
     list_files,
+    scheme_of,
     with_retries,
 )
 
+Indexed = tuple[FileIndex, str, bool]  # a file's index, its content id, and whether it was scanned now
+REMOTE_SCAN_THREADS = 16  # indexing remote files waits on the store: threads overlap the waits
 _SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row groups)
 
 
@@ -62,7 +65,9 @@ class FileReader(Reader):
             the cache in the background, up to this many files ahead, in the order the plan gives.
         prefetch_bytes: with ``prefetch_files``, fetch ahead only while those files add up to at
             most this many bytes (``None``: no cap).
-        scan_threads: files indexed in parallel when the manifest is built.
+        scan_threads: files indexed in parallel when the manifest is built; ``None`` chooses: one
+            thread per core for local files (their walk is bound by the processor), 16 for remote ones
+            (bound by the store's latency). The choice is printed with the progress line.
         index_once_per: who lists and indexes in a distributed job: ``"job"`` (global rank 0; the
             others receive the items), ``"node"`` (each node's local rank 0, for nodes that share no
             disk) or ``"rank"`` (every rank). See :mod:`lightning_sharding.readers.shared_index`.
@@ -80,7 +85,7 @@ class FileReader(Reader):
         *,
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
-        scan_threads: int = 16,
+        scan_threads: int | None = None,
         retry: RetryPolicy | None = None,
         cache_limit: int | float | None = None,
         index_once_per: str = "job",
@@ -98,7 +103,7 @@ class FileReader(Reader):
             self.storage_options[URL_CREDENTIALS] = hidden
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.cache_mode = check_mode(cache_mode, f"{type(self).__name__}(cache_mode")
-        if scan_threads < 1:
+        if scan_threads is not None and scan_threads < 1:
             raise ValueError(f"`{type(self).__name__}(scan_threads={scan_threads})` must be at least 1")
         self.scan_threads = scan_threads
         self.retry = retry or RetryPolicy()
@@ -151,12 +156,16 @@ class FileReader(Reader):
     def items(self) -> Sequence[Item]:
         """List the files, load or build every file's index in parallel, and return the items.
 
-        In a distributed job's setup, only the leaders of ``index_once_per`` do this. The item
-        list of a listing seen before (same files, same fingerprints) comes from one
-        small cache file, so a restart costs one listing and one read.
+        In a distributed job's setup, only the leaders of ``index_once_per`` list; with ``"job"``,
+        the files to index are spread over every rank (:mod:`~lightning_sharding.readers.shared_index`).
+        The item list of a listing seen before (same files, same fingerprints) comes from one small
+        cache file, so a restart costs one listing and one read.
         """
         try:
-            return shared_items(self._list_and_index, self.index_once_per, f"{self.format} files {self.urls}")
+            world = current_world()
+            if world is not None and self.index_once_per == "job":
+                return self._spread(world)
+            return shared_items(self._list_and_index, self.index_once_per, self._what())
         except Exception as err:
             clean = self.scrubbed(err)
             if clean is err:
@@ -167,44 +176,101 @@ class FileReader(Reader):
         """``text`` with the credentials of this reader's URLs redacted."""
         return scrub(text, self.storage_options.get(URL_CREDENTIALS) or {})
 
-    def _list_and_index(self) -> Sequence[Item]:
-        files = list_files(self.urls, self.storage_options, self.retry)
-        # The listing's items with their names and content ids (a version-2 listing: 0.1's had neither).
-        listing = self._cache_path("listing-2", json.dumps([(f.url, f.fingerprint) for f in files]), ".json")
-        try:
-            cached = json.loads(listing.read_text())
-            self.last_scan = {"files": len(files), "scanned": 0, "cached": len(files)}
-            return [Item(key, int(count), tag, name, content) for key, count, tag, name, content in cached]
-        except (OSError, ValueError, TypeError):
-            pass  # first start with this listing
-        progress = Progress(f"indexing {len(files)} {self.format} file(s)", len(files))
-        scanned = 0
+    def _what(self) -> str:
+        return f"{self.format} files {self.urls}"
 
-        def index(info: FileInfo) -> tuple[FileIndex, str]:
-            nonlocal scanned
+    def _list_and_index(self) -> Sequence[Item]:
+        files, cached = self._listing()
+        if cached is not None:
+            return cached
+        indexed = self._index_files(files, f"indexing {len(files)} {self.format} file(s)")
+        return self._assemble(files, indexed, write=True)
+
+    def _spread(self, world: World) -> Sequence[Item]:
+        """Rank 0 lists; rank r indexes files r, r + W, r + 2W...; every rank assembles the manifest
+        from the gathered indexes, and each machine's local rank 0 caches the ones it did not index."""
+        files, cached = shared_items(self._listing, "job", self._what())
+        if cached is not None:
+            return cached
+        share = files[world.rank :: world.world_size]
+        what = f"indexing {len(share)} of {len(files)} {self.format} file(s) on rank {world.rank} of {world.world_size}"
+        done = on_every_rank(
+            lambda: self._index_files(share, what, show=world.rank == 0),
+            world,
+            f"indexes its share of {self._what()} for this job (index_once_per='job')",
+        )
+        indexed: list[Indexed] = [None] * len(files)  # type: ignore[list-item]
+        for rank, results in enumerate(done):
+            indexed[rank :: world.world_size] = results
+        if world.local_rank == 0:  # this machine's workers find every index in its cache
+            for i, (idx, _, _) in enumerate(indexed):
+                if i % world.world_size != world.rank:
+                    idx.save(self._cache_path(files[i].url, files[i].fingerprint), self.cache_mode)
+        return self._assemble(files, indexed, write=world.local_rank == 0)
+
+    def _listing(self) -> tuple[list[FileInfo], list[Item] | None]:
+        """The files, and their items when this listing was seen before (its cache file)."""
+        files = list_files(self.urls, self.storage_options, self.retry)
+        try:
+            cached = json.loads(self._listing_path(files).read_text())
+            self.last_scan = {"files": len(files), "scanned": 0, "cached": len(files)}
+            return files, [Item(key, int(count), tag, name, content) for key, count, tag, name, content in cached]
+        except (OSError, ValueError, TypeError):
+            return files, None  # first start with this listing
+
+    def _listing_path(self, files: Sequence[FileInfo]) -> Path:
+        # The listing's items with their names and content ids (a version-2 listing: 0.1's had neither).
+        return self._cache_path("listing-2", json.dumps([(f.url, f.fingerprint) for f in files]), ".json")
+
+    def _index_files(
+        self, files: Sequence[FileInfo], what: str, show: bool = True
+    ) -> list[tuple[FileIndex, str, bool]]:
+        """Each file's index (from the cache, or scanned and saved), content id, and whether it was scanned."""
+        threads = self.indexing_threads(files)
+        progress = Progress(f"{what}, {threads} thread(s)", len(files), every=5.0 if show else float("inf"))
+
+        def index(info: FileInfo) -> Indexed:
             idx = self._cached(info)
+            scanned = idx is None
             if idx is None:
                 idx = self._scan_and_save(info)
-                scanned += 1
             content = info.content or self._digest(info)
             progress.step()
-            return idx, content
+            return idx, content, scanned
 
-        with ThreadPoolExecutor(max_workers=min(self.scan_threads, len(files))) as pool:
+        if not files:
+            return []
+        with ThreadPoolExecutor(max_workers=threads) as pool:
             indexed = list(pool.map(index, files))
-        indexes = [idx for idx, _ in indexed]
         progress.done()
+        return indexed
+
+    def _assemble(
+        self, files: Sequence[FileInfo], indexed: Sequence[tuple[FileIndex, str, bool]], write: bool
+    ) -> list[Item]:
+        """The items of ``files`` from their indexes; ``write``: into the listing's cache file too."""
+        indexes = [idx for idx, _, _ in indexed]
         self.check_indexes(files, indexes)
+        scanned = sum(1 for _, _, was in indexed if was)
         self.last_scan = {"files": len(files), "scanned": scanned, "cached": len(files) - scanned}
         items: list[Item] = []
-        for info, (idx, content) in zip(files, indexed, strict=True):
+        for info, (idx, content, _) in zip(files, indexed, strict=True):
             tag = f"{info.fingerprint};{self.format}:{self.options_key()}"
             for suffix, count in zip(idx.suffixes, idx.counts, strict=True):
                 sub = _SUB + suffix if suffix else ""
                 items.append(Item(info.url + sub, int(count), tag, info.name + sub, content))
-        rows = [[it.key, it.num_samples, it.fingerprint, it.name, it.content] for it in items]
-        write_atomically(listing, json.dumps(rows).encode(), self.cache_mode)
+        if write:
+            rows = [[it.key, it.num_samples, it.fingerprint, it.name, it.content] for it in items]
+            write_atomically(self._listing_path(files), json.dumps(rows).encode(), self.cache_mode)
         return items
+
+    def indexing_threads(self, files: Sequence[FileInfo]) -> int:
+        """Threads to index ``files`` with: ``scan_threads``, or one per core when every file is local
+        (a walk bound by the processor gains nothing from more) and 16 when any is remote."""
+        if self.scan_threads is not None:
+            return max(1, min(self.scan_threads, len(files)))
+        local = all(scheme_of(f.url) == "file" for f in files)
+        return max(1, min(len(os.sched_getaffinity(0)) if local else REMOTE_SCAN_THREADS, len(files)))
 
     def _digest(self, info: FileInfo) -> str:
         """The content id of a file whose store gives no ETag: a digest of its bytes (with retries)."""

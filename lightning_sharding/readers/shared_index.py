@@ -1,12 +1,14 @@
-"""Index once per job: one process lists and indexes the files, the other ranks receive the items.
+"""Index once per job: the files are listed once and each indexed once, the ranks receive the items.
 
 The DataModule opens :func:`collective` around building a manifest, at a point every rank reaches;
-inside it, a :class:`~lightning_sharding.readers.files.FileReader`'s ``items()`` lists and indexes on
-the leaders only and the other ranks receive rank 0's items through the process group:
+inside it, a :class:`~lightning_sharding.readers.files.FileReader`'s ``items()`` lists on the leaders
+only and the other ranks receive rank 0's items through the process group:
 
-- ``index_once_per="job"``: global rank 0 leads. It writes the file indexes to its ``cache_dir``,
-  where the workers of every rank on its machine (or on any machine sharing that directory) read
-  them; a worker that finds no index there scans the one file it reads, once, and keeps it.
+- ``index_once_per="job"``: global rank 0 lists. The files to index are spread over every rank of
+  the job (rank r indexes every ``world_size``-th one, :func:`on_every_rank`), the partial indexes
+  are gathered, and every rank assembles the whole manifest. Each machine's local rank 0 writes the
+  indexes into its ``cache_dir``, where the workers of every rank on it read them; a worker that
+  finds no index there scans the one file it reads, once, and keeps it.
 - ``"node"``: every node's local rank 0 leads, for nodes that share no disk: each fills its own
   node's cache, and the manifests of the leaders are compared before any sample is read.
 - ``"rank"``: every rank lists and indexes for itself (the behaviour before this existed).
@@ -18,11 +20,11 @@ DataLoader workers) ``items()`` lists and indexes by itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TypeVar
 
-from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import broadcast_object, gather_objects
 
@@ -30,6 +32,12 @@ INDEX_ONCE_PER = ("job", "node", "rank")
 _WORLD: ContextVar[World | None] = ContextVar("lightning_sharding_index_world", default=None)
 # Errors re-raised on the ranks that waited, as the leader's own kind where it is one of these.
 _KINDS: dict[str, type[Exception]] = {k.__name__: k for k in (FileNotFoundError, PermissionError, ValueError)}
+T = TypeVar("T")
+
+
+def current_world() -> World | None:
+    """The world of the :func:`collective` block being run (``None`` outside one, or for one rank)."""
+    return _WORLD.get()
 
 
 @contextmanager
@@ -54,19 +62,39 @@ def is_leader(world: World, per: str) -> bool:
     return per == "rank" or (world.rank == 0 if per == "job" else world.local_rank == 0)
 
 
-def shared_items(build: Callable[[], Sequence[Item]], per: str, what: str) -> Sequence[Item]:
+def shared_items(build: Callable[[], T], per: str, what: str) -> T:
     """``build()`` on the leaders, rank 0's result on the others (inside :func:`collective`)."""
     world = _WORLD.get()
     if world is None or per == "rank":
         return build()
     leader = is_leader(world, per)
-    items: Sequence[Item] | None = None
+    items: T | None = None
     error: Exception | None = None
     if leader:
         try:
             items = build()
         except Exception as err:  # every rank must hear of it before anyone raises
             error = err
+    raise_any(world, error, f"lists and indexes {what} for this job (index_once_per={per!r})")
+    received = broadcast_object(items if world.rank == 0 else None, world.world_size)
+    return items if leader and items is not None else received
+
+
+def on_every_rank(work: Callable[[], T], world: World, what: str) -> list[T]:
+    """``work()`` on every rank of ``world``, and every rank's result, in rank order (a collective
+    call). A rank's failure is raised on every rank, naming the rank that failed."""
+    result: T | None = None
+    error: Exception | None = None
+    try:
+        result = work()
+    except Exception as err:  # every rank must hear of it before anyone raises
+        error = err
+    raise_any(world, error, what)
+    return gather_objects(result, world.world_size)
+
+
+def raise_any(world: World, error: Exception | None, what: str) -> None:
+    """Raise ``error`` here, or the first other rank's, on every rank (a collective call)."""
     failure = None if error is None else (type(error).__name__, str(error))
     failures = gather_objects(failure, world.world_size)
     if error is not None:
@@ -74,8 +102,4 @@ def shared_items(build: Callable[[], Sequence[Item]], per: str, what: str) -> Se
     for rank, failed in enumerate(failures):
         if failed is not None:
             kind, message = failed
-            raise _KINDS.get(kind, RuntimeError)(
-                f"rank {rank} lists and indexes {what} for this job (index_once_per={per!r}) and failed: {message}"
-            )
-    received = broadcast_object(items if world.rank == 0 else None, world.world_size)
-    return items if leader and items is not None else received
+            raise _KINDS.get(kind, RuntimeError)(f"rank {rank} {what} and failed: {message}")

@@ -112,3 +112,52 @@ def test_a_failure_of_the_indexing_rank_stops_every_rank_with_its_message(tmp_pa
     segment = run_segment(tmp_path / "job", "first", job, expect_death=True)
     assert "FileNotFoundError" in segment.output and "s3://index-fails/none.tar" in segment.output
     assert "rank 0 lists and indexes tar files ['s3://index-fails/none.tar'] for this job" in segment.output
+
+
+def index_job(tmp_path: Path, shards: Path) -> tuple[int, str]:
+    """A 2-rank torchrun job that builds its manifest of ``shards/*.tar`` and stops (tests/jobs/index_job.py)."""
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT, job_env
+
+    env = job_env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
+    cmd += [f"--master_port={env['MASTER_PORT']}", str(ROOT / "tests" / "jobs" / "index_job.py")]
+    proc = subprocess.run(
+        [*cmd, str(tmp_path), str(shards / "*.tar")], env=env, capture_output=True, text=True, timeout=240
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(600)
+def test_the_ranks_of_a_job_share_the_indexing_and_each_shard_is_walked_once(tmp_path: Path) -> None:
+    import json
+
+    shards = tmp_path / "shards"
+    write_regression(str(shards), "tar", [7 + i % 5 for i in range(9)])
+    code, output = index_job(tmp_path, shards)
+    assert code == 0, output[-4000:]
+    scans = {rank: (tmp_path / f"scans-rank{rank}.txt").read_text().split() for rank in (0, 1)}
+    walked = Counter(url for urls in scans.values() for url in urls)
+    assert sorted(walked) == sorted(str(p) for p in shards.glob("*.tar")) and set(walked.values()) == {1}, walked
+    assert len(scans[0]) == 5 and len(scans[1]) == 4, "rank r walks every other shard"
+    manifests = [json.loads((tmp_path / f"manifest-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert manifests[0]["fingerprint"] == manifests[1]["fingerprint"]
+    assert manifests[0]["total"] == sum(7 + i % 5 for i in range(9))
+
+    for rank in (0, 1):
+        (tmp_path / f"scans-rank{rank}.txt").unlink()
+    code, output = index_job(tmp_path, shards)  # the next start: every index and the listing are cached
+    assert code == 0, output[-4000:]
+    assert not any((tmp_path / f"scans-rank{rank}.txt").exists() for rank in (0, 1)), "a cached start walks nothing"
+
+    bad = sorted(shards.glob("*.tar"))[1]  # rank 1's first shard
+    bad.write_bytes(b"not a tar file" * 100)
+    (tmp_path / "again").mkdir()
+    code, output = index_job(tmp_path / "again", shards)
+    assert code != 0
+    assert "rank 1 indexes its share of tar files" in output and f"{bad}: cannot index this tar file" in output, output[
+        -3000:
+    ]
