@@ -16,7 +16,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,7 +29,14 @@ from lightning_sharding.core.private import URL_CREDENTIALS, check_mode, hide_cr
 from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
-from lightning_sharding.readers.index import INDEX_VERSION, FileIndex, Progress, default_cache_dir, write_atomically
+from lightning_sharding.readers.index import (
+    INDEX_VERSION,
+    FileIndex,
+    ListingIndex,
+    Progress,
+    default_cache_dir,
+    write_atomically,
+)
 from lightning_sharding.readers.prefetch import Prefetcher, check_prefetch, files_ahead
 from lightning_sharding.readers.shared_index import check_index_once_per, current_world, on_every_rank, shared_items
 from lightning_sharding.readers.storage import (
@@ -119,12 +126,17 @@ class FileReader(Reader):
         self.index_once_per = check_index_once_per(index_once_per, type(self).__name__)
         self._shards: ShardCache | None = None
         self._indexes: OrderedDict[str, FileIndex] = OrderedDict()
+        # The listing's index (one directory for every file, readers/index.py::ListingIndex) and each
+        # file's number in it, known once items() ran; opened lazily in each process.
+        self._listing_index: tuple[str, dict[str, int]] | None = None
+        self._opened_listing: ListingIndex | None = None
         self._lock = threading.Lock()
         self.last_scan: dict[str, int] = {"files": 0, "scanned": 0, "cached": 0}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_indexes"] = OrderedDict()  # workers load what they need
+        state["_opened_listing"] = None  # its memory maps: each process maps the files itself
         state["_lock"] = None  # a lock does not pickle: __setstate__ makes a new one
         # Each process opens the shared shard cache, starts its prefetch thread and counts, itself.
         state["_shards"] = None
@@ -165,8 +177,11 @@ class FileReader(Reader):
         try:
             world = current_world()
             if world is not None and self.index_once_per == "job":
-                return self._spread(world)
-            return shared_items(self._list_and_index, self.index_once_per, self._what())
+                items = self._spread(world)
+            else:
+                items = shared_items(self._list_and_index, self.index_once_per, self._what())
+            self._attach_listing(items)
+            return items
         except Exception as err:
             clean = self.scrubbed(err)
             if clean is err:
@@ -203,10 +218,7 @@ class FileReader(Reader):
         indexed: list[Indexed] = [None] * len(files)  # type: ignore[list-item]
         for rank, results in enumerate(done):
             indexed[rank :: world.world_size] = results
-        if world.local_rank == 0:  # this machine's workers find every index in its cache
-            for i, (idx, _, _) in enumerate(indexed):
-                if i % world.world_size != world.rank:
-                    idx.save(self._cache_path(files[i].url, files[i].fingerprint), self.cache_mode)
+        # This machine's local rank 0 writes the listing's index, where the workers of all its ranks read.
         return self._assemble(files, indexed, write=world.local_rank == 0)
 
     def _listing(self) -> tuple[list[FileInfo], list[Item] | None]:
@@ -219,9 +231,47 @@ class FileReader(Reader):
         except (OSError, ValueError, TypeError):
             return files, None  # first start with this listing
 
-    def _listing_path(self, files: Sequence[FileInfo]) -> Path:
-        # The listing's items with their names and content ids (a version-2 listing: 0.1's had neither).
-        return self._cache_path("listing-2", json.dumps([(f.url, f.fingerprint) for f in files]), ".json")
+    def _listing_path(self, files: Sequence[FileInfo], suffix: str = ".json") -> Path:
+        # The listing's items with their names and content ids (a version-2 listing: 0.1's had neither);
+        # with suffix ".d", the directory of its files' indexes.
+        return self._cache_path("listing-2", json.dumps([(f.url, f.fingerprint) for f in files]), suffix)
+
+    def _latest_path(self) -> Path:
+        """Where the last listing's index of these URLs is named (a changed file makes a new listing)."""
+        return self._cache_path("latest-listing", json.dumps(self.urls), ".json")
+
+    def _previous_listing(self) -> Callable[[FileInfo], FileIndex | None]:
+        """The index of a file that the last listing of these URLs held unchanged (same fingerprint),
+        so that a listing with one file changed indexes that file alone."""
+        try:
+            latest = json.loads(self._latest_path().read_text())
+            numbers = {(url, fingerprint): i for i, (url, fingerprint) in enumerate(latest["files"])}
+            listing = ListingIndex(self._latest_path().parent / str(latest["listing"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return lambda info: None
+
+        def previous(info: FileInfo) -> FileIndex | None:
+            number = numbers.get((info.url, info.fingerprint))
+            if number is None:
+                return None
+            try:
+                return listing.file(number)
+            except (OSError, ValueError, KeyError, IndexError):
+                return None
+
+        return previous
+
+    def _attach_listing(self, items: Sequence[Item]) -> None:
+        """Where this process and its workers find the listing's index: computed from the items, so
+        every rank finds its own machine's copy under its own ``cache_dir``."""
+        files: dict[str, FileInfo] = {}
+        for item in items:
+            url = self.split_key(item)[0]
+            if url not in files:
+                files[url] = FileInfo(url, -1, self.file_fingerprint(item))
+        directory = self._listing_path(list(files.values()), ".d")
+        self._listing_index = (str(directory), {url: i for i, url in enumerate(files)})
+        self._opened_listing = None
 
     def _index_files(
         self, files: Sequence[FileInfo], what: str, show: bool = True
@@ -229,12 +279,13 @@ class FileReader(Reader):
         """Each file's index (from the cache, or scanned and saved), content id, and whether it was scanned."""
         threads = self.indexing_threads(files)
         progress = Progress(f"{what}, {threads} thread(s)", len(files), every=5.0 if show else float("inf"))
+        before = self._previous_listing()
 
         def index(info: FileInfo) -> Indexed:
-            idx = self._cached(info)
+            idx = self._cached(info) or before(info)
             scanned = idx is None
-            if idx is None:
-                idx = self._scan_and_save(info)
+            if idx is None:  # a remote file's index is kept at once (a slow walk); a local one with the listing's
+                idx = self._scan_and_save(info, save=scheme_of(info.url) != "file")
             content = info.content or self._digest(info)
             progress.step()
             return idx, content, scanned
@@ -261,6 +312,14 @@ class FileReader(Reader):
                 sub = _SUB + suffix if suffix else ""
                 items.append(Item(info.url + sub, int(count), tag, info.name + sub, content))
         if write:
+            directory = self._listing_path(files, ".d")
+            if ListingIndex.save(directory, indexes, self.cache_mode):  # the next listing of these URLs starts from it
+                latest = {"listing": directory.name, "files": [[f.url, f.fingerprint] for f in files]}
+                write_atomically(self._latest_path(), json.dumps(latest).encode(), self.cache_mode)
+            else:
+                for info, (idx, _, was) in zip(files, indexed, strict=True):  # arrays that do not line up
+                    if was:
+                        idx.save(self._cache_path(info.url, info.fingerprint), self.cache_mode)
             rows = [[it.key, it.num_samples, it.fingerprint, it.name, it.content] for it in items]
             write_atomically(self._listing_path(files), json.dumps(rows).encode(), self.cache_mode)
         return items
@@ -295,7 +354,7 @@ class FileReader(Reader):
         except (OSError, ValueError, KeyError):
             return None  # missing or from an interrupted write: scan again
 
-    def _scan_and_save(self, info: FileInfo) -> FileIndex:
+    def _scan_and_save(self, info: FileInfo, save: bool = True) -> FileIndex:
         try:
             idx = with_retries(lambda: self.scan(info), f"indexing {info.url}", self.retry)
         except FileNotFoundError as err:
@@ -306,7 +365,8 @@ class FileReader(Reader):
             raise ValueError(f"{info.url}: cannot index this {self.format} file: {err}") from err
         if len(idx.suffixes) != len(idx.counts):
             raise RuntimeError(f"{type(self).__name__}.scan({info.url}) returned mismatched suffixes and counts")
-        idx.save(self._cache_path(info.url, info.fingerprint), self.cache_mode)
+        if save:
+            idx.save(self._cache_path(info.url, info.fingerprint), self.cache_mode)
         return idx
 
     # -- inside workers -----------------------------------------------------------------------
@@ -342,7 +402,7 @@ class FileReader(Reader):
                 self._indexes.move_to_end(url)
         if idx is None:
             fingerprint = self.file_fingerprint(item)
-            idx = self._cached(FileInfo(url, -1, fingerprint))
+            idx = self._cached(FileInfo(url, -1, fingerprint)) or self._from_listing(url)
             if idx is None:  # the cache was cleared since the manifest was built
                 fs, path = filesystem(url, self.storage_options)
                 size = int(with_retries(lambda: fs.size(path), f"reading the size of {url}", self.retry))
@@ -352,6 +412,17 @@ class FileReader(Reader):
                 while len(self._indexes) > 16:
                     self._indexes.popitem(last=False)
         return idx
+
+    def _from_listing(self, url: str) -> FileIndex | None:
+        """The index of ``url`` from the listing's index, if this process knows one that holds it."""
+        if self._listing_index is None or url not in self._listing_index[1]:
+            return None
+        try:
+            if self._opened_listing is None:
+                self._opened_listing = ListingIndex(Path(self._listing_index[0]))
+            return self._opened_listing.file(self._listing_index[1][url])
+        except (OSError, ValueError, KeyError, IndexError):
+            return None  # cleared or half-written: scan again
 
     def read_ranges(self, item: Item, starts: npt.ArrayLike, ends: npt.ArrayLike) -> list[bytes]:
         """Bytes ``[starts[i], ends[i])`` of the file of ``item``, from its local copy when the reader

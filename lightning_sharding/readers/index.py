@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.core.private import FILE_MODE, dir_mode, make_dirs
+from lightning_sharding.core.private import FILE_MODE, create_file, dir_mode, make_dirs
 
 # Part of every cache name: bump it when a reader's index layout changes, and old caches are ignored.
 INDEX_VERSION = 1
@@ -113,3 +113,81 @@ class Progress:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+class ListingIndex:
+    """The indexes of every file of one listing in one directory of ``.npy`` arrays, read through
+    memory maps: a first start writes a handful of files, not one per shard (creating a file in a
+    directory of thousands cost about 1 ms here), and a worker pages in only the files it reads.
+
+    ``suffixes``, ``counts`` and ``file_items`` (per file, its first item) describe the items; each
+    index array ``NAME`` of the files' items is concatenated in ``NAME.npy`` with ``NAME.bounds.npy``
+    (per item, its first row).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._arrays: dict[str, npt.NDArray[Any]] = {}
+        self._names: list[str] | None = None
+
+    @staticmethod
+    def save(directory: Path, indexes: list[FileIndex], mode: int = FILE_MODE) -> bool:
+        """Write ``indexes`` (one per file, in listing order) atomically; False when their arrays do
+        not line up (names, trailing shapes), for the caller to keep one file per index instead."""
+        names = {tuple(sorted(arrays)) for idx in indexes for arrays in idx.arrays}
+        if len(names) > 1:
+            return False
+        columns: dict[str, npt.NDArray[Any]] = {}
+        bounds: dict[str, npt.NDArray[np.int64]] = {}
+        for name in next(iter(names), ()):
+            parts = [arrays[name] for idx in indexes for arrays in idx.arrays]
+            if len({p.shape[1:] for p in parts}) > 1 or len({p.dtype.kind for p in parts}) > 1:
+                return False
+            columns[name] = np.concatenate(parts) if parts else np.zeros(0)
+            bounds[name] = np.concatenate(([0], np.cumsum([len(p) for p in parts]))).astype(np.int64)
+        meta = {
+            "suffixes": np.array([s for idx in indexes for s in idx.suffixes], dtype=str),
+            "counts": np.array([c for idx in indexes for c in idx.counts], dtype=np.int64),
+            "file_items": np.concatenate(([0], np.cumsum([len(idx.suffixes) for idx in indexes]))).astype(np.int64),
+        }
+        make_dirs(directory.parent, dir_mode(mode))
+        tmp = directory.with_name(f".{directory.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        make_dirs(tmp, dir_mode(mode))
+        try:
+            files = {**meta, **columns, **{f"{name}.bounds": b for name, b in bounds.items()}}
+            for name, array in files.items():
+                fd = create_file(tmp / f"{name}.npy", mode=mode)
+                with os.fdopen(fd, "wb") as f:
+                    np.save(f, array, allow_pickle=False)
+            try:
+                os.rename(tmp, directory)
+            except OSError:  # another rank of this machine wrote it first: theirs is the same
+                if not directory.is_dir():
+                    raise
+        finally:
+            if tmp.exists():
+                for leftover in tmp.iterdir():
+                    leftover.unlink()
+                tmp.rmdir()
+        return True
+
+    def _array(self, name: str) -> npt.NDArray[Any]:
+        if name not in self._arrays:
+            self._arrays[name] = np.load(self.directory / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        return self._arrays[name]
+
+    def file(self, number: int) -> FileIndex:
+        """The index of the listing's file ``number`` (raises ``OSError``/``ValueError`` when unreadable)."""
+        lo, hi = (int(x) for x in self._array("file_items")[number : number + 2])
+        if self._names is None:
+            self._names = sorted(p.name[: -len(".bounds.npy")] for p in self.directory.glob("*.bounds.npy"))
+        names = self._names
+        arrays: list[dict[str, npt.NDArray[Any]]] = []
+        for item in range(lo, hi):
+            row: dict[str, npt.NDArray[Any]] = {}
+            for name in names:
+                start, end = (int(x) for x in self._array(f"{name}.bounds")[item : item + 2])
+                row[name] = np.asarray(self._array(name)[start:end])
+            arrays.append(row)
+        suffixes = [str(s) for s in self._array("suffixes")[lo:hi]]
+        return FileIndex(suffixes, [int(c) for c in self._array("counts")[lo:hi]], arrays)

@@ -28,6 +28,7 @@ _LONG_LINK = b"K"
 _PAX = b"x"  # PAX extended header of the next member
 _PAX_GLOBAL = b"g"
 _ZERO_BLOCK = bytes(BLOCK)
+_READ_WHOLE = 1 << 20  # a local shard up to this size is read whole; a larger one is mapped
 
 
 class Member(NamedTuple):
@@ -181,8 +182,11 @@ def local_members(path: str, where: str | None = None) -> list[Member]:
         length = os.fstat(f.fileno()).st_size
         if length == 0:
             return []
+        if length <= _READ_WHOLE:  # a small shard: one read, then slices of bytes (cheaper than a map's)
+            data = f.read()
+            return members(lambda pos, n: data[pos : pos + n], len(data), where or path)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return list(members(lambda pos, n: mm[pos : pos + n], length, where or path))
+            return members(lambda pos, n: mm[pos : pos + n], length, where or path)
 
 
 def file_members(f: IO[bytes], length: int, where: str) -> list[Member]:

@@ -116,7 +116,7 @@ def test_workers_rebuild_an_index_whose_cache_was_cleared(tmp_path: Path) -> Non
     write_regression(str(tmp_path / "d"), "jsonl", [9])
     reader = JsonlReader(str(tmp_path / "d" / "*"), cache_dir=tmp_path / "cache")
     manifest = Manifest.from_items(reader.items())
-    for f in (tmp_path / "cache").rglob("*.npz"):
+    for f in [*(tmp_path / "cache").rglob("*.npz"), *(tmp_path / "cache").rglob("*.npy")]:
         f.unlink()
     assert sorted(ids_served(serve_epoch(reader))) == list(range(manifest.total))
 
@@ -260,3 +260,12 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not() -> None:
     assert len(denied) == 1
     with pytest.raises(OSError, match="reading z failed after 2 attempts"):
         with_retries(lambda: (_ for _ in ()).throw(TimeoutError("slow")), "reading z", RetryPolicy(2, 0.001))
+
+
+def test_a_first_start_writes_one_index_for_the_listing_not_one_file_per_shard(tmp_path: Path) -> None:
+    write_regression(str(tmp_path / "d"), "tar", [5] * 60)
+    reader = TarReader(str(tmp_path / "d" / "*.tar"), cache_dir=tmp_path / "cache")
+    manifest = Manifest.from_items(reader.items())
+    written = [p for p in (tmp_path / "cache" / "index").rglob("*") if p.is_file()]
+    assert len(written) < 20 and not list((tmp_path / "cache" / "index").glob("tar-*.npz")), written
+    assert sorted(ids_served(serve_epoch(reader))) == list(range(manifest.total)), "workers read the listing's index"
