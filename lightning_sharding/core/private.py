@@ -8,8 +8,9 @@ explicitly after creation, because the umask only takes bits away (a umask of ``
 a file its owner cannot write). Only what this module creates gets a mode: an existing directory a
 user pointed us at keeps its own.
 
-A cache meant to be shared between users opts in with an explicit ``mode`` (``0o660``, say): its
-directories get the matching execute bits (``0o770``).
+A cache meant to be shared between users opts in with an explicit ``mode`` (``0o660``: the group
+reads and adds files): its directories get the matching bits and setgid (``0o2770``), so files added
+by anyone of the group belong to the directory's group.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ DIR_MODE = 0o700
 
 
 def dir_mode(file_mode: int) -> int:
-    """The directory mode that goes with ``file_mode``: whoever may read a file may enter its directory."""
+    """The directory mode that goes with ``file_mode``: whoever may read a file may enter its directory;
+    a directory shared with the group is setgid, so what anyone of the group adds stays the group's."""
     mode = file_mode | stat.S_IRWXU
     for read, execute in ((stat.S_IRGRP, stat.S_IXGRP), (stat.S_IROTH, stat.S_IXOTH)):
         if mode & read:
             mode |= execute
-    return mode
+    return mode | stat.S_ISGID if mode & stat.S_IRWXG else mode
 
 
 def check_mode(mode: int | None, owner: str) -> int:
@@ -39,7 +41,7 @@ def check_mode(mode: int | None, owner: str) -> int:
         shown = oct(mode) if isinstance(mode, int) and not isinstance(mode, bool) else repr(mode)
         raise ValueError(
             f"`{owner}={shown}` must be a file mode from 0o600 (the owner only, the default) to 0o666 that lets "
-            "its owner read and write, e.g. 0o640 to share the cache with the owner's group"
+            "its owner read and write, e.g. 0o660 to share the cache with the directory's group"
         )
     return mode
 
@@ -88,10 +90,20 @@ URL_CREDENTIALS = "lightning_sharding:url_credentials"
 opens the real one; keys, summaries, checkpoints, audit files and messages hold the shown one."""
 
 
+# A query value is a credential when its name says so, or when it is long enough to be a token.
+_SECRET_NAMES = ("sig", "token", "key", "secret", "pass", "cred", "auth", "session")
+_SECRET_LENGTH = 16
+
+
+def _secret_param(name: str, value: str) -> bool:
+    return any(word in name.lower() for word in _SECRET_NAMES) or len(value) >= _SECRET_LENGTH
+
+
 def redact_url(url: str) -> str:
     """``url`` with its credentials replaced by ``REDACTED``: a password in its user part
-    (``https://user:pw@host``) and every query value (signed URLs, SAS and access tokens), in each
-    part of a chained URL. A URL without either is returned as it is."""
+    (``https://user:pw@host``), and the query values that are credentials (a name such as ``sig``,
+    ``token``, ``X-Amz-Credential``, or a value of 16 characters or more), in each part of a chained
+    URL. A URL without either is returned as it is."""
     if "::" in url:
         return "::".join(redact_url(part) for part in url.split("::"))
     if "://" not in url:
@@ -103,37 +115,61 @@ def redact_url(url: str) -> str:
     user, at, host = netloc.rpartition("@")
     if at and ":" in user:  # a password; a user part alone (abfss://container@account...) is no secret
         netloc = f"{user.split(':', 1)[0]}:{REDACTED}@{host}"
-    query = "&".join(f"{k}={REDACTED}" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
-    if netloc == parts.netloc and not parts.query:
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if netloc == parts.netloc and not any(_secret_param(k, v) for k, v in pairs):
         return url
+    query = "&".join(f"{k}={REDACTED if _secret_param(k, v) else v}" for k, v in pairs)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def hide_credentials(urls: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The URLs as shown (credentials redacted), and ``{shown: real}`` for those that had any."""
+    """The URLs as shown (credentials redacted), and ``{shown: real}`` for those that had any.
+    Two URLs that differ only in their credentials, or a glob with credentials, are refused."""
     shown = [redact_url(u) for u in urls]
-    return shown, {s: u for s, u in zip(shown, urls, strict=True) if s != u}
+    hidden = {s: u for s, u in zip(shown, urls, strict=True) if s != u}
+    if len(set(shown)) < len(shown):
+        twice = next(s for s in shown if shown.count(s) > 1)
+        raise ValueError(f"two data URLs differ only in their credentials ({twice}): name each file once")
+    for shown_url in hidden:
+        if any(c in shown_url.split("?", 1)[0].split("://", 1)[-1] for c in "*?["):
+            raise ValueError(
+                f"{shown_url}: a glob cannot carry credentials (each match would need its own); list the "
+                "files one by one, or pass the credentials in storage_options"
+            )
+    return shown, hidden
 
 
 def scrub(text: str, hidden: dict[str, str]) -> str:
-    """``text`` with every real URL of ``hidden`` (and its secret parts) replaced by the shown one."""
+    """``text`` with every real URL of ``hidden`` replaced by the shown one, and any other spelling of
+    their credentials (a value percent-encoded another way, a URL a library printed again) redacted."""
+    import re
+
     for shown, real in hidden.items():
         text = text.replace(real, shown)
-        for secret in _secrets_of(real):
+        names, passwords = _credentials_of(real)
+        for name in names:  # whatever the value's encoding, after its name
+            text = re.sub(rf"({re.escape(name)}=)(?!{REDACTED})[^&\s'\"<>)]+", rf"\g<1>{REDACTED}", text)
+        for secret in passwords:
             text = text.replace(secret, REDACTED)
     return text
 
 
-def _secrets_of(url: str) -> list[str]:
-    """The secret strings inside ``url``: its password and query values (long enough to be secrets)."""
+def _credentials_of(url: str) -> tuple[list[str], list[str]]:
+    """The names of ``url``'s query credentials, and the secret strings (its password, its query
+    credentials' values) in their spellings."""
     from urllib.parse import parse_qsl, unquote, urlsplit
 
-    found = []
+    names, passwords = [], []
     for part in url.split("::"):
         if "://" not in part:
             continue
         parts = urlsplit(part)
-        if "@" in parts.netloc and ":" in parts.netloc.rsplit("@", 1)[0]:
-            found.append(parts.netloc.rsplit("@", 1)[0].split(":", 1)[1])
-        found += [v for _, v in parse_qsl(parts.query, keep_blank_values=True)]
-    return sorted({s for v in found for s in (v, unquote(v)) if len(s) >= 6}, key=len, reverse=True)
+        user = parts.netloc.rpartition("@")[0]
+        if ":" in user:
+            password = user.split(":", 1)[1]
+            passwords += [password, unquote(password)]
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if _secret_param(k, v):  # parse_qsl decoded the value: its spelling in the URL too
+                names.append(k)
+                passwords += [v, part.split(f"{k}=", 1)[-1].split("&", 1)[0]]
+    return names, sorted({p for p in passwords if len(p) >= 6}, key=len, reverse=True)

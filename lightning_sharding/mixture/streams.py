@@ -134,6 +134,12 @@ class MixtureReader(Reader):
             for it in items
         ]
 
+    def scrub(self, text: str) -> str:
+        """``text`` without the secrets of any stream's reader."""
+        for stream in self.streams:
+            text = stream.reader.scrub(text)
+        return text
+
     @property
     def reads_sequences(self) -> bool:  # type: ignore[override]
         """Whether the streams are packed token sequences (every stream's reader reads them)."""

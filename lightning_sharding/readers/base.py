@@ -76,7 +76,8 @@ class Reader(ABC):
         current: BaseException | None = err
         while current is not None and id(current) not in seen:
             seen.add(id(current))
-            if self.scrub(repr(current)) != repr(current):
+            shown = f"{current!r} {current}"  # an OSError's filename is in its str, not its repr
+            if self.scrub(shown) != shown:
                 message = self.scrub(str(err))
                 return type(err)(message) if type(err).__module__ == "builtins" else OSError(message)
             current = current.__cause__ or current.__context__

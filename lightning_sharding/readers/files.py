@@ -38,7 +38,13 @@ from lightning_sharding.readers.index import (
     write_atomically,
 )
 from lightning_sharding.readers.prefetch import Prefetcher, check_prefetch, files_ahead
-from lightning_sharding.readers.shared_index import check_index_once_per, current_world, on_every_rank, shared_items
+from lightning_sharding.readers.shared_index import (
+    check_index_once_per,
+    current_world,
+    on_every_rank,
+    raise_any,
+    shared_items,
+)
 from lightning_sharding.readers.storage import (
     FileInfo,
     RetryPolicy,
@@ -81,8 +87,9 @@ class FileReader(Reader):
             disk) or ``"rank"`` (every rank). See :mod:`lightning_sharding.readers.shared_index`.
         retry: retries of transient storage errors.
         cache_mode: the file mode of what goes into ``cache_dir`` (indexes, listings, copies, lock
-            files): ``0o600``, its owner's only, by default, whatever the umask; ``0o640`` or ``0o660``
-            to share a cache with the owner's group. Directories made for it get the matching mode.
+            files): ``0o600``, its owner's only, by default, whatever the umask; ``0o660`` to share a
+            cache with the directory's group (every member reads and adds; directories made for it are
+            ``0o2770``, setgid). ``0o640`` lets the group read what is there, but not add to it.
     """
 
     format: ClassVar[str] = "file"
@@ -218,8 +225,17 @@ class FileReader(Reader):
         indexed: list[Indexed] = [None] * len(files)  # type: ignore[list-item]
         for rank, results in enumerate(done):
             indexed[rank :: world.world_size] = results
-        # This machine's local rank 0 writes the listing's index, where the workers of all its ranks read.
-        return self._assemble(files, indexed, write=world.local_rank == 0)
+        # This machine's local rank 0 writes the listing's index, where the workers of all its ranks read;
+        # its failure (a full or unwritable cache_dir) reaches every rank, as an indexing failure does.
+        items: list[Item] | None = None
+        error: Exception | None = None
+        try:
+            items = self._assemble(files, indexed, write=world.local_rank == 0)
+        except Exception as err:
+            error = err
+        raise_any(world, error, f"writes the index of {self._what()} into its cache_dir")
+        assert items is not None
+        return items
 
     def _listing(self) -> tuple[list[FileInfo], list[Item] | None]:
         """The files, and their items when this listing was seen before (its cache file)."""

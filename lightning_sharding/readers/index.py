@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import os
+import secrets
+import socket
 import sys
 import tempfile
 import threading
@@ -151,7 +153,8 @@ class ListingIndex:
             "file_items": np.concatenate(([0], np.cumsum([len(idx.suffixes) for idx in indexes]))).astype(np.int64),
         }
         make_dirs(directory.parent, dir_mode(mode))
-        tmp = directory.with_name(f".{directory.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        writer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"  # unique on a shared cache_dir
+        tmp = directory.with_name(f".{directory.name}.{writer}.tmp")
         make_dirs(tmp, dir_mode(mode))
         try:
             files = {**meta, **columns, **{f"{name}.bounds": b for name, b in bounds.items()}}

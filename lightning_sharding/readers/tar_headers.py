@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from collections.abc import Callable
 from typing import IO, NamedTuple
 
@@ -25,7 +26,9 @@ BLOCK = 512
 _REGULAR = (b"0", b"\0", b"7")  # tarfile's REGTYPE, AREGTYPE and CONTTYPE: a file's bytes follow
 _LONG_NAME = b"L"  # GNU: the next member's name is this member's data
 _LONG_LINK = b"K"
-_PAX = b"x"  # PAX extended header of the next member
+_PAX = (b"x", b"X")  # PAX extended header of the next member (X: Solaris's)
+_SPARSE = b"S"  # GNU sparse file: its data is a map of holes
+_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, FIFOs: no data follows
 _PAX_GLOBAL = b"g"
 _ZERO_BLOCK = bytes(BLOCK)
 _READ_WHOLE = 1 << 20  # a local shard up to this size is read whole; a larger one is mapped
@@ -47,8 +50,11 @@ class TarHeaderError(ValueError):
 
 def members(read: Callable[[int, int], bytes], length: int, where: str = "the shard") -> list[Member]:
     """The regular files of a tar archive of ``length`` bytes, in order; ``read(offset, n)`` gives
-    its bytes (fewer at the end). Stops at the end-of-archive blocks or at the end of the bytes.
-    Every header's checksum is checked, all at once at the end (a bad one raises :class:`TarHeaderError`)."""
+    its bytes. As ``tarfile`` reads it: it ends at the end-of-archive block, and at a bad header after
+    the first; an empty or truncated file, or a bad first header, raises :class:`TarHeaderError`.
+    Every header's checksum is checked, all at once at the end."""
+    if length < BLOCK:
+        raise TarHeaderError(f"{where}: {'is empty' if length == 0 else f'has {length} bytes'}, not a tar file")
     found: list[Member] = []
     headers: list[bytes] = []
     positions: list[int] = []
@@ -69,11 +75,11 @@ def members(read: Callable[[int, int], bytes], length: int, where: str = "the sh
             try:
                 size = int(field.split(b"\0", 1)[0].strip() or b"0", 8)
             except ValueError:
-                check_headers(headers, positions, where)  # a bad checksum says more, where there is one
-                raise TarHeaderError(f"{where}: the header at byte {pos} has a size that is not a number") from None
+                break  # not a header: the checksums below say whether the archive ends here or is bad
         kind = header[156:157]
         data = pos + BLOCK
-        following = data + -(-size // BLOCK) * BLOCK
+        # tarfile skips the data of regular files and of types it does not know, not of links or directories.
+        following = data if kind in _NO_DATA else data + -(-size // BLOCK) * BLOCK
         if kind == _PAX_GLOBAL:  # defaults for every later member (tarfile starts the next one after it)
             pos = following
             continue
@@ -88,27 +94,42 @@ def members(read: Callable[[int, int], bytes], length: int, where: str = "the sh
             chain_start = -1
         elif kind == _LONG_NAME:
             long_name = _text(read(data, size))
-        elif kind == _PAX:
+        elif kind in _PAX:
             pax.update(_pax_records(read(data, size), pos, where))
+        elif kind == _SPARSE:
+            raise TarHeaderError(f"{where}: member {_ustar_name(header, kind)!r} is a GNU sparse file, not supported")
         elif kind != _LONG_LINK:  # a long link name: nothing an index keeps
             if "size" in pax:  # PAX may carry a size the octal field cannot hold
                 size = int(pax["size"])
-                following = data + -(-size // BLOCK) * BLOCK
+                following = data if kind in _NO_DATA else data + -(-size // BLOCK) * BLOCK
             name = pax.get("path") or long_name or _ustar_name(header, kind)
             if kind in _REGULAR and not (kind == b"\0" and name.endswith("/")):
                 found.append(Member(name, chain_start, data, size))
             chain_start, long_name, pax = -1, None, {}
         pos = following
-    check_headers(headers, positions, where)
+    bad = check_headers(headers, positions, where)
+    if bad is not None:  # tarfile ends the archive at a bad header after the first: said, not silent
+        found = [m for m in found if m.offset < positions[bad]]
+        warnings.warn(
+            f"{where}: the header at byte {positions[bad]} is not a valid tar header (a bad checksum): the shard "
+            f"is read up to it, {len(found)} member(s), as tarfile reads it. Rewrite the shard if it is corrupt",
+            stacklevel=2,
+        )
+    if found and found[-1].offset_data + found[-1].size > length:
+        last = found[-1]
+        raise TarHeaderError(
+            f"{where}: is truncated: member {last.name!r} needs {last.offset_data + last.size} bytes, the file has "
+            f"{length}"
+        )
     return found
 
 
-def check_headers(headers: list[bytes], positions: list[int], where: str) -> None:
-    """Raise :class:`TarHeaderError` at the first header whose checksum fails, all checked in one pass
-    of array sums; a header the fast pass doubts (a signed sum, an odd checksum field) is checked
-    again by :func:`check`, as tarfile would."""
+def check_headers(headers: list[bytes], positions: list[int], where: str) -> int | None:
+    """The index of the first header whose checksum fails (None: none), all checked in one pass of
+    array sums; a bad first header raises :class:`TarHeaderError`. A header the fast pass doubts (a
+    signed sum, an odd checksum field) is checked again by :func:`check`, as tarfile would."""
     if not headers:
-        return
+        return None
     blocks = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(len(headers), BLOCK)
     stored = blocks[:, 148:156].astype(np.int64)
     unsigned = blocks.sum(axis=1, dtype=np.int64) - stored.sum(axis=1) + 8 * 32
@@ -117,7 +138,13 @@ def check_headers(headers: list[bytes], positions: list[int], where: str) -> Non
     after: npt.NDArray[np.int64] = np.cumsum(octal[:, ::-1], axis=1)[:, ::-1] - octal  # digits after each
     value = (np.where(octal, digits, 0) * 8 ** np.minimum(after, 20)).sum(axis=1)
     for i in np.flatnonzero(value != unsigned):
-        check(headers[i], positions[i], where)
+        try:
+            check(headers[i], positions[i], where)
+        except TarHeaderError:
+            if i == 0:
+                raise
+            return int(i)
+    return None
 
 
 def check(header: bytes, pos: int, where: str) -> None:
@@ -180,8 +207,6 @@ def local_members(path: str, where: str | None = None) -> list[Member]:
     """The members of a local tar file, read through a memory map."""
     with open(path, "rb") as f:
         length = os.fstat(f.fileno()).st_size
-        if length == 0:
-            return []
         if length <= _READ_WHOLE:  # a small shard: one read, then slices of bytes (cheaper than a map's)
             data = f.read()
             return members(lambda pos, n: data[pos : pos + n], len(data), where or path)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_sharding.core.private import make_dirs
+from lightning_sharding.core.private import make_dirs, redact_url
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.sources import Source
@@ -140,7 +140,8 @@ def endpoint_options(endpoint_url: str, storage: Mapping[str, Any], urls: list[s
     schemes = {scheme_of(u) for u in urls}
     if any("::" in u for u in urls):
         raise ValueError(
-            f"data.endpoint_url={endpoint_url!r} does not reach inside a chained URL ({urls[0]!r}...): set the "
+            f"data.endpoint_url={endpoint_url!r} does not reach inside a chained URL "
+            f"({redact_url(urls[0])!r}...): set the "
             "endpoint under the inner store's key of data.storage_options: {s3: {client_kwargs: {endpoint_url: ...}}}"
         )
     if schemes <= {"s3", "s3a"}:

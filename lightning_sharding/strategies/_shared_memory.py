@@ -96,9 +96,9 @@ def sweep_dead() -> list[str]:
     me = os.getuid()
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
-            if path.stat().st_uid != me:  # another user's run: never ours to judge or remove
+            if path.lstat().st_uid != me:  # another user's file (or link): never ours to judge or remove
                 continue
-        except FileNotFoundError:
+        except OSError:
             continue
         parts = path.name.split("-")
         if len(parts) < 3 or "." not in parts[2]:
@@ -107,6 +107,9 @@ def sweep_dead() -> list[str]:
         if not pid.isdigit():
             continue
         if process_token(int(pid)) != f"{pid}.{start}":
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:  # cannot remove it: a sweep never stops a run
+                continue
             removed.append(path.name)
     return removed

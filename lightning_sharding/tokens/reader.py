@@ -36,6 +36,10 @@ class PackedReader(Reader):
         self.packing = packing
         self.fetch_ahead = documents.fetch_ahead
 
+    def scrub(self, text: str) -> str:
+        """``text`` without the secrets of the documents' reader."""
+        return self.documents.scrub(text)
+
     def items(self) -> Sequence[Item]:
         """The documents' files."""
         return self.documents.items()

@@ -128,16 +128,16 @@ def test_the_index_listing_and_shard_caches_and_the_audit_trail_are_the_owners_o
 def test_a_cache_shared_on_purpose_gets_the_mode_it_asks_for(tmp_path: Path) -> None:
     old = os.umask(0o077)
     try:
-        reader = TarReader(str(tmp_path / "none-*.tar"), cache_dir=tmp_path / "cache", cache_mode=0o640)
+        reader = TarReader(str(tmp_path / "none-*.tar"), cache_dir=tmp_path / "cache", cache_mode=0o660)
         with pytest.raises(FileNotFoundError):
             reader.items()
-        shards = ShardCache(tmp_path / "cache" / "shards", limit=100, mode=0o640)
+        shards = ShardCache(tmp_path / "cache" / "shards", limit=100, mode=0o660)
         with shards.open("s3://b/k", "v", 1, lambda part: Path(part).write_bytes(b"x")):
             pass
     finally:
         os.umask(old)
     modes = modes_under(tmp_path / "cache")
-    assert modes["shards"] == 0o750 and all(m == 0o640 for n, m in modes.items() if n != "shards"), modes
+    assert modes["shards"] == 0o2770 and all(m == 0o660 for n, m in modes.items() if n != "shards"), modes
     for bad in (0o644 & ~0o200, 0o1600, "0o640", True):
         with pytest.raises(ValueError, match=r"cache_mode=.*must be a file mode from 0o600"):
             TarReader(str(tmp_path / "x.tar"), cache_mode=bad)  # type: ignore[arg-type]
@@ -173,8 +173,11 @@ def test_urls_are_shown_without_their_credentials_and_errors_are_scrubbed() -> N
     from lightning_sharding.core.private import hide_credentials, redact_url, scrub
 
     assert redact_url("https://alice:pw-4711@host/x.tar?sig=abc%2Bdef&v=2") == (
-        "https://alice:REDACTED@host/x.tar?sig=REDACTED&v=REDACTED"
+        "https://alice:REDACTED@host/x.tar?sig=REDACTED&v=2"
     )
+    assert redact_url("https://h/x?id=7&X-Amz-Credential=AKIA%2F2026&t=" + "z" * 16) == (
+        "https://h/x?id=7&X-Amz-Credential=REDACTED&t=REDACTED"
+    ), "a credential's name, or a long value"
     for plain in ("s3://bucket/train/*.tar", "/data/x.npy", "abfss://container@account.dfs.core.windows.net/a.tar"):
         assert redact_url(plain) == plain, "nothing to hide: the user's spelling is kept"
     assert redact_url("simplecache::https://h/x.tar?token=t0ken123") == "simplecache::https://h/x.tar?token=REDACTED"
@@ -183,6 +186,14 @@ def test_urls_are_shown_without_their_credentials_and_errors_are_scrubbed() -> N
     assert hidden == {shown[0]: "https://h/a.tar?X-Amz-Signature=s3cr3tvalue"}
     message = "404 for url='https://h/a.tar?X-Amz-Signature=s3cr3tvalue' (signature s3cr3tvalue)"
     assert scrub(message, hidden) == f"404 for url='{shown[0]}' (signature REDACTED)"
+    sas = "https://h/a.tar?sv=2022&sig=Zm9v%2Fb2FyYmF6cXV4%2Bc3Q%3D"  # yarl prints %2F back as "/"
+    assert scrub(f"403, url='{sas.replace('%2F', '/')}'", hide_credentials([sas])[1]) == (
+        "403, url='https://h/a.tar?sv=2022&sig=REDACTED'"
+    )
+    with pytest.raises(ValueError, match=r"two data URLs differ only in their credentials"):
+        hide_credentials(["https://h/get?id=1&sig=AAAA", "https://h/get?id=1&sig=BBBB"])
+    with pytest.raises(ValueError, match=r"a glob cannot carry credentials"):
+        TarReader("ftp://user:pw123@host/d/*.tar")
     reader = TarReader(["https://h/a.tar?X-Amz-Signature=s3cr3tvalue"])
     assert reader.urls == [shown[0]] and "s3cr3tvalue" not in repr(reader.urls)
     try:
@@ -195,3 +206,13 @@ def test_urls_are_shown_without_their_credentials_and_errors_are_scrubbed() -> N
     assert clean is not raised and clean.__cause__ is None and "s3cr3tvalue" not in str(clean)
     harmless = ValueError("no secret here")
     assert reader.scrubbed(harmless) is harmless
+
+
+def test_a_mixture_or_packing_of_a_reader_with_credentials_scrubs_its_errors_too() -> None:
+    from lightning_sharding.mixture import MixtureReader, Stream
+
+    real = "https://h/a.tar?X-Amz-Signature=s3cr3tvalue"
+    mixture = MixtureReader([Stream("signed", TarReader([real]), weight=1.0)], samples_per_epoch=10)
+    err = OSError(2, "No such file", real)  # the URL in the str only, not the repr
+    clean = mixture.scrubbed(err)
+    assert clean is not err and "s3cr3tvalue" not in f"{clean} {clean!r}"

@@ -85,6 +85,7 @@ def test_shards_of_webdataset(tmp_path: Path) -> None:
 
 
 def test_a_corrupt_header_is_named_with_its_offset(tmp_path: Path) -> None:
+    """A bad first header is an error; a bad later one ends the shard there, as tarfile reads it, warned."""
     path = tmp_path / "shard.tar"
     with tarfile.open(path, "w") as tar:
         for i in range(3):
@@ -94,7 +95,45 @@ def test_a_corrupt_header_is_named_with_its_offset(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[1536 + 10] ^= 0xFF  # the second member's header (after 512 + 1024 bytes)
     path.write_bytes(bytes(data))
-    with pytest.raises(TarHeaderError, match=r"shard\.tar: the header at byte 1536 has a bad checksum"):
-        local_members(str(path))
+    with pytest.warns(UserWarning, match=r"shard\.tar: the header at byte 1536 is not a valid tar header"):
+        assert [m.name for m in local_members(str(path))] == ["s0.txt"]  # as tarfile reads it
     with pytest.raises(TarHeaderError, match=r"not a tar header|bad checksum"):
         local_members(str(Path(__file__)))  # not a tar file at all
+
+
+def test_the_walk_ends_and_fails_where_tarfile_does(tmp_path: Path) -> None:
+    def shard(name: str, *, link_with_size: bool = False) -> Path:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for i in range(2):
+                info = tarfile.TarInfo(f"s{i}.txt")
+                info.size = 700
+                tar.addfile(info, io.BytesIO(b"a" * 700))
+                if link_with_size and i == 0:
+                    link = tarfile.TarInfo("link")
+                    link.type, link.linkname = tarfile.SYMTYPE, "s0.txt"
+                    tar.addfile(link)
+        data = bytearray(buf.getvalue())
+        if link_with_size:  # a link header whose size field is not 0: tarfile skips no data after it
+            header = data[1536:2048]
+            header[124:136], header[148:156] = b"%011o\0" % 700, b" " * 8
+            header[148:156] = b"%06o\0 " % sum(header)
+            data[1536:2048] = header
+        path = tmp_path / name
+        path.write_bytes(bytes(data))
+        return path
+
+    assert assert_walks_agree(shard("link.tar", link_with_size=True)) == 2
+    junk = shard("junk.tar")
+    junk.write_bytes(junk.read_bytes()[:3072] + b"J" * 512)  # a bad header after the members: the end
+    with pytest.warns(UserWarning, match=r"junk\.tar: the header at byte 3072 is not a valid tar header"):
+        assert assert_walks_agree(junk) == 2
+    truncated = shard("truncated.tar")
+    truncated.write_bytes(truncated.read_bytes()[:1200])
+    with pytest.raises(tarfile.ReadError):
+        by_tarfile(truncated)
+    with pytest.raises(TarHeaderError, match=r"is truncated: member 's0.txt' needs 1212 bytes, the file has 1200"):
+        local_members(str(truncated))
+    (tmp_path / "empty.tar").write_bytes(b"")
+    with pytest.raises(TarHeaderError, match=r"empty\.tar: is empty, not a tar file"):
+        local_members(str(tmp_path / "empty.tar"))
