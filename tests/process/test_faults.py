@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -297,10 +298,13 @@ def test_two_runs_at_once_share_no_shared_memory_cache_file_or_port(
     assert not set(held["a"]["pids"]) & set(held["b"]["pids"])
     assert not set(held["a"]["shm"]) & set(held["b"]["shm"]), "both runs hold the same /dev/shm names"
     assert not set(held["a"]["ports"]) & set(held["b"]["ports"]), "both runs hold the same TCP ports"
-    # One index per data file and one listing per run, none shared, no half-written leftovers.
+    # Per run: its listing, the directory of its files' indexes and the pointer to the latest listing of
+    # its URLs; none shared, no half-written leftovers.
     files = sorted(p.name for p in (cache / "index").iterdir())
-    assert len(files) == len(sizes["a"]) + len(sizes["b"]) + 2, files
+    assert len([f for f in files if f.endswith(".d")]) == 2 and len(files) == 6, files
     assert not [f for f in files if f.endswith(".tmp")], files
+    indexed = [np.load(d / "counts.npy").tolist() for d in sorted((cache / "index").glob("*.d"))]
+    assert sorted(map(sorted, indexed)) == sorted(sorted(sizes[run]) for run in ("a", "b")), indexed
 
 
 # -- a long run -----------------------------------------------------------------------------------------
