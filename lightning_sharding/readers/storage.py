@@ -13,9 +13,11 @@ fail at once with the URL in the message.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -229,14 +231,18 @@ def local_content_digest(path: str) -> str:
 
 def digest_of(f: Any, size: int) -> str:
     """The content id ``size=N;digest=...`` of the open binary file ``f`` of ``size`` bytes."""
-    digest = hashlib.blake2b(digest_size=16)
     if size <= DIGEST_WHOLE:
-        digest.update(f.read())
-    else:
-        for k in range(DIGEST_BLOCKS):
-            f.seek((size - DIGEST_BLOCK) * k // (DIGEST_BLOCKS - 1))
-            digest.update(f.read(DIGEST_BLOCK))
+        return bytes_digest(f.read(), size)
+    digest = hashlib.blake2b(digest_size=16)
+    for k in range(DIGEST_BLOCKS):
+        f.seek((size - DIGEST_BLOCK) * k // (DIGEST_BLOCKS - 1))
+        digest.update(f.read(DIGEST_BLOCK))
     return f"size={size};digest={digest.hexdigest()}"
+
+
+def bytes_digest(data: bytes, size: int | None = None) -> str:
+    """:func:`digest_of` a file of at most :data:`DIGEST_WHOLE` bytes, from its bytes already read."""
+    return f"size={len(data) if size is None else size};digest={hashlib.blake2b(data, digest_size=16).hexdigest()}"
 
 
 def fingerprint_of(info: Mapping[str, Any]) -> str:
@@ -282,7 +288,10 @@ def list_files(
     for url in entries:
         fs, path = filesystem(url, storage_options)
         if url not in hidden and any(c in path for c in _GLOB_CHARS):  # a signed URL's "?" is no glob
-            found = with_retries(partial(fs.glob, path, detail=True), f"listing {url}", retry)
+            found = _local_glob(fs, path)
+            if found is None:
+                found = with_retries(partial(fs.glob, path, detail=True), f"listing {url}", retry)
+            found = {p: fs.info(p) if i.get("islink") else i for p, i in found.items()}  # a link: its file
             matches = sorted((p, i) for p, i in found.items() if i.get("type", "file") == "file")
             if not matches:
                 raise FileNotFoundError(f"no file matches {url!r}: check the pattern and the bucket or directory")
@@ -298,6 +307,27 @@ def list_files(
             files.append(FileInfo(display, int(i["size"]), fingerprint_of(i), content=content_of(i)))
     root = common_root([f.url for f in files])
     return [replace(f, name=f.url[len(root) :]) for f in files]
+
+
+def _local_glob(fs: Any, pattern: str) -> dict[str, dict[str, Any]] | None:
+    """The matches of a local glob whose last part alone has glob characters (``/data/*.tar``), as
+    fsspec's ``glob(detail=True)`` gives them (dot files too, links followed), from one ``scandir``:
+    fsspec asks ``stat`` of each file through its path handling (0.1 ms a file here). ``None`` for
+    another glob or filesystem, for fsspec to expand."""
+    directory, _, last = pattern.rpartition("/")
+    if type(fs).__name__ != "LocalFileSystem" or "**" in last or any(c in directory for c in _GLOB_CHARS):
+        return None
+    found: dict[str, dict[str, Any]] = {}
+    try:
+        with os.scandir(directory or "/") as entries:
+            for entry in entries:
+                if fnmatch.fnmatchcase(entry.name, last):
+                    st = entry.stat()
+                    kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"
+                    found[f"{directory}/{entry.name}"] = {"size": st.st_size, "mtime": st.st_mtime, "type": kind}
+    except OSError:
+        return None  # a missing directory, a broken link: fsspec says what it says
+    return found
 
 
 def _info(fs: Any, path: str, url: str, retry: RetryPolicy) -> Any:

@@ -7,7 +7,9 @@ never the shard from its start.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import os
+
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,8 +20,16 @@ from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.decoding import DECODERS, decoders
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
-from lightning_sharding.readers.storage import FileInfo, filesystem
-from lightning_sharding.readers.tar_headers import file_members, local_members
+from lightning_sharding.readers.storage import DIGEST_WHOLE, FileInfo, bytes_digest, filesystem
+from lightning_sharding.readers.tar_headers import (
+    READ_WHOLE,
+    Member,
+    MemberTable,
+    file_members,
+    local_table,
+    members,
+    plain_batch,
+)
 
 _BLOCK = 512
 
@@ -29,6 +39,117 @@ def split_name(name: str) -> tuple[str, str]:
     directory, _, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
     return (f"{directory}/{stem}" if directory else stem), (ext if dot else "")
+
+
+def local_path(url: str) -> str | None:
+    """The path of a local file's URL (a path or ``file://``), ``None`` for another scheme."""
+    if "://" not in url:
+        return url
+    return url[len("file://") :] if url.startswith("file://") else None
+
+
+def _read_into(path: str | None, view: memoryview) -> bool:
+    """Fill ``view`` with the file at ``path``; False if it has another size now (changed since listed)."""
+    try:
+        with open(path or "", "rb") as f:
+            if os.fstat(f.fileno()).st_size != len(view):
+                return False
+            return f.readinto(view) == len(view)
+    except OSError:
+        return False  # gone or unreadable: its own scan names it
+
+
+def member_samples(found: list[Member]) -> dict[str, npt.NDArray[Any]]:
+    """A shard's index arrays from its members, in order: per sample its ``[start, end)`` bytes, key
+    and first member; per member its field (extension), data offset and size."""
+    starts: list[int] = []
+    ends: list[int] = []
+    keys: list[str] = []
+    seen: set[str] = set()
+    first_member: list[int] = []  # per sample, into the member lists below
+    fields: list[str] = []
+    offsets: list[int] = []
+    sizes: list[int] = []
+    for name, offset, offset_data, size in found:
+        key, ext = split_name(name)
+        end = offset_data + -(-size // _BLOCK) * _BLOCK
+        fields.append(ext)
+        offsets.append(offset_data)
+        sizes.append(size)
+        if keys and keys[-1] == key:
+            ends[-1] = end
+            continue
+        if key in seen:
+            raise ValueError(
+                f"key {key!r} appears again at member {name!r} after other keys: a WebDataset "
+                "shard must keep each sample's files together"
+            )
+        keys.append(key)
+        seen.add(key)
+        starts.append(offset)
+        ends.append(end)
+        first_member.append(len(fields) - 1)
+    return {
+        "start": np.array(starts, dtype=np.int64),
+        "end": np.array(ends, dtype=np.int64),
+        "key": np.array(keys, dtype=str),
+        "first_member": np.array([*first_member, len(fields)], dtype=np.int64),
+        "field": np.array(fields, dtype=str),
+        "offset": np.array(offsets, dtype=np.int64),
+        "size": np.array(sizes, dtype=np.int64),
+    }
+
+
+def table_samples(table: MemberTable, archives: int = 1) -> list[dict[str, npt.NDArray[Any]] | None]:
+    """:func:`member_samples` of each of ``archives`` archives at once, with array operations; ``None``
+    for one whose names are not ASCII or whose samples are not each together (the member walk then
+    names the fault)."""
+    names, lengths, file = table.names, table.lengths, table.file
+    if not len(file):
+        return [None] * archives
+    count = np.bincount(file, minlength=archives)
+    bad = np.bincount(file, weights=(names >= 128).any(axis=1), minlength=archives) > 0
+    columns = np.arange(names.shape[1])
+    inside = columns < lengths[:, None]
+    slash = np.where((names == ord("/")) & inside, columns, -1).max(axis=1, initial=-1)  # the file name follows
+    dots = (names == ord(".")) & inside & (columns > slash[:, None])
+    dot = np.where(dots.any(axis=1), dots.argmax(axis=1), lengths)  # WebDataset: the key ends at its first dot
+    width = max(1, int(dot.max(initial=0)))
+    keys = np.where(columns[:width] < dot[:, None], names[:, :width], np.uint8(0)).view(f"S{width}").ravel()
+    ext_lengths = np.maximum(lengths - dot - 1, 0)
+    ext_width = max(1, int(ext_lengths.max(initial=0)))
+    at = np.minimum(dot[:, None] + 1 + np.arange(ext_width), names.shape[1] - 1)
+    ext = np.where(np.arange(ext_width) < ext_lengths[:, None], np.take_along_axis(names, at, axis=1), np.uint8(0))
+    new = np.ones(len(keys), dtype=bool)
+    new[1:] = (keys[1:] != keys[:-1]) | (file[1:] != file[:-1])
+    firsts = np.flatnonzero(new)
+    order = np.lexsort((keys[firsts], file[firsts]))  # a key that appears again after other keys
+    again = (keys[firsts][order][1:] == keys[firsts][order][:-1]) & (file[firsts][order][1:] == file[firsts][order][:-1])
+    bad[file[firsts][order][1:][again]] = True
+    lasts = np.append(firsts[1:], len(keys)) - 1
+    ends = table.offset_data + (table.size + _BLOCK - 1) // _BLOCK * _BLOCK
+    start, end, sample_keys = table.offset[firsts], ends[lasts], keys[firsts].astype(f"U{width}")
+    fields = ext.view(f"S{ext_width}").ravel().astype(f"U{ext_width}")
+    member_bounds = np.concatenate(([0], np.cumsum(count))).tolist()
+    sample_bounds = np.concatenate(([0], np.cumsum(np.bincount(file[firsts], minlength=archives)))).tolist()
+    found: list[dict[str, npt.NDArray[Any]] | None] = []
+    for j in range(archives):
+        m0, m1, s0, s1 = member_bounds[j], member_bounds[j + 1], sample_bounds[j], sample_bounds[j + 1]
+        if bad[j] or m0 == m1:
+            found.append(None)
+            continue
+        found.append(
+            {
+                "start": start[s0:s1],
+                "end": end[s0:s1],
+                "key": sample_keys[s0:s1],
+                "first_member": np.append(firsts[s0:s1] - m0, m1 - m0),
+                "field": fields[m0:m1],
+                "offset": table.offset_data[m0:m1],
+                "size": table.size[m0:m1],
+            }
+        )
+    return found
 
 
 class TarReader(FileReader):
@@ -66,50 +187,64 @@ class TarReader(FileReader):
     def scan(self, info: FileInfo) -> FileIndex:
         """Walk the shard's headers (:mod:`~lightning_sharding.readers.tar_headers`): each sample's
         ``[start, end)`` bytes and its key."""
+        return self.scan_content(info)[0]
+
+    batch_files = 256
+
+    def scan_batch(self, files: Sequence[FileInfo]) -> list[tuple[FileIndex, str | None] | None]:
+        """Index many small local shards at once: read into one buffer, each one's content id hashed
+        from it, and one array walk (:func:`~lightning_sharding.readers.tar_headers.plain_batch`) for
+        their headers; a shard it cannot read that way is walked header by header from the buffer.
+        ``None`` for a shard that is large, changed since it was listed, or faulty (its own scan names
+        the fault)."""
+        where: list[tuple[int, int]] = []  # per file: its start in the buffer and its size; -1: not read
+        total = 0
+        for info in files:
+            fits = 0 < info.size <= READ_WHOLE and info.size <= DIGEST_WHOLE and local_path(info.url) is not None
+            where.append((total, info.size) if fits else (-1, 0))
+            total += -(-info.size // _BLOCK) * _BLOCK if fits else 0
+        buffer = bytearray(total)
+        view = memoryview(buffer)
+        for j, (info, (start, size)) in enumerate(zip(files, where)):
+            if start >= 0 and not _read_into(local_path(info.url), view[start : start + size]):
+                where[j] = (-1, 0)
+        spans = [(start, size) if start >= 0 else (0, 0) for start, size in where]
+        table, plain = plain_batch(buffer, spans)
+        samples = table_samples(table, len(files))
+        found: list[tuple[FileIndex, str | None] | None] = []
+        for j, (info, (start, size)) in enumerate(zip(files, where)):
+            if start < 0:
+                found.append(None)
+                continue
+            data = view[start : start + size]
+            try:
+                if plain[j]:
+                    arrays = samples[j] or member_samples(table.members(j))
+                else:
+                    whole = bytes(data)
+                    arrays = member_samples(members(lambda pos, n: whole[pos : pos + n], size, self.scrub(info.url)))
+            except ValueError:
+                found.append(None)  # a duplicate key, a bad header: scan_content names it with the file
+                continue
+            found.append((FileIndex([""], [len(arrays["key"])], [arrays]), bytes_digest(data)))
+        return found
+
+    def scan_content(self, info: FileInfo) -> tuple[FileIndex, str | None]:
+        """:meth:`scan`, and a small local shard's content id from the bytes the walk read."""
         fs, path = filesystem(info.url, self.storage_options)
-        starts: list[int] = []
-        ends: list[int] = []
-        keys: list[str] = []
-        seen: set[str] = set()
-        first_member: list[int] = []  # per sample, into the member lists below
-        fields: list[str] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
         where = self.scrub(info.url)
-        if type(fs).__name__ == "LocalFileSystem":  # a memory map: no read per header
-            found = local_members(path, where)
+        content = None
+        if type(fs).__name__ == "LocalFileSystem":  # read whole, or a memory map: no read per header
+            found, data = local_table(path, where)
+            if data is not None and len(data) <= DIGEST_WHOLE:
+                content = bytes_digest(data)
         else:  # a remote file: seek from header to header (the file object reads ahead in blocks)
             with fs.open(path, "rb") as f:
                 found = file_members(f, info.size, where)
-        for name, offset, offset_data, size in found:
-            key, ext = split_name(name)
-            end = offset_data + -(-size // _BLOCK) * _BLOCK
-            fields.append(ext)
-            offsets.append(offset_data)
-            sizes.append(size)
-            if keys and keys[-1] == key:
-                ends[-1] = end
-                continue
-            if key in seen:
-                raise ValueError(
-                    f"key {key!r} appears again at member {name!r} after other keys: a WebDataset "
-                    "shard must keep each sample's files together"
-                )
-            keys.append(key)
-            seen.add(key)
-            starts.append(offset)
-            ends.append(end)
-            first_member.append(len(fields) - 1)
-        arrays: dict[str, npt.NDArray[Any]] = {
-            "start": np.array(starts, dtype=np.int64),
-            "end": np.array(ends, dtype=np.int64),
-            "key": np.array(keys, dtype=str),
-            "first_member": np.array([*first_member, len(fields)], dtype=np.int64),
-            "field": np.array(fields, dtype=str),
-            "offset": np.array(offsets, dtype=np.int64),
-            "size": np.array(sizes, dtype=np.int64),
-        }
-        return FileIndex([""], [len(keys)], [arrays])
+        arrays = (table_samples(found)[0] if isinstance(found, MemberTable) else None) or member_samples(
+            found.members() if isinstance(found, MemberTable) else found
+        )
+        return FileIndex([""], [len(arrays["key"])], [arrays]), content
 
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
         """Fetch each sample's byte run (concurrently on object stores) and parse its members."""

@@ -31,7 +31,7 @@ _SPARSE = b"S"  # GNU sparse file: its data is a map of holes
 _NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, FIFOs: no data follows
 _PAX_GLOBAL = b"g"
 _ZERO_BLOCK = bytes(BLOCK)
-_READ_WHOLE = 1 << 20  # a local shard up to this size is read whole; a larger one is mapped
+READ_WHOLE = 4 << 20  # a local shard up to this size is read whole (and hashed whole); a larger one is mapped
 
 
 class Member(NamedTuple):
@@ -131,13 +131,7 @@ def check_headers(headers: list[bytes], positions: list[int], where: str) -> int
     if not headers:
         return None
     blocks = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(len(headers), BLOCK)
-    stored = blocks[:, 148:156].astype(np.int64)
-    unsigned = blocks.sum(axis=1, dtype=np.int64) - stored.sum(axis=1) + 8 * 32
-    digits = stored - ord("0")
-    octal = (digits >= 0) & (digits <= 7)
-    after: npt.NDArray[np.int64] = np.cumsum(octal[:, ::-1], axis=1)[:, ::-1] - octal  # digits after each
-    value = (np.where(octal, digits, 0) * 8 ** np.minimum(after, 20)).sum(axis=1)
-    for i in np.flatnonzero(value != unsigned):
+    for i in np.flatnonzero(~checksums_hold(blocks)):
         try:
             check(headers[i], positions[i], where)
         except TarHeaderError:
@@ -145,6 +139,126 @@ def check_headers(headers: list[bytes], positions: list[int], where: str) -> int
                 raise
             return int(i)
     return None
+
+
+def checksums_hold(blocks: npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_]:
+    """Per 512-byte header of ``blocks``, whether its octal checksum field holds its unsigned sum (the
+    common case; a header that fails it may still hold its signed sum, see :func:`check`)."""
+    stored = blocks[:, 148:156].astype(np.int64)
+    unsigned = blocks.sum(axis=1, dtype=np.int64) - stored.sum(axis=1) + 8 * 32
+    digits = stored - ord("0")
+    octal = (digits >= 0) & (digits <= 7)
+    after: npt.NDArray[np.int64] = np.cumsum(octal[:, ::-1], axis=1)[:, ::-1] - octal  # digits after each
+    value = (np.where(octal, digits, 0) * 8 ** np.minimum(after, 20)).sum(axis=1)
+    return np.asarray(value == unsigned)
+
+
+class MemberTable(NamedTuple):
+    """The regular files of tar archives as arrays, one row a member: its file (the archive's number
+    in the batch), name bytes (NUL-padded rows of 100) and length, and, from its archive's start, its
+    first header's offset, its data's offset, and its size. What :func:`plain_batch` gives."""
+
+    file: npt.NDArray[np.int64]
+    names: npt.NDArray[np.uint8]
+    lengths: npt.NDArray[np.int64]
+    offset: npt.NDArray[np.int64]
+    offset_data: npt.NDArray[np.int64]
+    size: npt.NDArray[np.int64]
+
+    def members(self, file: int = 0) -> list[Member]:
+        """The members of archive ``file``, as :class:`Member` tuples."""
+        rows = np.flatnonzero(self.file == file)
+        names = [bytes(self.names[r, : self.lengths[r]]).decode("utf-8", "surrogateescape") for r in rows.tolist()]
+        return [
+            Member(*m)
+            for m in zip(names, self.offset[rows].tolist(), self.offset_data[rows].tolist(), self.size[rows].tolist())
+        ]
+
+
+_USTAR = np.frombuffer(b"ustar", dtype=np.uint8)
+_PLAIN_KINDS = np.array([0, ord("0"), ord("7"), ord("5")], dtype=np.uint8)  # files and directories
+_OCTAL_PLACES = 8 ** np.arange(10, -1, -1, dtype=np.int64)
+# PAX records that change what an index keeps (a member's name or size, sparse data, how names decode):
+# an archive with one of these words anywhere is walked header by header.
+_PAX_CHANGES = (b" path=", b" size=", b"GNU.sparse", b" hdrcharset=")
+
+
+def plain_batch(data: bytes | bytearray, spans: list[tuple[int, int]]) -> tuple[MemberTable, npt.NDArray[np.bool_]]:
+    """The members of many whole tar archives at once, with array operations: archive ``j`` is
+    ``data[start:start + length]`` for ``spans[j] = (start, length)``, each ``start`` a multiple of
+    512. Returns the members of the archives it could read this way, and per archive whether it could.
+
+    It can read an archive whose headers are all plain ustar ones (a regular file or a directory, a
+    name of at most 100 bytes, an 11-digit octal size, a valid checksum), maybe after PAX records
+    that change neither name nor size (webdataset's float mtime), ending at an end-of-archive block:
+    what ``tarfile``, GNU ``tar`` and ``webdataset`` write for short names. Any other (long names, a
+    ustar prefix, links, a bad header, a tar inside a member...) is left to :func:`members`.
+
+    The headers are found without walking: every block with the ustar magic and an octal size is a
+    candidate, and an archive is read only if its candidates chain exactly, the first at its start,
+    each one's size leading to the next, and the last to a zero block. Following the chain from the
+    start visits exactly the candidates then, as a walk header by header would."""
+    n = len(data) // BLOCK
+    k = len(spans)
+    first = np.array([start // BLOCK for start, _ in spans], dtype=np.int64)
+    last = first + np.array([length // BLOCK for _, length in spans], dtype=np.int64)  # whole blocks only
+    blocks = np.frombuffer(data, dtype=np.uint8, count=n * BLOCK).reshape(n, BLOCK)
+    heads = np.flatnonzero((blocks[:, 257:262] == _USTAR).all(axis=1))
+    digits = blocks[heads, 124:135].astype(np.int64) - ord("0")
+    simple = ((digits >= 0) & (digits <= 7)).all(axis=1) & np.isin(blocks[heads, 135], (0, 32))
+    heads, digits = heads[simple], digits[simple]
+    file = np.searchsorted(first, heads, side="right") - 1
+    heads_in = (file >= 0) & (heads < last[np.maximum(file, 0)])
+    heads, digits, file = heads[heads_in], digits[heads_in], file[heads_in]
+    if not len(heads):
+        nothing = np.zeros(0, dtype=np.int64)
+        return MemberTable(nothing, np.zeros((0, 100), dtype=np.uint8), nothing, nothing, nothing, nothing), np.zeros(k, bool)
+    sizes = digits @ _OCTAL_PLACES
+    following = heads + 1 + (sizes + BLOCK - 1) // BLOCK
+    headers = blocks[heads]
+    kinds = headers[:, 156]
+    pax = (kinds == ord("x")) | (kinds == ord("X"))
+
+    ok = np.zeros(k, dtype=bool)
+    same = file[1:] == file[:-1]  # a header and the next of the same archive
+    opens = np.append(True, ~same)
+    ok[file[opens]] = heads[opens] == first[file[opens]]  # an archive's first header is at its start
+    closes = np.append(~same, True)
+    end = following[closes]
+    ok[file[closes][(end >= last[file[closes]]) | blocks[np.minimum(end, n - 1)].any(axis=1)]] = False
+    bad = np.append(~same | (following[:-1] != heads[1:]), False) & ~closes  # a link that misses the next header
+    bad |= pax & (closes | np.append(pax[1:], False))  # a PAX header must precede a member of its archive
+    bad |= ~pax & (~np.isin(kinds, _PLAIN_KINDS) | (headers[:, 345] != 0))  # links, long names, a ustar prefix
+    bad |= ~checksums_hold(headers)  # a signed checksum, or a bad header: the full walk decides
+    ok[file[bad]] = False
+    for j in np.unique(file[pax]).tolist():
+        start, length = spans[j]
+        if ok[j] and any(data.find(word, start, start + length) >= 0 for word in _PAX_CHANGES):
+            ok[j] = False  # maybe a PAX path or size: walked header by header (any member's text may say it)
+
+    starts = np.where(np.append(False, pax[:-1]), np.append(heads[:1], heads[:-1]), heads)  # the PAX header's
+    names = headers[:, :100]
+    nul = names == 0
+    lengths = np.where(nul.any(axis=1), nul.argmax(axis=1), 100).astype(np.int64)
+    tail = names[np.arange(len(names)), np.maximum(lengths - 1, 0)]
+    directory = (kinds == ord("5")) | ((kinds == 0) & (tail == ord("/")))  # a V7 "file" ending in "/" is one
+    keep = ok[file] & ~pax & ~directory
+    base = first[file] * BLOCK
+    table = MemberTable(
+        file[keep],
+        names[keep],
+        lengths[keep],
+        (starts * BLOCK - base)[keep],
+        ((heads + 1) * BLOCK - base)[keep],
+        sizes[keep],
+    )
+    return table, ok
+
+
+def plain_members(data: bytes) -> MemberTable | None:
+    """:func:`plain_batch` of one archive: its members, or ``None`` when it needs :func:`members`."""
+    table, ok = plain_batch(data, [(0, len(data))])
+    return table if ok[0] else None
 
 
 def check(header: bytes, pos: int, where: str) -> None:
@@ -204,14 +318,24 @@ def _pax_records(raw: bytes, pos: int, where: str) -> dict[str, str]:
 
 
 def local_members(path: str, where: str | None = None) -> list[Member]:
-    """The members of a local tar file, read through a memory map."""
+    """The members of a local tar file (read whole when small, else through a memory map)."""
+    table, _ = local_table(path, where)
+    return table.members() if isinstance(table, MemberTable) else table
+
+
+def local_table(path: str, where: str | None = None) -> tuple[MemberTable | list[Member], bytes | None]:
+    """The members of a local tar file, as a table when :func:`plain_members` reads it, and its
+    bytes when it was read whole (up to :data:`READ_WHOLE`; a larger one is mapped, not kept)."""
     with open(path, "rb") as f:
         length = os.fstat(f.fileno()).st_size
-        if length <= _READ_WHOLE:  # a small shard: one read, then slices of bytes (cheaper than a map's)
+        if length <= READ_WHOLE:  # one read, then slices of bytes (cheaper than a map's)
             data = f.read()
-            return members(lambda pos, n: data[pos : pos + n], len(data), where or path)
+            table = plain_members(data)
+            if table is not None:
+                return table, data
+            return members(lambda pos, n: data[pos : pos + n], len(data), where or path), data
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return members(lambda pos, n: mm[pos : pos + n], length, where or path)
+            return members(lambda pos, n: mm[pos : pos + n], length, where or path), None
 
 
 def file_members(f: IO[bytes], length: int, where: str) -> list[Member]:

@@ -265,3 +265,35 @@ def test_data_endpoint_url_goes_where_the_urls_store_takes_it() -> None:
         endpoint_options("http://h", {}, ["simplecache::s3://b/x.tar"])
     with pytest.raises(ValueError, match=r"sets the endpoint of s3:// or gs:// URLs, and data.urls has az://, s3://"):
         endpoint_options("http://h", {}, ["s3://b/x.tar", "az://c/y.tar"])
+
+
+def test_a_local_glob_lists_what_fsspec_lists(tmp_path: Any) -> None:
+    """The one-``scandir`` listing of a local glob gives fsspec's matches: dot files, a directory
+    that matches (left out), character classes; a glob with a directory pattern or ``**`` is left to
+    fsspec. A link to a file is that file (fsspec's glob calls it "other", and a listing used to
+    drop it: its samples were silently missing), whichever way the glob is expanded."""
+    import os
+
+    import fsspec
+
+    from lightning_sharding.readers.storage import _local_glob, list_files
+
+    for name in ("a.tar", ".hidden.tar", "b.TAR", "c1.tar", "c2.tar", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x" * len(name))
+    (tmp_path / "folder.tar").mkdir()
+    os.symlink(tmp_path / "a.tar", tmp_path / "link.tar")
+    fs = fsspec.filesystem("file")
+    for pattern in ("*.tar", "c[12].tar", "?.tar", "*", "[!c]*.tar"):
+        ours = _local_glob(fs, f"{tmp_path}/{pattern}")
+        theirs = fs.glob(f"{tmp_path}/{pattern}", detail=True)
+        assert ours is not None and sorted(ours) == sorted(theirs), pattern
+        for path, info in ours.items():
+            if path.endswith("link.tar"):
+                target = (tmp_path / "a.tar").stat()
+                assert (info["type"], info["size"], info["mtime"]) == ("file", 5, target.st_mtime)
+                continue
+            assert {k: info[k] for k in ("size", "mtime", "type")} == {k: theirs[path][k] for k in ("size", "mtime", "type")}
+    assert _local_glob(fs, f"{tmp_path}/*/x.tar") is None and _local_glob(fs, f"{tmp_path}/**") is None
+    expected = sorted(str(tmp_path / n) for n in (".hidden.tar", "a.tar", "c1.tar", "c2.tar", "link.tar"))
+    assert [f.url for f in list_files(f"{tmp_path}/*.tar")] == expected
+    assert [f.url for f in list_files(f"{tmp_path}/**/*.tar")] == expected  # through fsspec's glob

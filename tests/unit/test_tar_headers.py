@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from lightning_sharding import TarReader
-from lightning_sharding.readers.tar_headers import TarHeaderError, file_members, local_members
+from lightning_sharding.readers.tar import member_samples, table_samples
+from lightning_sharding.readers.tar_headers import (
+    TarHeaderError,
+    file_members,
+    local_members,
+    members,
+    plain_members,
+)
 
 
 def by_tarfile(path: Path) -> list[tuple[str, int, int, int]]:
@@ -26,11 +33,29 @@ def by_tarfile(path: Path) -> list[tuple[str, int, int, int]]:
         return [(m.name, m.offset, m.offset_data, m.size) for m in tar if m.isfile()]
 
 
-def assert_walks_agree(path: Path) -> int:
+def assert_walks_agree(path: Path, plain: bool | None = None) -> int:
+    """Every walk gives tarfile's members: the array walk (when the shard is ``plain``: it must take
+    it), the header-by-header one over bytes and over a file object; and the index arrays built from
+    the member table equal those built member by member, values and dtypes."""
     expected = by_tarfile(path)
+    data = path.read_bytes()
     assert [tuple(m) for m in local_members(str(path))] == expected, path.name
+    assert [tuple(m) for m in members(lambda pos, n: data[pos : pos + n], len(data), path.name)] == expected
     with open(path, "rb") as f:
         assert [tuple(m) for m in file_members(f, path.stat().st_size, path.name)] == expected, path.name
+    table = plain_members(data)
+    if plain is not None:
+        assert (table is not None) == plain, f"{path.name}: the array walk {'was not' if plain else 'was'} taken"
+    if table is not None:
+        assert [tuple(m) for m in table.members()] == expected
+        fast, slow = table_samples(table)[0], member_samples(table.members())
+        if expected and all(ord(c) < 128 for m in expected for c in m[0]):
+            assert fast is not None
+        if fast is not None:
+            assert fast.keys() == slow.keys()
+            for name in slow:
+                assert fast[name].dtype == slow[name].dtype, name
+                assert fast[name].tolist() == slow[name].tolist(), name
     return len(expected)
 
 
@@ -53,7 +78,19 @@ def test_shards_of_pythons_tarfile(tmp_path: Path, fmt: int) -> None:
                 if fmt == tarfile.PAX_FORMAT and i % 5 == 0:
                     info.pax_headers = {"comment": "héllo wörld"}
                 tar.addfile(info, io.BytesIO(data))
-    assert assert_walks_agree(path) == 120
+    assert assert_walks_agree(path, plain=False) == 120  # long names: the walk header by header
+    short = tmp_path / "short.tar"  # the same writer with names of at most 100 bytes: the array walk
+    with tarfile.open(short, "w", format=fmt) as tar:
+        folder = tarfile.TarInfo("folder/")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        for i in range(60):
+            for ext in ("cls", "seg.png", ""):
+                data = os.urandom(i * 37 % 1500)
+                info = tarfile.TarInfo(f"{'folder/' * (i % 2)}{'.' if i == 3 else ''}s{i:04d}{'.' if ext else ''}{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    assert assert_walks_agree(short, plain=True) == 180
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar is not installed")
@@ -76,7 +113,7 @@ def test_shards_of_webdataset(tmp_path: Path) -> None:
     with wds.ShardWriter(str(tmp_path / "shard-%d.tar"), maxcount=1000, verbose=0) as sink:
         for i in range(100):
             sink.write({"__key__": f"s{i:05d}", "cls": i, "json": {"a": i}, "txt": "x" * i})
-    assert assert_walks_agree(tmp_path / "shard-0.tar") == 300
+    assert assert_walks_agree(tmp_path / "shard-0.tar", plain=True) == 300
     reader = TarReader(str(tmp_path / "shard-0.tar"), cache_dir=tmp_path / "cache")
     (item,) = reader.items()
     assert item.num_samples == 100
@@ -137,3 +174,56 @@ def test_the_walk_ends_and_fails_where_tarfile_does(tmp_path: Path) -> None:
     (tmp_path / "empty.tar").write_bytes(b"")
     with pytest.raises(TarHeaderError, match=r"empty\.tar: is empty, not a tar file"):
         local_members(str(tmp_path / "empty.tar"))
+
+
+def test_a_batch_of_shards_is_indexed_as_each_alone(tmp_path: Path) -> None:
+    """``TarReader.scan_batch`` (one buffer, one array walk) gives each shard the index and content id
+    its own scan gives: plain shards, PAX records, long and non-ASCII names, an empty sample key; it
+    leaves to the shard's own scan one with a repeated key, one changed since it was listed, and a
+    large one."""
+    import webdataset as wds
+
+    from lightning_sharding.readers import tar_headers
+    from lightning_sharding.readers.storage import content_digest, list_files
+
+    def write(name: str, names: list[str], fmt: int = tarfile.GNU_FORMAT) -> None:
+        with tarfile.open(tmp_path / name, "w", format=fmt) as tar:
+            for i, member in enumerate(names):
+                data = os.urandom(i * 91 % 2000)
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+    for k in range(5):
+        write(f"a{k}-plain.tar", [f"s{k}{i:03d}.{ext}" for i in range(20) for ext in ("jpg", "cls")])
+    write("b-long.tar", [f"{'d' * 120}/s{i}.txt" for i in range(6)])
+    write("c-utf8.tar", [f"é{i}.txt" for i in range(6)], tarfile.PAX_FORMAT)
+    write("d-again.tar", ["x.txt", "y.txt", "x.json"])
+    write("e-nokey.tar", [".txt", "a.txt"])
+    with wds.ShardWriter(str(tmp_path / "f-wds-%d.tar"), maxcount=100, verbose=0) as sink:
+        for i in range(30):
+            sink.write({"__key__": f"w{i:03d}", "cls": i, "txt": "t" * i})
+    files = list_files(str(tmp_path / "*.tar"))
+    changed = next(f for f in files if f.url.endswith("a4-plain.tar"))
+    with open(changed.url, "ab") as f:
+        f.write(bytes(1024))  # grown since it was listed
+    reader = TarReader(str(tmp_path / "*.tar"), cache_dir=tmp_path / "cache")
+    got = dict(zip((f.url for f in files), reader.scan_batch(files)))
+    for info in files:
+        name = Path(info.url).name
+        if name in ("d-again.tar", "a4-plain.tar"):
+            assert got[info.url] is None, name
+            continue
+        idx, content = got[info.url]  # type: ignore[misc]
+        alone, _ = reader.scan_content(info)
+        assert content == content_digest(info.url, info.size), name
+        assert idx.counts == alone.counts and idx.suffixes == alone.suffixes, name
+        for key, array in alone.arrays[0].items():
+            assert idx.arrays[0][key].tolist() == array.tolist(), (name, key)
+    with pytest.raises(ValueError, match=r"key 'x' appears again at member 'x.json'"):
+        reader.scan(next(f for f in files if f.url.endswith("d-again.tar")))
+    big = files[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lightning_sharding.readers.tar.READ_WHOLE", big.size - 1)
+        assert reader.scan_batch([big]) == [None]  # a large shard: walked alone, through a map
+    assert tar_headers.plain_members((tmp_path / "b-long.tar").read_bytes()) is None
