@@ -1,7 +1,8 @@
-"""The ``lightning-sharding`` command line: ``plan``, ``inspect`` and ``audit``.
+"""The ``lightning-sharding`` command line: ``plan``, ``inspect``, ``audit`` and ``index``.
 
 ``plan`` shows which samples, batches and items every (rank, worker) gets for a topology;
-``inspect`` reads the data ledger inside a Lightning checkpoint. Heavy imports (Hydra, torch,
+``inspect`` reads the data ledger inside a Lightning checkpoint; ``index`` writes the data's index
+beside it. Heavy imports (Hydra, torch,
 matplotlib) happen inside the commands, so ``--help`` answers at once.
 """
 
@@ -14,19 +15,21 @@ from lightning_sharding.cli._common import PROG, CliError, _Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lightning-sharding`` argument parser with its ``plan``, ``inspect`` and ``audit`` subcommands."""
+    """The ``lightning-sharding`` argument parser with its ``plan``, ``inspect``, ``audit`` and ``index`` subcommands."""
     from lightning_sharding import _version
     from lightning_sharding.cli.audit import register as register_audit
     from lightning_sharding.cli.checkpoint import register as register_inspect
+    from lightning_sharding.cli.index import register as register_index
     from lightning_sharding.cli.plan import register as register_plan
 
-    parser = _Parser(prog=PROG, description="Plan, inspect and audit exactly-once sharded data loading.")
+    parser = _Parser(prog=PROG, description="Plan, inspect and audit exactly-once sharded data loading; index data files.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     register_plan(sub)
     register_inspect(sub)
     register_audit(sub)
+    register_index(sub)
     return parser
 
 

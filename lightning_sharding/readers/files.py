@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from abc import abstractmethod
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,6 +30,7 @@ from lightning_sharding.core.private import URL_CREDENTIALS, check_mode, hide_cr
 from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
+from lightning_sharding.readers.data_index import changed_because, read_data_index, stale_warning
 from lightning_sharding.readers.index import (
     INDEX_VERSION,
     FileIndex,
@@ -88,6 +90,10 @@ class FileReader(Reader):
             others receive the items), ``"node"`` (each node's local rank 0, for nodes that share no
             disk) or ``"rank"`` (every rank). See :mod:`lightning_sharding.readers.shared_index`.
         retry: retries of transient storage errors.
+        data_index: an index written with the data by ``lightning-sharding index DATA_URL``
+            (:mod:`~lightning_sharding.readers.data_index`): ``None`` uses the one in the files'
+            common directory if there is one, a URL or path the one there, ``False`` none. A first
+            start takes each unchanged file's index from it instead of reading the file.
         cache_mode: the file mode of what goes into ``cache_dir`` (indexes, listings, copies, lock
             files): ``0o600``, its owner's only, by default, whatever the umask; ``0o660`` to share a
             cache with the directory's group (every member reads and adds; directories made for it are
@@ -109,6 +115,7 @@ class FileReader(Reader):
         prefetch_files: int = 0,
         prefetch_bytes: int | None = None,
         cache_mode: int | None = None,
+        data_index: str | bool | None = None,
     ) -> None:
         if isinstance(urls, str):
             urls = [urls]
@@ -133,6 +140,12 @@ class FileReader(Reader):
         self._prefetcher: Prefetcher | None = None
         self._stats: defaultdict[str, float] = defaultdict(float)
         self.index_once_per = check_index_once_per(index_once_per, type(self).__name__)
+        if not (data_index is None or data_index is False or isinstance(data_index, (str, os.PathLike))):
+            raise ValueError(
+                f"`{type(self).__name__}(data_index={data_index!r})` must be None (use the index beside the data if "
+                "there is one), False (never) or the URL of the directory `lightning-sharding index` wrote"
+            )
+        self.data_index = os.fspath(data_index) if isinstance(data_index, os.PathLike) else data_index
         self._shards: ShardCache | None = None
         self._indexes: OrderedDict[str, FileIndex] = OrderedDict()
         # The listing's index (one directory for every file, readers/index.py::ListingIndex) and each
@@ -315,15 +328,43 @@ class FileReader(Reader):
             return []
         before = self._previous_listing()
         kept = self._kept_indexes()
-        known = [(self._cached(info) if kept else None) or before(info) for info in files]
+        known: list[tuple[FileIndex, str] | None] = []
+        for info in files:
+            idx = (self._cached(info) if kept else None) or before(info)
+            known.append(None if idx is None else (idx, info.content))
+        data_index = read_data_index(self, files) if any(k is None for k in known) else None
+        maybe: dict[int, tuple[int, str, str]] = {}  # a local file touched or copied since: its digest decides
+        changed: list[tuple[FileInfo, str]] = []
+        missing: list[FileInfo] = []
+        if data_index is not None:
+            for i, info in enumerate(files):
+                if known[i] is not None:
+                    continue
+                entry = data_index.entry(info)
+                if entry is None:
+                    missing.append(info)
+                elif entry[1] == info.fingerprint or (info.content and info.content == entry[2]):
+                    known[i] = (data_index.index(entry[0]), info.content or entry[2])
+                elif info.content:  # the store's content id says it changed
+                    changed.append((info, changed_because(info, entry[1])))
+                else:
+                    maybe[i] = entry
 
         def one(i: int) -> Indexed:
-            info, idx, content = files[i], known[i], files[i].content
-            if idx is None:  # a remote file's index is kept at once (a slow walk); a local one with the listing's
+            info, (idx, content) = files[i], known[i] or (None, files[i].content)
+            if i in maybe:
+                number, fingerprint, stored = maybe[i]
+                content = self._digest(info)
+                if content == stored:
+                    idx = data_index.index(number)  # type: ignore[union-attr]
+                else:
+                    changed.append((info, changed_because(info, fingerprint)))
+            scanned = idx is None
+            if scanned:  # a remote file's index is kept at once (a slow walk); a local one with the listing's
                 idx, read = self._scan_and_save(info, save=scheme_of(info.url) != "file")
                 content = content or read
             progress.step()
-            return idx, content or self._digest(info), known[i] is None
+            return idx, content or self._digest(info), scanned
 
         def many(batch: list[int]) -> list[Indexed]:
             done: list[Indexed] = []
@@ -335,8 +376,8 @@ class FileReader(Reader):
                     done.append((got[0], files[i].content or got[1] or self._digest(files[i]), True))
             return done
 
-        batches = self._batches([i for i, idx in enumerate(known) if idx is None], files)
-        alone = [i for i, idx in enumerate(known) if idx is not None or not batches]
+        batches = self._batches([i for i, idx in enumerate(known) if idx is None and i not in maybe], files)
+        alone = [i for i, idx in enumerate(known) if idx is not None or i in maybe or not batches]
         indexed: list[Indexed] = [None] * len(files)  # type: ignore[list-item]
         with ThreadPoolExecutor(max_workers=threads) as pool:
             scanned = [(batch, pool.submit(many, batch)) for batch in batches]
@@ -346,6 +387,8 @@ class FileReader(Reader):
                 for i, result in zip(batch, future.result()):
                     indexed[i] = result
         progress.done()
+        if data_index is not None and (changed or missing):
+            warnings.warn(stale_warning(data_index, changed, missing, self.scrub(str(self.urls))), stacklevel=3)
         return indexed
 
     def _batches(self, todo: list[int], files: Sequence[FileInfo]) -> list[list[int]]:

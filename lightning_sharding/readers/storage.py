@@ -30,6 +30,7 @@ from lightning_sharding.core.private import URL_CREDENTIALS
 T = TypeVar("T")
 
 _GLOB_CHARS = "*?["
+_DATA_INDEX = "lightning_sharding.index/"  # readers/data_index.py::INDEX_DIR: a glob's matches leave it out
 # Errors that a retry cannot fix: the object is not there, or we may not read it.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 # Network errors the stores' clients raise, matched by the name of the error's class or of any of its
@@ -291,7 +292,7 @@ def list_files(
             found = _local_glob(fs, path)
             if found is None:
                 found = with_retries(partial(fs.glob, path, detail=True), f"listing {url}", retry)
-            found = {p: fs.info(p) if i.get("islink") else i for p, i in found.items()}  # a link: its file
+            found = {p: fs.info(p) if i.get("islink") else i for p, i in found.items() if _DATA_INDEX not in p}
             matches = sorted((p, i) for p, i in found.items() if i.get("type", "file") == "file")
             if not matches:
                 raise FileNotFoundError(f"no file matches {url!r}: check the pattern and the bucket or directory")

@@ -1,0 +1,218 @@
+"""An index written with the data: ``lightning-sharding index DATA_URL``.
+
+A job's first start indexes every file it lists (a tar shard's headers, a JSONL file's lines). An
+index written once beside the data, as LitData's and Streaming's converted formats carry one, lets
+every later job on any machine read it instead: one listing and a few reads, then no file is
+opened before training reads it.
+
+It is a directory ``lightning_sharding.index`` (:data:`INDEX_DIR`) in the files' common directory
+(or where ``--output`` says), holding ``meta.json`` and a subdirectory of the arrays of a
+:class:`~lightning_sharding.readers.index.ListingIndex` (one ``.npy`` per array). ``meta.json``
+names the arrays' subdirectory, the reader's format and options, and per file its name relative to
+the index's directory, its fingerprint (size and modification time or ETag) and content id. A
+rewrite uploads new arrays first and ``meta.json`` last, so a reader sees the old index or the new.
+
+A reader (``data_index=`` of :class:`~lightning_sharding.readers.files.FileReader`) takes a file's
+index from it when the file is unchanged: the same fingerprint, or the same content id (an ETag the
+listing gives, or for a local file copied or touched since, a digest of its bytes). A file changed
+since, or not in the index, is indexed as if there were none, and a warning names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_sharding.core.identity import common_root
+from lightning_sharding.core.private import dir_mode, make_dirs
+from lightning_sharding.readers.index import FileIndex, ListingIndex, default_cache_dir
+from lightning_sharding.readers.storage import FileInfo, filesystem, list_files, scheme_of, with_retries
+
+if TYPE_CHECKING:
+    from lightning_sharding.readers.files import FileReader
+
+INDEX_DIR = "lightning_sharding.index"
+DATA_INDEX_VERSION = 1
+SHOWN = 5  # changed files named in a warning, then a count
+SHARED_MODE = 0o644  # an index beside the data is read by whoever reads the data (its copies: the umask's)
+
+
+@dataclass
+class DataIndex:
+    """An index read from where the data is: per file (by its name under :attr:`root`) its number in
+    :attr:`listing`, its fingerprint and content id."""
+
+    where: str  # its directory's URL, credentials redacted (what messages show)
+    roots: tuple[str, ...]  # where its files were when it was written, and its own parent directory
+    files: dict[str, tuple[int, str, str]]
+    listing: ListingIndex
+
+    def entry(self, info: FileInfo) -> tuple[int, str, str] | None:
+        """``(number, fingerprint, content)`` of a listed file, ``None`` when the index does not hold it.
+
+        A file is known by its name under the directory its files were in when it was written, or,
+        moved since, under the index's own parent directory (moved with it), or else under the
+        common directory of the files listed with it now."""
+        for root in self.roots:
+            if info.url.startswith(root):
+                found = self.files.get(info.url[len(root) :])
+                if found is not None:
+                    return found
+        return self.files.get(info.name)
+
+    def index(self, number: int) -> FileIndex:
+        """The index of the file ``number``."""
+        return self.listing.file(number)
+
+
+def default_location(urls: Sequence[str]) -> str | None:
+    """Where the index of files at ``urls`` is by default: in their common directory."""
+    root = common_root(list(urls))
+    return root + INDEX_DIR if root else None
+
+
+def read_data_index(reader: FileReader, files: Sequence[FileInfo]) -> DataIndex | None:
+    """The data index ``reader`` is told to use (``data_index``), or the one beside ``files`` when it
+    is ``None``; ``None`` when there is none (an error when one was named), or when it was written
+    for another format or other options (then a warning says so)."""
+    if reader.data_index is False or not files:
+        return None
+    named = isinstance(reader.data_index, str)
+    location = reader.data_index if named else default_location([f.url for f in files])
+    if location is None:
+        return None
+    location = str(location).rstrip("/")
+    shown = reader.scrub(location)
+    fs, path = filesystem(location, reader.storage_options)
+    try:
+        meta = json.loads(with_retries(lambda: fs.cat_file(f"{path}/meta.json"), f"reading {shown}", reader.retry))
+    except FileNotFoundError:
+        if named:
+            raise FileNotFoundError(
+                f"data_index={shown!r}: there is no data index there (no meta.json); write one with "
+                f"`lightning-sharding index DATA_URL --output {shown}`, or leave data_index unset"
+            ) from None
+        return None
+    except ValueError as err:
+        warnings.warn(f"the data index {shown} is unreadable ({err}): the files are indexed without it", stacklevel=2)
+        return None
+    theirs = (meta.get("version"), meta.get("format"), meta.get("options"))
+    ours = (DATA_INDEX_VERSION, reader.format, reader.options_key())
+    if theirs != ours:
+        warnings.warn(
+            f"the data index {shown} was written for {theirs[1]} files with options {theirs[2]!r} (version "
+            f"{theirs[0]}); this {type(reader).__name__} reads {ours[1]} files with options {ours[2]!r} (version "
+            f"{ours[0]}): the files are indexed without it. Write it again with `lightning-sharding index`",
+            stacklevel=2,
+        )
+        return None
+    arrays = f"{path}/{meta['arrays']}"
+    if scheme_of(location) == "file":
+        local = Path(arrays)
+    else:  # fetched once into the cache directory, where its arrays are memory-mapped
+        digest = hashlib.sha256(location.encode()).hexdigest()[:16]
+        local = (reader.cache_dir or default_cache_dir()) / "data-index" / f"{digest}-{meta['arrays']}"
+        if not local.is_dir():
+            tmp = local.with_name(f".{local.name}.{secrets.token_hex(4)}.tmp")
+            make_dirs(tmp, dir_mode(reader.cache_mode))
+            try:
+                get = lambda: fs.get(f"{arrays}/", str(tmp) + "/", recursive=True)  # noqa: E731
+                with_retries(get, f"reading {shown}", reader.retry)
+                for fetched in tmp.iterdir():
+                    fetched.chmod(reader.cache_mode)
+                os.rename(tmp, local)
+            except OSError:
+                if not local.is_dir():  # not another rank of this machine's copy, there first
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    roots = (str(meta.get("root", "")), location[: location.rfind("/") + 1])
+    files_of = {name: (number, fingerprint, content) for number, (name, fingerprint, content) in enumerate(meta["files"])}
+    return DataIndex(shown, tuple(r for r in roots if r), files_of, ListingIndex(local))
+
+
+def stale_warning(index: DataIndex, changed: Sequence[tuple[FileInfo, str]], missing: Sequence[FileInfo], data: str) -> str:
+    """What a warning says of the files the index could not give: changed since it was written, or not in it."""
+    parts = []
+    if changed:
+        named = ", ".join(f"{info.url} ({why})" for info, why in changed[:SHOWN])
+        more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
+        parts.append(f"{len(changed)} file(s) changed since it was written: {named}{more}")
+    if missing:
+        named = ", ".join(info.url for info in missing[:SHOWN])
+        more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
+        parts.append(f"{len(missing)} file(s) are not in it: {named}{more}")
+    return (
+        f"the data index {index.where} is stale: {'; '.join(parts)}. They were indexed now, the others taken "
+        f"from it. Write it again with `lightning-sharding index {data}` to start without indexing them"
+    )
+
+
+def changed_because(info: FileInfo, fingerprint: str) -> str:
+    """Why a file differs from its entry (of ``fingerprint``), in words."""
+    was, now = fingerprint.split(";", 1)[0], info.fingerprint.split(";", 1)[0]
+    return f"{was} -> {now}" if was != now else "same size, other content"
+
+
+def write_data_index(reader: FileReader, output: str | None = None) -> dict[str, Any]:
+    """Index the files of ``reader`` (taking unchanged ones from an index already there) and write
+    the index into ``output`` (a directory URL; default: the files' common directory, see
+    :data:`INDEX_DIR`). Returns what was written: ``url``, ``files``, ``samples``, ``indexed`` (files
+    walked now), ``seconds``."""
+    start = time.perf_counter()
+    files = list_files(reader.urls, reader.storage_options, reader.retry)
+    location = (output.rstrip("/") + "/" + INDEX_DIR) if output else default_location([f.url for f in files])
+    if location is None:
+        raise ValueError(
+            f"the files of {reader.scrub(str(reader.urls))} share no directory to write their index into: "
+            "give one with --output"
+        )
+    shown = reader.scrub(location)
+    root = common_root([f.url for f in files])  # the files' names in it are relative to their directory
+    indexed = reader._index_files(files, f"indexing {len(files)} {reader.format} file(s) for {shown}")
+    indexes = [idx for idx, _, _ in indexed]
+    reader.check_indexes(files, indexes)
+    fs, path = filesystem(location, reader.storage_options)
+    arrays = f"arrays-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"
+    meta = {
+        "version": DATA_INDEX_VERSION,
+        "format": reader.format,
+        "options": reader.options_key(),
+        "arrays": arrays,
+        "root": root,
+        "files": [[f.url[len(root) :], f.fingerprint, content] for f, (_, content, _) in zip(files, indexed)],
+    }
+    with tempfile.TemporaryDirectory(prefix="lightning-sharding-index-") as tmp:
+        if not ListingIndex.save(Path(tmp) / arrays, indexes, SHARED_MODE):
+            raise ValueError(
+                f"the {reader.format} files of {reader.scrub(str(reader.urls))} have index arrays of different names "
+                "or shapes: they cannot share one data index"
+            )
+        (Path(tmp) / "meta.json").write_text(json.dumps(meta))
+        fs.makedirs(path, exist_ok=True)  # on an object store: nothing to make
+        fs.invalidate_cache(path)
+        try:
+            before = [p for p in fs.ls(path, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("arrays-")]
+        except FileNotFoundError:
+            before = []
+        with_retries(lambda: fs.put(f"{tmp}/{arrays}", f"{path}/{arrays}", recursive=True), f"writing {shown}", reader.retry)
+        with_retries(lambda: fs.put_file(f"{tmp}/meta.json", f"{path}/meta.json"), f"writing {shown}", reader.retry)
+    for old in before:  # a reader that read the old meta.json a moment ago may miss these: it indexes without
+        fs.rm(old, recursive=True)
+    return {
+        "url": shown,
+        "files": len(files),
+        "samples": int(sum(sum(idx.counts) for idx in indexes)),
+        "indexed": sum(1 for _, _, scanned in indexed if scanned),
+        "seconds": time.perf_counter() - start,
+    }
