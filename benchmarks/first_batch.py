@@ -1,26 +1,35 @@
 """Time to the first batch of a fresh job over many small shards, local and on loopback S3:
-``python -m benchmarks.first_batch [--shards 10000] [--per-shard 4] [--repeats 3]``.
+``python -m benchmarks.first_batch [--shards 10000] [--s3-shards 1000] [--latency-ms 50] [--per-shard 4] [--repeats 3]``.
 
-10,000 WebDataset tar shards (``webdataset.ShardWriter``) of 4 small JPEGs and labels each, in a
-local directory and in a bucket of a real S3-protocol server (moto) on loopback. Each system starts
-from where the data is, as a new job does, and the clock runs to the first batch of 64 decoded
-images at 1 rank x 2 spawned workers (their start is the same for every system, and counted):
+WebDataset tar shards (``webdataset.ShardWriter``) of 4 small JPEGs and labels each: ``--shards``
+in a local directory, and the first ``--s3-shards`` of them in a bucket of a real S3-protocol
+server (moto) on loopback, behind a proxy that adds ``--latency-ms`` to every request. Each system
+starts from where the data is, as a new job does, and the clock runs to the first batch of 64
+decoded images at 1 rank x 2 spawned workers (their start is the same for every system, and
+counted):
 
-- ours, cold: ``TarReader`` on the glob lists the shards and reads each one's tar headers (16
-  threads), then the manifest, the plan and the workers. The file indexes go to ``cache_dir``;
-- ours, warm: the same job started again: the indexes come from the cache (a shard's size and
-  modification time say it is unchanged), so only the listing remains;
+- ours, first start: ``TarReader`` on the glob lists the shards and reads each one's tar headers
+  (local: in batches with array operations, a thread per core; S3: 16 threads), then the manifest,
+  the plan and the workers. The file indexes go to ``cache_dir``;
+- ours, from the data's index: the same with an empty cache, where ``lightning-sharding index``
+  wrote an index beside the shards (once, timed apart): one listing and the index's few files;
+- ours, started again: the first start's job again: the indexes come from its cache (a shard's size
+  and modification time or ETag say it is unchanged), so only the listing remains;
 - webdataset: lists the shards (``glob`` locally; ``s3fs`` on S3, what a user does since
   ``WebDataset`` takes a list), then ``WebDataset`` + ``WebLoader`` with its own splitters and
   ``shuffle``. On S3 each shard is read over HTTP by ``curl`` (webdataset's ``http`` handler) from a
   presigned URL (made by boto3 in the timed listing): webdataset reads no index, it streams each
   shard from its start;
-- LitData: the same samples as 10,000 chunks of 4 written by its ``optimize`` (its format: the index
-  is ``index.json``, written once by ``optimize``); ``StreamingDataset`` + ``StreamingDataLoader``
-  with an empty chunk cache.
+- LitData: the same samples as chunks of 4 written by its ``optimize`` (its format: the index is
+  ``index.json``, written once by ``optimize``); ``StreamingDataset`` + ``StreamingDataLoader``
+  with an empty chunk cache;
+- MosaicML Streaming: the same samples as MDS shards written by its ``MDSWriter`` (its index is
+  ``index.json``); ``StreamingDataset`` (``remote=`` on S3, into an empty local directory) and a
+  DataLoader.
 
 Figures are seconds, the median of R rounds run alternately, and how many times longer each takes
-than ours (cold and warm). The one-off conversion LitData needs (``optimize``) is printed apart.
+than webdataset. The target: a start from the data's index within 2x of webdataset's first batch.
+The one-off conversions (our index, LitData's ``optimize``, Streaming's MDS) are printed apart.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import torch  # noqa: E402
 
 from benchmarks import peers  # noqa: E402
 from lightning_sharding import Ledger, Manifest, TarReader, World  # noqa: E402
+from lightning_sharding.readers.data_index import write_data_index  # noqa: E402
 from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
 from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402
 from tests.s3 import S3Server  # noqa: E402
@@ -67,6 +77,7 @@ class Where:
     tars: str
     wds_urls: Callable[[], list[str]]
     litdata: str | None
+    streaming: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
     litdata_options: dict[str, Any] = field(default_factory=dict)
 
@@ -105,9 +116,14 @@ def upload(s3: S3Server, local_root: Path, prefix: str) -> None:
 # -- the systems, each from the data's location to its first batch -------------------------------
 
 
-def ours(where: Where, cache: Path) -> Any:
+def ours(where: Where, cache: Path, data_index: bool = False) -> Any:
     reader = TarReader(
-        where.tars, decode="torchrgb8", fields=["jpg", "cls"], cache_dir=cache, storage_options=where.storage_options
+        where.tars,
+        decode="torchrgb8",
+        fields=["jpg", "cls"],
+        cache_dir=cache,
+        storage_options=where.storage_options,
+        data_index=None if data_index else False,
     )
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
@@ -160,6 +176,21 @@ def litdata_first(where: Where, cache: Path) -> Any:
     return batch
 
 
+def ours_indexed(where: Where, cache: Path) -> Any:
+    return ours(where, cache, data_index=True)
+
+
+def streaming_first(where: Where, cache: Path) -> Any:
+    module, reason = peers.load("MosaicML Streaming")
+    assert module is not None and where.streaming is not None, reason
+    local = str(cache / "mds") if where.streaming.startswith("s3://") else None
+    loader = module.loader(where.streaming, WORKERS, Decode(), BATCH, field=None, local=local)
+    it = iter(loader)
+    batch = next(it)
+    del it
+    return batch
+
+
 def set_workers(workers: int) -> None:
     global WORKERS
     WORKERS = workers
@@ -180,9 +211,26 @@ def time_first(first: Callable[[Where, Path], Any], where: Where, cache: Path) -
     return seconds
 
 
+def prepare(tars: list[str], out: Path, per_shard: int) -> dict[str, float]:
+    """The peers' own formats of ``tars`` under ``out`` (``litdata/``, ``mds/``): seconds each took."""
+    took: dict[str, float] = {}
+    for name, sub, write in (
+        ("LitData", "litdata", lambda m: m.prepare_tars(tars, out / "litdata", chunk_bytes=None, chunk_size=per_shard)),
+        ("MosaicML Streaming", "mds", lambda m: m.prepare_tars(tars, out / "mds")),
+    ):
+        module, _ = peers.load(name)
+        if module is not None:
+            start = time.perf_counter()
+            write(module)
+            took[name] = time.perf_counter() - start
+    return took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=10_000)
+    parser.add_argument("--shards", type=int, default=10_000, help="local shards")
+    parser.add_argument("--s3-shards", type=int, default=1_000, help="shards in the bucket (the first of the local ones)")
+    parser.add_argument("--latency-ms", type=float, default=50.0, help="added to every request to the S3 server")
     parser.add_argument("--per-shard", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=WORKERS, help="DataLoader workers (0: a smoke run)")
@@ -191,40 +239,59 @@ def main() -> None:
     set_workers(args.workers)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     root = Path(tempfile.mkdtemp(prefix="first-batch-"))
-    server = None
+    server = proxy = None
+    one_off: list[str] = []
     try:
         tars = write_tars(root / "data", args.shards, args.per_shard)
-        litdata, why_not = peers.load("LitData")
-        optimize_s = None
-        if litdata is not None:
-            start = time.perf_counter()
-            litdata.prepare_tars(tars, root / "data" / "litdata", chunk_bytes=None, chunk_size=args.per_shard)
-            optimize_s = time.perf_counter() - start
+        took = prepare(tars, root / "data", args.per_shard)
+        one_off += [f"{name} ({args.shards} local shards): {t:.1f} s" for name, t in took.items()]
+        start = time.perf_counter()
+        write_data_index(TarReader(str(root / "data" / "tar" / "*.tar"), cache_dir=root / "index-cache"))
+        one_off.append(f"lightning-sharding index ({args.shards} local shards): {time.perf_counter() - start:.1f} s")
         places = [
             Where(
                 "local",
                 str(root / "data" / "tar" / "*.tar"),
                 lambda: sorted(glob.glob(str(root / "data" / "tar" / "*.tar"))),
-                str(root / "data" / "litdata") if litdata is not None else None,
+                str(root / "data" / "litdata") if "LitData" in took else None,
+                str(root / "data" / "mds") if "MosaicML Streaming" in took else None,
             )
         ]
         if not args.local_only:
             from moto.server import ThreadedMotoServer
 
+            from tests.fault_proxy import FaultProxy
+
+            remote = root / "s3data"
+            (remote / "tar").mkdir(parents=True)
+            for tar in tars[: args.s3_shards]:
+                shutil.copy(tar, remote / "tar")
+            subset = sorted(glob.glob(str(remote / "tar" / "*.tar")))
+            took = prepare(subset, remote, args.per_shard)
             server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
             server.start()
             host, port = server.get_host_and_port()
             s3 = S3Server(f"http://{host}:{port}")
             s3.bucket(BUCKET)
             start = time.perf_counter()
-            upload(s3, root / "data", "data")
+            upload(s3, remote, "data")
             print(f"(uploaded to the loopback S3 server in {time.perf_counter() - start:.0f} s)")
+            proxy = FaultProxy(s3.endpoint)
+            via = S3Server(proxy.endpoint)  # every system reaches the bucket through the proxy
+            start = time.perf_counter()
+            s3_tars = f"s3://{BUCKET}/data/tar/*.tar"
+            write_data_index(TarReader(s3_tars, storage_options=via.storage_options, cache_dir=root / "index-cache"))
+            one_off.append(f"lightning-sharding index ({args.s3_shards} S3 shards): {time.perf_counter() - start:.1f} s")
+            proxy.delay = args.latency_ms / 1000
+            os.environ.update(  # MosaicML Streaming's S3 client reads these
+                S3_ENDPOINT_URL=proxy.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"
+            )
 
             def listed() -> list[str]:
                 import s3fs
 
-                fs = s3fs.S3FileSystem(**s3.storage_options)
-                client = s3.client()
+                fs = s3fs.S3FileSystem(**via.storage_options)
+                client = via.client()
                 return [
                     client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": key.split("/", 1)[1]})
                     for key in sorted(fs.glob(f"{BUCKET}/data/tar/*.tar"))
@@ -232,14 +299,15 @@ def main() -> None:
 
             places.append(
                 Where(
-                    "S3 (loopback)",
-                    f"s3://{BUCKET}/data/tar/*.tar",
+                    f"S3 (loopback, +{args.latency_ms:.0f} ms)",
+                    s3_tars,
                     listed,
-                    f"s3://{BUCKET}/data/litdata" if litdata is not None else None,
-                    s3.storage_options,
+                    f"s3://{BUCKET}/data/litdata" if "LitData" in took else None,
+                    f"s3://{BUCKET}/data/mds" if "MosaicML Streaming" in took else None,
+                    via.storage_options,
                     {
                         "storage_options": {
-                            "endpoint_url": s3.endpoint,
+                            "endpoint_url": proxy.endpoint,
                             "aws_access_key_id": "testing",
                             "aws_secret_access_key": "testing",
                             "region_name": "us-east-1",
@@ -248,40 +316,48 @@ def main() -> None:
                 )
             )
         systems: dict[str, Callable[[Where, Path], Any]] = {
-            "lightning_sharding, cold": ours,
-            "lightning_sharding, warm": ours,
+            "lightning_sharding, first start": ours,
+            "lightning_sharding, from the data's index": ours_indexed,
+            "lightning_sharding, started again": ours,
             "webdataset.WebLoader": wds_first,
             "LitData": litdata_first,
+            "MosaicML Streaming": streaming_first,
         }
-        n = args.shards * args.per_shard
         print(
-            f"{args.shards} tar shards of {args.per_shard} JPEGs ({n} samples), 1 rank x {WORKERS} spawned workers, "
-            f"batch {BATCH}: seconds from the data's location to the first batch (median of {args.repeats})\n"
+            f"tar shards of {args.per_shard} JPEGs ({args.shards} local, {args.s3_shards} on S3), 1 rank x {WORKERS} "
+            f"spawned workers, batch {BATCH}: seconds from the data's location to the first batch (median of "
+            f"{args.repeats})\n"
         )
-        print("| data | system | seconds | it / ours cold | it / ours warm |")
-        print("|---|---|---:|---:|---:|")
+        print("| data | system | seconds | it / webdataset |")
+        print("|---|---|---:|---:|")
+        verdicts = []
         for where in places:
             times: dict[str, list[float]] = {name: [] for name in systems}
             for r in range(args.repeats):
                 cache = root / f"cache-{where.name[:5]}-{r}"
                 for name, first in systems.items():
-                    if name == "LitData" and litdata is None:
+                    if (name == "LitData" and where.litdata is None) or (name == "MosaicML Streaming" and not where.streaming):
                         continue
-                    if name != "lightning_sharding, warm":  # warm reuses the cold run's cache
+                    if name != "lightning_sharding, started again":  # it reuses the first start's cache
                         shutil.rmtree(cache, ignore_errors=True)
                     times[name].append(time_first(first, where, cache))
-            cold, warm = times["lightning_sharding, cold"], times["lightning_sharding, warm"]
+            wds = times["webdataset.WebLoader"]
             for name, values in times.items():
                 if not values:
-                    print(f"| {where.name} | {name} | {why_not} | | |")
+                    print(f"| {where.name} | {name} | {peers.load(name)[1] or 'not prepared'} | |")
                     continue
-                ratios = [
-                    f"{statistics.median(v / o for v, o in zip(values, b, strict=True)):.2f}" for b in (cold, warm)
-                ]
-                print(f"| {where.name} | {name} | {statistics.median(values):.2f} | {ratios[0]} | {ratios[1]} |")
-        if optimize_s is not None:
-            print(f"\nLitData's one-off conversion (optimize into {args.shards} chunks): {optimize_s:.1f} s")
+                ratio = statistics.median(v / w for v, w in zip(values, wds, strict=True))
+                print(f"| {where.name} | {name} | {statistics.median(values):.2f} | {ratio:.2f} |")
+            ratio = statistics.median(v / w for v, w in zip(times["lightning_sharding, from the data's index"], wds))
+            verdicts.append(
+                f"{where.name}: a start from the data's index takes {ratio:.2f}x webdataset's time to its first batch; "
+                f"target <= 2x: {'met' if ratio <= 2 else 'NOT MET'}"
+            )
+        print("\n" + "\n".join(verdicts))
+        print("\none-off conversions: " + "; ".join(one_off))
     finally:
+        if proxy is not None:
+            proxy.close()
         if server is not None:
             server.stop()
         shutil.rmtree(root, ignore_errors=True)

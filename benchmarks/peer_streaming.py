@@ -60,8 +60,8 @@ class Worked(StreamingDataset):  # type: ignore[misc]
     """Streaming's dataset with the benchmark's work applied to each sample's ``field`` (``None``:
     the whole sample)."""
 
-    def __init__(self, local: str, work: Work, batch: int, field: str | None = "row") -> None:
-        super().__init__(local=local, shuffle=True, shuffle_seed=0, batch_size=batch)
+    def __init__(self, local: str, work: Work, batch: int, field: str | None = "row", remote: str | None = None) -> None:
+        super().__init__(local=local, remote=remote, shuffle=True, shuffle_seed=0, batch_size=batch)
         self.work, self.field = work, field
 
     def __getitem__(self, index: int) -> Any:
@@ -69,8 +69,11 @@ class Worked(StreamingDataset):  # type: ignore[misc]
         return self.work(sample if self.field is None else sample[self.field])
 
 
-def loader(out: Path, workers: int, work: Work, batch: int = BATCH, field: str | None = "row") -> Iterable[Any]:
+def loader(
+    out: Path | str, workers: int, work: Work, batch: int = BATCH, field: str | None = "row", local: str | None = None
+) -> Iterable[Any]:
+    """A DataLoader over the MDS shards at ``out``; with ``local``, ``out`` is a remote URL (``s3://``,
+    its endpoint in ``S3_ENDPOINT_URL``) whose index and shards Streaming downloads into ``local``."""
     context = "spawn" if workers else None
-    return DataLoader(
-        Worked(str(out), work, batch, field), batch_size=batch, num_workers=workers, multiprocessing_context=context
-    )
+    dataset = Worked(local or str(out), work, batch, field, remote=str(out) if local else None)
+    return DataLoader(dataset, batch_size=batch, num_workers=workers, multiprocessing_context=context)
