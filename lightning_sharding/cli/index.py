@@ -25,7 +25,9 @@ def register(sub: Any) -> None:
         "files changed since (a warning names them). Run it again after changing the data: it indexes only "
         "the files that changed.",
     )
-    parser.add_argument("data", metavar="DATA_URL", help="the files: a path, URL or glob (quoted), e.g. 's3://bucket/ds/*.tar'")
+    parser.add_argument(
+        "data", nargs="+", metavar="DATA_URL", help="the files: paths, URLs or globs (quoted), e.g. 's3://bucket/ds/*.tar'"
+    )
     parser.add_argument("--format", choices=sorted(set(FORMATS.values())), help="the files' format (default: their extension)")
     parser.add_argument("--output", metavar="DIR_URL", help="write the index into this directory (default: the files' own)")
     parser.add_argument(
@@ -49,10 +51,11 @@ def _reader(args: argparse.Namespace) -> Any:
 
     fmt = args.format
     if fmt is None:
-        ext = "." + args.data.rsplit("/", 1)[-1].rsplit(".", 1)[-1] if "." in args.data.rsplit("/", 1)[-1] else ""
-        fmt = FORMATS.get(ext.lower())
-        if fmt is None:
-            raise CliError(f"cannot tell the format of {args.data!r} from its extension: give --format ({', '.join(sorted(set(FORMATS.values())))})")
+        found = {FORMATS.get("." + url.rsplit("/", 1)[-1].rpartition(".")[2].lower()) for url in args.data}
+        if len(found) != 1 or None in found:
+            formats = ", ".join(sorted(set(FORMATS.values())))
+            raise CliError(f"cannot tell the format of {' '.join(args.data)!r} from its extension: give --format ({formats})")
+        (fmt,) = found
     options: dict[str, Any] = {}
     for text in args.option:
         key, eq, value = text.partition("=")
@@ -72,7 +75,7 @@ def _reader(args: argparse.Namespace) -> Any:
             raise CliError(f"--storage-options must be a JSON object, not {args.storage_options!r}")
     cls = {"tar": TarReader, "jsonl": JsonlReader, "parquet": ParquetReader, "npy": NpyReader}[fmt]
     try:
-        return cls(args.data, storage_options=storage, **options)
+        return cls(list(args.data), storage_options=storage, **options)
     except TypeError as err:
         raise CliError(f"--option: {cls.__name__} takes no such option ({err})") from None
 

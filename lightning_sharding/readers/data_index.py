@@ -31,19 +31,39 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning_sharding.core.identity import common_root
 from lightning_sharding.core.private import dir_mode, make_dirs
 from lightning_sharding.readers.index import FileIndex, ListingIndex, default_cache_dir
 from lightning_sharding.readers.storage import FileInfo, filesystem, list_files, scheme_of, with_retries
 
-if TYPE_CHECKING:
-    from lightning_sharding.readers.files import FileReader
-
 INDEX_DIR = "lightning_sharding.index"
 DATA_INDEX_VERSION = 1
 SHOWN = 5  # changed files named in a warning, then a count
+
+
+class FileReader(Protocol):
+    """What this module uses of a :class:`~lightning_sharding.readers.files.FileReader` (which
+    imports this module: named here, not imported)."""
+
+    format: str
+    urls: list[str]
+    data_index: str | bool | None
+    storage_options: dict[str, Any]
+    cache_dir: Path | None
+    cache_mode: int
+    retry: Any
+
+    def scrub(self, text: str) -> str: ...
+
+    def options_key(self) -> str: ...
+
+    def check_indexes(self, files: Sequence[FileInfo], indexes: Sequence[FileIndex]) -> None: ...
+
+    def _index_files(self, files: Sequence[FileInfo], what: str, show: bool = True) -> list[tuple[FileIndex, str, bool]]: ...
+
+
 SHARED_MODE = 0o644  # an index beside the data is read by whoever reads the data (its copies: the umask's)
 
 

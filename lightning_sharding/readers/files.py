@@ -388,7 +388,8 @@ class FileReader(Reader):
                     indexed[i] = result
         progress.done()
         if data_index is not None and (changed or missing):
-            warnings.warn(stale_warning(data_index, changed, missing, self.scrub(str(self.urls))), stacklevel=3)
+            data = " ".join(f"'{self.scrub(url)}'" for url in self.urls)
+            warnings.warn(stale_warning(data_index, changed, missing, data), stacklevel=3)
         return indexed
 
     def _batches(self, todo: list[int], files: Sequence[FileInfo]) -> list[list[int]]:
