@@ -47,7 +47,7 @@ def register(sub: Any) -> None:
 
 
 def _reader(args: argparse.Namespace) -> Any:
-    from lightning_sharding.readers import JsonlReader, NpyReader, ParquetReader, TarReader
+    from lightning_sharding.readers import FILE_READERS
 
     fmt = args.format
     if fmt is None:
@@ -73,7 +73,7 @@ def _reader(args: argparse.Namespace) -> Any:
             raise CliError(f"--storage-options is not JSON ({err}): {args.storage_options!r}") from None
         if not isinstance(storage, dict):
             raise CliError(f"--storage-options must be a JSON object, not {args.storage_options!r}")
-    cls = {"tar": TarReader, "jsonl": JsonlReader, "parquet": ParquetReader, "npy": NpyReader}[fmt]
+    cls = FILE_READERS[fmt]
     try:
         return cls(list(args.data), storage_options=storage, **options)
     except TypeError as err:

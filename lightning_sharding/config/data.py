@@ -71,6 +71,7 @@ class FilesData(DataOptions):
     endpoint_url: str | None = None  # of s3:// (MinIO, moto...) or gs:// URLs; none: the cloud's
     cache_limit: Any = None  # keep remote files locally: bytes (int) or a fraction of free disk (float <= 1)
     index_once_per: str = "job"  # who lists and indexes: job (rank 0), node (local rank 0s), rank (every rank)
+    data_index: Any = None  # `lightning-sharding index`'s: null beside the data if there, its URL, or false
     prefetch_files: int = 0  # with cache_limit: files each worker fetches ahead of the one it reads
     prefetch_bytes: int | None = None  # with prefetch_files: at most these bytes of files ahead
     num_items: int = 16

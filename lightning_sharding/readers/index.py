@@ -175,22 +175,21 @@ class ListingIndex:
         return True
 
     def _array(self, name: str) -> npt.NDArray[Any]:
-        if name not in self._arrays:
-            self._arrays[name] = np.load(self.directory / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        if name not in self._arrays:  # a plain array over the map: its slices cost what an array's do
+            self._arrays[name] = np.asarray(np.load(self.directory / f"{name}.npy", mmap_mode="r", allow_pickle=False))
         return self._arrays[name]
 
     def file(self, number: int) -> FileIndex:
         """The index of the listing's file ``number`` (raises ``OSError``/``ValueError`` when unreadable)."""
-        lo, hi = (int(x) for x in self._array("file_items")[number : number + 2])
+        lo, hi = self._array("file_items")[number : number + 2].tolist()
         if self._names is None:
             self._names = sorted(p.name[: -len(".bounds.npy")] for p in self.directory.glob("*.bounds.npy"))
-        names = self._names
         arrays: list[dict[str, npt.NDArray[Any]]] = []
         for item in range(lo, hi):
             row: dict[str, npt.NDArray[Any]] = {}
-            for name in names:
-                start, end = (int(x) for x in self._array(f"{name}.bounds")[item : item + 2])
-                row[name] = np.asarray(self._array(name)[start:end])
+            for name in self._names:
+                start, end = self._array(f"{name}.bounds")[item : item + 2].tolist()
+                row[name] = self._array(name)[start:end]
             arrays.append(row)
         suffixes = [str(s) for s in self._array("suffixes")[lo:hi]]
-        return FileIndex(suffixes, [int(c) for c in self._array("counts")[lo:hi]], arrays)
+        return FileIndex(suffixes, self._array("counts")[lo:hi].tolist(), arrays)

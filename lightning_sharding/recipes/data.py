@@ -120,6 +120,7 @@ def files(
     prefetch_files: int = 0,
     prefetch_bytes: int | None = None,
     audit_dir: str | None = None,
+    data_index: str | bool | None = None,
     **options: Any,
 ) -> ShardedDataModule:
     """``data=files``: files of one reader format; with no ``urls`` a regression set is generated."""
@@ -131,6 +132,7 @@ def files(
     spec = (format, urls, num_items, samples_per_item, dim)
     cache = dict(cache_dir=options["cache_dir"], cache_limit=cache_limit)
     cache.update(prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes)
+    cache.update(data_index=data_index)
     reader = file_reader(*spec, storage_options=storage, key="data", index_once_per=index_once_per, **cache)
     return datamodule(options, sharding, reader=reader, transform=to_regression, audit_dir=audit_dir)
 
@@ -168,6 +170,7 @@ def file_reader(
     index_once_per: str = "job",
     prefetch_files: int = 0,
     prefetch_bytes: int | None = None,
+    data_index: str | bool | None = None,
 ) -> Reader:
     """A reader of ``format`` over ``urls``; with none, of a regression set generated once into the
     cache. ``key`` names the config key of ``format`` in errors (``data`` or ``data.streams[i]``)."""
@@ -191,4 +194,5 @@ def file_reader(
         index_once_per=index_once_per,
         prefetch_files=prefetch_files,
         prefetch_bytes=prefetch_bytes,
+        data_index=data_index,
     )
