@@ -15,16 +15,24 @@ from lightning_sharding import TarReader
 
 
 class CountingTar(TarReader):
-    """A TarReader that logs each shard it walks."""
+    """A TarReader that logs each shard it walks (alone, or in a batch)."""
 
     def __init__(self, urls: str, log: str, **options: Any) -> None:
         super().__init__(urls, **options)
         self.log = log
 
-    def scan(self, info: Any) -> Any:
+    def scan_content(self, info: Any) -> Any:
+        self._write([info])
+        return super().scan_content(info)
+
+    def scan_batch(self, files: Any) -> Any:
+        found = super().scan_batch(files)
+        self._write([info for info, got in zip(files, found) if got is not None])  # the others: scan_content
+        return found
+
+    def _write(self, files: Any) -> None:
         with open(self.log, "a") as f:
-            f.write(info.url + "\n")
-        return super().scan(info)
+            f.writelines(info.url + "\n" for info in files)
 
 
 def main(out: str, pattern: str) -> None:
