@@ -40,6 +40,7 @@ from lightning_sharding.readers.index import (
     write_atomically,
 )
 from lightning_sharding.readers.prefetch import Prefetcher, check_prefetch, files_ahead
+from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.readers.shared_index import (
     check_index_once_per,
     current_world,
@@ -246,8 +247,9 @@ class FileReader(Reader):
             return cached
         share = files[world.rank :: world.world_size]
         what = f"indexing {len(share)} of {len(files)} {self.format} file(s) on rank {world.rank} of {world.world_size}"
+        nodes = gather_objects(world.node_rank, world.world_size)  # the ranks of a machine share its cores
         done = on_every_rank(
-            lambda: self._index_files(share, what, show=world.rank == 0),
+            lambda: self._index_files(share, what, show=world.rank == 0, ranks_here=nodes.count(world.node_rank)),
             world,
             f"indexes its share of {self._what()} for this job (index_once_per='job')",
         )
@@ -319,10 +321,11 @@ class FileReader(Reader):
         self._opened_listing = None
 
     def _index_files(
-        self, files: Sequence[FileInfo], what: str, show: bool = True
+        self, files: Sequence[FileInfo], what: str, show: bool = True, ranks_here: int = 1
     ) -> list[tuple[FileIndex, str, bool]]:
-        """Each file's index (from the cache, or scanned and saved), content id, and whether it was scanned."""
-        threads = self.indexing_threads(files)
+        """Each file's index (from the cache, or scanned and saved), content id, and whether it was
+        scanned; ``ranks_here``: the ranks of this machine indexing at once (they share its cores)."""
+        threads = self.indexing_threads(files, ranks_here)
         progress = Progress(f"{what}, {threads} thread(s)", len(files), every=5.0 if show else float("inf"))
         if not files:
             return []
@@ -434,16 +437,18 @@ class FileReader(Reader):
             write_atomically(self._listing_path(files), json.dumps(rows).encode(), self.cache_mode)
         return items
 
-    def indexing_threads(self, files: Sequence[FileInfo]) -> int:
+    def indexing_threads(self, files: Sequence[FileInfo], ranks_here: int = 1) -> int:
         """Threads to index ``files`` with: ``scan_threads``; else, when any file is remote, 16 (waits
         on the store overlap); for local files, one per core when the reader scans them in batches of
         array operations (reads, hashes and array loops leave the interpreter's lock: 2 threads took
-        0.79 s where 1 took 1.50 s on 2,000 shards here), else 1 (a walk in Python holds the lock)."""
+        0.79 s where 1 took 1.50 s on 2,000 shards here), else 1 (a walk in Python holds the lock).
+        ``ranks_here`` ranks of this machine indexing at once share its cores."""
         if self.scan_threads is not None:
             return max(1, min(self.scan_threads, len(files)))
         if any(scheme_of(f.url) != "file" for f in files):
             return max(1, min(REMOTE_SCAN_THREADS, len(files)))
-        return max(1, min(len(os.sched_getaffinity(0)) if self.batch_files else 1, len(files)))
+        cores = max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here))  # this rank's share of them
+        return max(1, min(cores if self.batch_files else 1, len(files)))
 
     def _digest(self, info: FileInfo) -> str:
         """The content id of a file whose store gives no ETag: a digest of its bytes (with retries)."""
