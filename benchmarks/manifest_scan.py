@@ -1,6 +1,6 @@
 """First start over many local WebDataset tar shards: the header walk, the first manifest, the cached one.
 
-    python -m benchmarks.manifest_scan [--shards 10000] [--samples 32] [--repeats 3]
+    python -m benchmarks.manifest_scan [--shards 10000] [--samples 32] [--s3-shards 1000] [--latency-ms 50] [--repeats 3]
 
 - **Header walk, one core:** tar members per second of ``readers/tar_headers.py`` against Python's
   ``tarfile`` on one shard of 30,000 members, walked header by header (a large shard) and with
@@ -12,6 +12,9 @@
   the shards (``index_once_per="job"``); and from an index written with the data
   (``lightning-sharding index``), with an empty cache.
 - **Next start:** the same manifest from the cache.
+- **On an object store:** the first start of ``--s3-shards`` shards in a bucket of the loopback S3
+  server (moto) behind a proxy adding ``--latency-ms`` to every request, on 1 rank, on 2 ranks, and
+  from the data's index (needs the dev extra: moto, boto3, s3fs).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.data_index import write_data_index
@@ -79,11 +83,22 @@ def batch_walk_rate(directory: Path, shards: int, repeats: int) -> float:
 
 
 def timed_build(
-    pattern: str, cache: Path, threads: int | None, clear: bool, data_index: bool = False
+    pattern: str,
+    cache: Path,
+    threads: int | None,
+    clear: bool,
+    data_index: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> tuple[float, dict[str, int]]:
     if clear and cache.exists():
         shutil.rmtree(cache)
-    reader = TarReader(pattern, cache_dir=cache, scan_threads=threads, data_index=None if data_index else False)
+    reader = TarReader(
+        pattern,
+        cache_dir=cache,
+        scan_threads=threads,
+        data_index=None if data_index else False,
+        storage_options=storage_options or {},
+    )
     start = time.perf_counter()
     items = reader.items()
     elapsed = time.perf_counter() - start
@@ -91,7 +106,7 @@ def timed_build(
     return elapsed, reader.last_scan
 
 
-def two_ranks(pattern: str, cache: Path) -> float:
+def two_ranks(pattern: str, cache: Path, storage_options: dict[str, Any] | None = None) -> float:
     """Seconds of the slower of 2 ranks (torchrun, gloo) building the manifest with nothing cached."""
     shutil.rmtree(cache, ignore_errors=True)
     out = cache.with_suffix(".json")
@@ -100,6 +115,7 @@ def two_ranks(pattern: str, cache: Path) -> float:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
     cmd += [f"--master_port={port}", "-m", "benchmarks.manifest_scan", "--rank-job", pattern, str(cache), str(out)]
+    cmd += ["--storage-options", json.dumps(storage_options or {})]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -107,7 +123,7 @@ def two_ranks(pattern: str, cache: Path) -> float:
     return max(seconds)
 
 
-def rank_job(pattern: str, cache: str, out: str) -> None:
+def rank_job(pattern: str, cache: str, out: str, storage_options: dict[str, Any]) -> None:
     """One rank of :func:`two_ranks`: the manifest inside a collective, timed between barriers."""
     import torch.distributed as dist
 
@@ -116,7 +132,7 @@ def rank_job(pattern: str, cache: str, out: str) -> None:
 
     dist.init_process_group("gloo")
     world = World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
-    reader = TarReader(pattern, cache_dir=cache, data_index=False)
+    reader = TarReader(pattern, cache_dir=cache, data_index=False, storage_options=storage_options)
     dist.barrier()
     start = time.perf_counter()
     with collective(world):
@@ -130,16 +146,67 @@ def rank_job(pattern: str, cache: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def remote_rows(shards: int, samples: int, latency_ms: float, repeats: int) -> None:
+    """The first start of ``shards`` shards in a bucket of the loopback S3 server (moto) behind a
+    proxy adding ``latency_ms`` to each request: on 1 rank, on 2 ranks, and from the data's index."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    from tests.fault_proxy import FaultProxy
+    from tests.s3 import S3Server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    s3 = S3Server(f"http://{host}:{port}")
+    proxy = FaultProxy(s3.endpoint)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            write_regression(f"{s3.bucket('scan')}/wds", "tar", [samples] * shards, storage_options=s3.storage_options)
+            pattern, options = "s3://scan/wds/*.tar", proxy.storage_options()
+            proxy.delay = latency_ms / 1000
+            times = [timed_build(pattern, root / "one", None, True, storage_options=options)[0] for _ in range(repeats)]
+            rows.append(("first start, 1 rank (16 threads)", statistics.median(times)))
+            two = [two_ranks(pattern, root / "two", options) for _ in range(repeats)]
+            rows.append(("first start, 2 ranks (16 threads each)", statistics.median(two)))
+            write_data_index(TarReader(pattern, storage_options=options, cache_dir=root / "writer"))
+            indexed = [
+                timed_build(pattern, root / "indexed", None, True, data_index=True, storage_options=options)
+                for _ in range(repeats)
+            ]
+            assert all(stats["scanned"] == 0 for _, stats in indexed), "a start from the data's index walked shards"
+            rows.append(("first start from the data's index", statistics.median(t for t, _ in indexed)))
+    finally:
+        proxy.close()
+        server.stop()
+    print(f"manifest of {shards} tar shards x {samples} samples on the loopback S3 server, +{latency_ms:.0f} ms a request")
+    print(f"(median of {repeats})\n")
+    print("| build | seconds | vs 1 rank |")
+    print("|---|---:|---:|")
+    for label, seconds in rows:
+        print(f"| {label} | {seconds:.2f} | {seconds / rows[0][1]:.2f}x |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=10_000)
     parser.add_argument("--samples", type=int, default=32, help="samples per shard (3 tar members each)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--s3-shards", type=int, default=1000, help="shards on the loopback S3 server (0: none)")
+    parser.add_argument("--latency-ms", type=float, default=50.0, help="added to every request to the S3 server")
     parser.add_argument("--rank-job", nargs=3, metavar=("PATTERN", "CACHE", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--storage-options", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_job:
-        rank_job(*args.rank_job)
+        rank_job(*args.rank_job, json.loads(args.storage_options))
         return
+    if args.s3_shards:
+        remote_rows(args.s3_shards, args.samples, args.latency_ms, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         ours, theirs = walk_rates(root, 30_000, args.repeats)
