@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from lightning_sharding.cli._common import CliError
+from lightning_sharding.core.private import redact_url
 
 FORMATS = {".tar": "tar", ".jsonl": "jsonl", ".parquet": "parquet", ".npy": "npy"}
 
@@ -51,10 +52,13 @@ def _reader(args: argparse.Namespace) -> Any:
 
     fmt = args.format
     if fmt is None:
-        found = {FORMATS.get("." + url.rsplit("/", 1)[-1].rpartition(".")[2].lower()) for url in args.data}
-        if len(found) != 1 or None in found:
-            formats = ", ".join(sorted(set(FORMATS.values())))
-            raise CliError(f"cannot tell the format of {' '.join(args.data)!r} from its extension: give --format ({formats})")
+        found = {FORMATS.get("." + _name(url).rpartition(".")[2].lower()) for url in args.data}
+        formats = ", ".join(sorted(set(FORMATS.values())))
+        shown = " ".join(redact_url(url) for url in args.data)
+        if None in found:
+            raise CliError(f"cannot tell the format of {shown} from its extension: give --format ({formats})")
+        if len(found) > 1:
+            raise CliError(f"{shown} are files of {len(found)} formats ({', '.join(sorted(found))}): index each apart")
         (fmt,) = found
     options: dict[str, Any] = {}
     for text in args.option:
@@ -78,6 +82,11 @@ def _reader(args: argparse.Namespace) -> Any:
         return cls(list(args.data), storage_options=storage, **options)
     except TypeError as err:
         raise CliError(f"--option: {cls.__name__} takes no such option ({err})") from None
+
+
+def _name(url: str) -> str:
+    """The file name of a URL or path, without a query (a signed URL's)."""
+    return url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
 def _index(args: argparse.Namespace) -> int:

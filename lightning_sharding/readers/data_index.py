@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 from lightning_sharding.core.identity import common_root
 from lightning_sharding.core.private import dir_mode, make_dirs
 from lightning_sharding.readers.index import FileIndex, ListingIndex, default_cache_dir
-from lightning_sharding.readers.storage import FileInfo, filesystem, list_files, scheme_of, with_retries
+from lightning_sharding.readers.storage import DIGEST_WHOLE, FileInfo, filesystem, list_files, scheme_of, with_retries
 
 INDEX_DIR = "lightning_sharding.index"
 DATA_INDEX_VERSION = 1
@@ -103,45 +104,78 @@ def default_location(urls: Sequence[str]) -> str | None:
 
 def read_data_index(reader: FileReader, files: Sequence[FileInfo]) -> DataIndex | None:
     """The data index ``reader`` is told to use (``data_index``), or the one beside ``files`` when it
-    is ``None``; ``None`` when there is none (an error when one was named), or when it was written
-    for another format or other options (then a warning says so)."""
+    is ``None``; ``None`` when there is none. A named one that is missing or damaged is an error; one
+    beside the data that cannot be read (no permission, damaged) or was written for another format or
+    other options is not used, and a warning says so."""
     if reader.data_index is False or not files:
         return None
     named = isinstance(reader.data_index, str)
-    location = reader.data_index if named else default_location([f.url for f in files])
+    location = index_location(str(reader.data_index)) if named else default_location([f.url for f in files])
     if location is None:
         return None
-    location = str(location).rstrip("/")
     shown = reader.scrub(location)
-    fs, path = filesystem(location, reader.storage_options)
     try:
-        meta = json.loads(with_retries(lambda: fs.cat_file(f"{path}/meta.json"), f"reading {shown}", reader.retry))
-    except FileNotFoundError:
+        return _read(reader, location, shown)
+    except _NoIndex:
         if named:
             raise FileNotFoundError(
-                f"data_index={shown!r}: there is no data index there (no meta.json); write one with "
-                f"`lightning-sharding index DATA_URL --output {shown}`, or leave data_index unset"
+                f"data_index={reader.scrub(str(reader.data_index))!r}: there is no data index at {shown} (no "
+                "meta.json); write one with `lightning-sharding index DATA_URL --output DIR` and pass DIR, or "
+                "leave data_index unset"
             ) from None
         return None
-    except ValueError as err:
-        warnings.warn(f"the data index {shown} is unreadable ({err}): the files are indexed without it", stacklevel=2)
+    except Exception as err:  # noqa: BLE001 - no permission to look, a damaged index: index without it
+        message = f"the data index {shown} cannot be used ({type(err).__name__}: {reader.scrub(str(err))})"
+        if named:
+            raise ValueError(
+                f"{message}: write it again with `lightning-sharding index`, or pass data_index=False"
+            ) from None
+        warnings.warn(
+            f"{message}: the files are indexed without it. Write it again with `lightning-sharding index`, or "
+            "pass data_index=False not to look for it",
+            stacklevel=3,
+        )
         return None
+
+
+class _NoIndex(Exception):
+    """No ``meta.json`` where the index was looked for."""
+
+
+def index_location(directory: str) -> str:
+    """The index directory of ``directory`` (what ``--output`` named), or ``directory`` itself when it
+    is one (ends with :data:`INDEX_DIR`)."""
+    directory = directory.rstrip("/")
+    return directory if directory.rsplit("/", 1)[-1] == INDEX_DIR else f"{directory}/{INDEX_DIR}"
+
+
+def _read(reader: FileReader, location: str, shown: str) -> DataIndex | None:
+    fs, path = filesystem(location, reader.storage_options)
+    try:
+        raw = with_retries(lambda: fs.cat_file(f"{path}/meta.json"), f"reading {shown}", reader.retry)
+    except FileNotFoundError:
+        raise _NoIndex from None
+    meta = json.loads(raw)
     theirs = (meta.get("version"), meta.get("format"), meta.get("options"))
     ours = (DATA_INDEX_VERSION, reader.format, reader.options_key())
     if theirs != ours:
         warnings.warn(
             f"the data index {shown} was written for {theirs[1]} files with options {theirs[2]!r} (version "
             f"{theirs[0]}); this {type(reader).__name__} reads {ours[1]} files with options {ours[2]!r} (version "
-            f"{ours[0]}): the files are indexed without it. Write it again with `lightning-sharding index`",
-            stacklevel=2,
+            f"{ours[0]}): the files are indexed without it. Write it again with `lightning-sharding index`"
+            + (f" --option {ours[2]}" if ours[2] else ""),
+            stacklevel=4,
         )
         return None
-    arrays = f"{path}/{meta['arrays']}"
+    name = str(meta["arrays"])
+    if not re.fullmatch(r"arrays-[0-9A-Za-z-]+", name):
+        raise ValueError(f"meta.json names arrays {name!r}, not a directory it writes")
+    arrays = f"{path}/{name}"
     if scheme_of(location) == "file":
         local = Path(arrays)
     else:  # fetched once into the cache directory, where its arrays are memory-mapped
         digest = hashlib.sha256(location.encode()).hexdigest()[:16]
-        local = (reader.cache_dir or default_cache_dir()) / "data-index" / f"{digest}-{meta['arrays']}"
+        local = (reader.cache_dir or default_cache_dir()) / "data-index" / f"{digest}-{name}"
         if not local.is_dir():
             tmp = local.with_name(f".{local.name}.{secrets.token_hex(4)}.tmp")
             make_dirs(tmp, dir_mode(reader.cache_mode))
@@ -156,22 +190,45 @@ def read_data_index(reader: FileReader, files: Sequence[FileInfo]) -> DataIndex 
                     raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+    listing = ListingIndex(local)
+    entries = meta["files"]
+    if listing.files() != len(entries):  # every array opens (a truncated one does not) and fits meta.json
+        raise ValueError(f"its arrays hold {listing.files()} files and its meta.json {len(entries)}")
     roots = (str(meta.get("root", "")), location[: location.rfind("/") + 1])
-    files_of = {name: (number, fingerprint, content) for number, (name, fingerprint, content) in enumerate(meta["files"])}
-    return DataIndex(shown, tuple(r for r in roots if r), files_of, ListingIndex(local))
+    files_of = {name: (number, fingerprint, content) for number, (name, fingerprint, content) in enumerate(entries)}
+    return DataIndex(shown, tuple(r for r in roots if r), files_of, listing)
 
 
-def stale_warning(index: DataIndex, changed: Sequence[tuple[FileInfo, str]], missing: Sequence[FileInfo], data: str) -> str:
-    """What a warning says of the files the index could not give: changed since it was written, or not in it."""
+def stale_warning(
+    index: DataIndex,
+    changed: Sequence[tuple[FileInfo, str]],
+    missing: Sequence[FileInfo],
+    unsure: Sequence[FileInfo],
+    data: str,
+) -> str:
+    """What a warning says of the files the index could not give: changed since it was written, not
+    in it, or large local files with a new modification time (their content id samples them, so it
+    cannot vouch for what lies between its samples)."""
+
+    def named(infos: Sequence[FileInfo], why: Sequence[str] | None = None) -> str:
+        shown = [f"{info.url} ({w})" if why else info.url for info, w in zip(infos, why or [""] * len(infos))]
+        more = f" and {len(infos) - SHOWN} more" if len(infos) > SHOWN else ""
+        return ", ".join(shown[:SHOWN]) + more
+
     parts = []
     if changed:
-        named = ", ".join(f"{info.url} ({why})" for info, why in changed[:SHOWN])
-        more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
-        parts.append(f"{len(changed)} file(s) changed since it was written: {named}{more}")
+        parts.append(
+            f"{len(changed)} file(s) changed since it was written: "
+            + named([info for info, _ in changed], [why for _, why in changed])
+        )
     if missing:
-        named = ", ".join(info.url for info in missing[:SHOWN])
-        more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
-        parts.append(f"{len(missing)} file(s) are not in it: {named}{more}")
+        parts.append(f"{len(missing)} file(s) are not in it: {named(missing)}")
+    if unsure:
+        parts.append(
+            f"{len(unsure)} file(s) over {DIGEST_WHOLE >> 20} MiB have a new modification time, and their content "
+            f"id, which samples them, cannot vouch for their headers: {named(unsure)} (a copy that keeps the times, "
+            "cp -p or rsync -t, keeps the index)"
+        )
     return (
         f"the data index {index.where} is stale: {'; '.join(parts)}. They were indexed now, the others taken "
         f"from it. Write it again with `lightning-sharding index {data}` to start without indexing them"
@@ -186,23 +243,31 @@ def changed_because(info: FileInfo, fingerprint: str) -> str:
 
 def write_data_index(reader: FileReader, output: str | None = None) -> dict[str, Any]:
     """Index the files of ``reader`` (taking unchanged ones from an index already there) and write
-    the index into ``output`` (a directory URL; default: the files' common directory, see
-    :data:`INDEX_DIR`). Returns what was written: ``url``, ``files``, ``samples``, ``indexed`` (files
-    walked now), ``seconds``."""
+    the index into ``output`` (a directory URL, see :func:`index_location`; default: the files' common
+    directory). Returns what was written: ``url``, ``files``, ``samples``, ``indexed`` (files walked
+    now), ``seconds``."""
     start = time.perf_counter()
     files = list_files(reader.urls, reader.storage_options, reader.retry)
-    location = (output.rstrip("/") + "/" + INDEX_DIR) if output else default_location([f.url for f in files])
+    location = index_location(output) if output else default_location([f.url for f in files])
     if location is None:
         raise ValueError(
             f"the files of {reader.scrub(str(reader.urls))} share no directory to write their index into: "
             "give one with --output"
         )
     shown = reader.scrub(location)
+    fs, path = filesystem(location, reader.storage_options)
+    previous = _previous_arrays(fs, path)
+    reader.data_index = False
+    if previous:  # the index there, if sound, is reused: only its changed files are walked
+        try:
+            if _read(reader, location, shown) is not None:
+                reader.data_index = location
+        except Exception:  # noqa: BLE001 - a damaged index is written anew, all of it
+            pass
     root = common_root([f.url for f in files])  # the files' names in it are relative to their directory
     indexed = reader._index_files(files, f"indexing {len(files)} {reader.format} file(s) for {shown}")
     indexes = [idx for idx, _, _ in indexed]
     reader.check_indexes(files, indexes)
-    fs, path = filesystem(location, reader.storage_options)
     arrays = f"arrays-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"
     meta = {
         "version": DATA_INDEX_VERSION,
@@ -219,16 +284,21 @@ def write_data_index(reader: FileReader, output: str | None = None) -> dict[str,
                 "or shapes: they cannot share one data index"
             )
         (Path(tmp) / "meta.json").write_text(json.dumps(meta))
-        fs.makedirs(path, exist_ok=True)  # on an object store: nothing to make
-        fs.invalidate_cache(path)
         try:
-            before = [p for p in fs.ls(path, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("arrays-")]
-        except FileNotFoundError:
-            before = []
-        with_retries(lambda: fs.put(f"{tmp}/{arrays}", f"{path}/{arrays}", recursive=True), f"writing {shown}", reader.retry)
-        with_retries(lambda: fs.put_file(f"{tmp}/meta.json", f"{path}/meta.json"), f"writing {shown}", reader.retry)
-    for old in before:  # a reader that read the old meta.json a moment ago may miss these: it indexes without
-        fs.rm(old, recursive=True)
+            fs.makedirs(path, exist_ok=True)  # on an object store: nothing to make
+            put = lambda: fs.put(f"{tmp}/{arrays}", f"{path}/{arrays}", recursive=True)  # noqa: E731
+            with_retries(put, f"writing {shown}", reader.retry)
+            with_retries(lambda: fs.put_file(f"{tmp}/meta.json", f"{path}/meta.json"), f"writing {shown}", reader.retry)
+        except OSError as err:
+            raise OSError(
+                f"cannot write the data index into {shown} ({type(err).__name__}: {reader.scrub(str(err))}): give "
+                "--output a directory you may write, and pass it to the jobs' readers as data_index"
+            ) from None
+    if previous:  # the arrays the last meta.json named; a writer's at the same time keeps its own
+        try:
+            fs.rm(f"{path}/{previous}", recursive=True)
+        except OSError:
+            pass  # removed by another writer
     return {
         "url": shown,
         "files": len(files),
@@ -236,3 +306,16 @@ def write_data_index(reader: FileReader, output: str | None = None) -> dict[str,
         "indexed": sum(1 for _, _, scanned in indexed if scanned),
         "seconds": time.perf_counter() - start,
     }
+
+
+def _previous_arrays(fs: Any, path: str) -> str | None:
+    """The arrays directory the index at ``path`` names now (``None``: no index there; ``""``: one
+    that names none)."""
+    try:
+        meta = json.loads(fs.cat_file(f"{path}/meta.json"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return ""  # damaged: written anew, and nothing of it reused
+    name = str(meta.get("arrays", "")) if isinstance(meta, dict) else ""
+    return name if re.fullmatch(r"arrays-[0-9A-Za-z-]+", name) else ""

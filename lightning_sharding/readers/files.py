@@ -49,6 +49,7 @@ from lightning_sharding.readers.shared_index import (
     shared_items,
 )
 from lightning_sharding.readers.storage import (
+    DIGEST_WHOLE,
     FileInfo,
     RetryPolicy,
     content_digest,
@@ -339,6 +340,7 @@ class FileReader(Reader):
         maybe: dict[int, tuple[int, str, str]] = {}  # a local file touched or copied since: its digest decides
         changed: list[tuple[FileInfo, str]] = []
         missing: list[FileInfo] = []
+        unsure: list[FileInfo] = []  # a large local file with a new time: indexed again
         if data_index is not None:
             for i, info in enumerate(files):
                 if known[i] is not None:
@@ -350,6 +352,8 @@ class FileReader(Reader):
                     known[i] = (data_index.index(entry[0]), info.content or entry[2])
                 elif info.content:  # the store's content id says it changed
                     changed.append((info, changed_because(info, entry[1])))
+                elif info.size > DIGEST_WHOLE:  # its content id samples it: it cannot tell a change inside
+                    unsure.append(info)
                 else:
                     maybe[i] = entry
 
@@ -390,9 +394,11 @@ class FileReader(Reader):
                 for i, result in zip(batch, future.result()):
                     indexed[i] = result
         progress.done()
-        if data_index is not None and (changed or missing):
+        if data_index is not None and (changed or missing or unsure):
             data = " ".join(f"'{self.scrub(url)}'" for url in self.urls)
-            warnings.warn(stale_warning(data_index, changed, missing, data), stacklevel=3)
+            data += f" --option {self.options_key()}" if self.options_key() else ""
+            changed.sort(key=lambda c: c[0].url)
+            warnings.warn(stale_warning(data_index, changed, missing, unsure, data), stacklevel=3)
         return indexed
 
     def _batches(self, todo: list[int], files: Sequence[FileInfo]) -> list[list[int]]:

@@ -179,6 +179,15 @@ class ListingIndex:
             self._arrays[name] = np.asarray(np.load(self.directory / f"{name}.npy", mmap_mode="r", allow_pickle=False))
         return self._arrays[name]
 
+    def files(self) -> int:
+        """How many files it holds, every array opened first: one missing or truncated raises
+        (``OSError``/``ValueError``) here, not when a file's index is asked for."""
+        if self._names is None:
+            self._names = sorted(p.name[: -len(".bounds.npy")] for p in self.directory.glob("*.bounds.npy"))
+        for name in ("suffixes", "counts", *self._names, *(f"{n}.bounds" for n in self._names)):
+            self._array(name)
+        return len(self._array("file_items")) - 1
+
     def file(self, number: int) -> FileIndex:
         """The index of the listing's file ``number`` (raises ``OSError``/``ValueError`` when unreadable)."""
         lo, hi = self._array("file_items")[number : number + 2].tolist()

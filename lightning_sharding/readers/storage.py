@@ -292,7 +292,8 @@ def list_files(
             found = _local_glob(fs, path)
             if found is None:
                 found = with_retries(partial(fs.glob, path, detail=True), f"listing {url}", retry)
-            found = {p: fs.info(p) if i.get("islink") else i for p, i in found.items() if _DATA_INDEX not in p}
+            # a link is its file (fsspec calls it "other"); the data index's own files are no data
+            found = {p: _followed(fs, p) if i.get("islink") else i for p, i in found.items() if _DATA_INDEX not in p}
             matches = sorted((p, i) for p, i in found.items() if i.get("type", "file") == "file")
             if not matches:
                 raise FileNotFoundError(f"no file matches {url!r}: check the pattern and the bucket or directory")
@@ -310,6 +311,14 @@ def list_files(
     return [replace(f, name=f.url[len(root) :]) for f in files]
 
 
+def _followed(fs: Any, path: str) -> Any:
+    """The listing of the file a symbolic link names, or an error naming a broken link."""
+    try:
+        return fs.info(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is a broken symbolic link: fix or remove it, or narrow the glob") from None
+
+
 def _local_glob(fs: Any, pattern: str) -> dict[str, dict[str, Any]] | None:
     """The matches of a local glob whose last part alone has glob characters (``/data/*.tar``), as
     fsspec's ``glob(detail=True)`` gives them (dot files too, links followed), from one ``scandir``:
@@ -320,14 +329,20 @@ def _local_glob(fs: Any, pattern: str) -> dict[str, dict[str, Any]] | None:
         return None
     found: dict[str, dict[str, Any]] = {}
     try:
-        with os.scandir(directory or "/") as entries:
-            for entry in entries:
-                if fnmatch.fnmatchcase(entry.name, last):
-                    st = entry.stat()
-                    kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"
-                    found[f"{directory}/{entry.name}"] = {"size": st.st_size, "mtime": st.st_mtime, "type": kind}
+        entries = list(os.scandir(directory or "/"))
     except OSError:
-        return None  # a missing directory, a broken link: fsspec says what it says
+        return None  # a missing directory: fsspec says what it says
+    for entry in entries:
+        if fnmatch.fnmatchcase(entry.name, last):
+            path = f"{directory}/{entry.name}"
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"{path} is a broken symbolic link (to {os.readlink(path)!r}): fix or remove it, or narrow the glob"
+                ) from None
+            kind = "file" if stat.S_ISREG(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) else "other"
+            found[path] = {"size": st.st_size, "mtime": st.st_mtime, "type": kind}  # "other": a FIFO, a device
     return found
 
 

@@ -104,11 +104,13 @@ def table_samples(table: MemberTable, archives: int = 1) -> list[dict[str, npt.N
     """:func:`member_samples` of each of ``archives`` archives at once, with array operations; ``None``
     for one whose names are not ASCII or whose samples are not each together (the member walk then
     names the fault)."""
+    bad = np.bincount(table.file, weights=(table.names >= 128).any(axis=1), minlength=archives) > 0
+    if bad.any():  # names that are not ASCII: those archives are left out here, walked member by member
+        table = MemberTable(*(column[~bad[table.file]] for column in table))
     names, lengths, file = table.names, table.lengths, table.file
     if not len(file):
         return [None] * archives
     count = np.bincount(file, minlength=archives)
-    bad = np.bincount(file, weights=(names >= 128).any(axis=1), minlength=archives) > 0
     columns = np.arange(names.shape[1])
     inside = columns < lengths[:, None]
     slash = np.where((names == ord("/")) & inside, columns, -1).max(axis=1, initial=-1)  # the file name follows
@@ -210,7 +212,10 @@ class TarReader(FileReader):
         for j, (info, (start, size)) in enumerate(zip(files, where)):
             if start >= 0 and not _read_into(local_path(info.url), view[start : start + size]):
                 where[j] = (-1, 0)
-        spans = [(start, size) if start >= 0 else (0, 0) for start, size in where]
+        spans, end = [], 0  # a file not read holds no blocks, where the last one ended (the starts stay sorted)
+        for start, size in where:
+            spans.append((start, size) if start >= 0 else (end, 0))
+            end = start + -(-size // _BLOCK) * _BLOCK if start >= 0 else end
         table, plain = plain_batch(buffer, spans)
         samples = table_samples(table, len(files))
         found: list[tuple[FileIndex, str | None] | None] = []

@@ -91,11 +91,12 @@ def test_an_index_for_other_options_is_not_used_and_a_named_one_must_exist(tmp_p
     with pytest.warns(UserWarning, match=r"was written for npy files with options 'sample_length=4'.*indexed without it"):
         assert [it.num_samples for it in reader.items()] == [6, 4]
     pattern = shards(tmp_path / "data")
-    with pytest.raises(FileNotFoundError, match=rf"data_index='{tmp_path}/nowhere': there is no data index there"):
+    with pytest.raises(FileNotFoundError, match=rf"data_index='{tmp_path}/nowhere': there is no data index at .*nowhere/{INDEX_DIR}"):
         TarReader(pattern, cache_dir=tmp_path / "c", data_index=str(tmp_path / "nowhere")).items()
     assert main(["index", pattern, "--output", str(tmp_path / "elsewhere")]) == 0
-    reader, _, said = start(pattern, tmp_path / "c4", data_index=str(tmp_path / "elsewhere" / INDEX_DIR))
-    assert reader.last_scan["scanned"] == 0 and not said
+    for named in (tmp_path / "elsewhere", tmp_path / "elsewhere" / INDEX_DIR):  # what --output named, or the index
+        reader, _, said = start(pattern, tmp_path / f"c-{named.name}", data_index=str(named))
+        assert reader.last_scan["scanned"] == 0 and not said
     with pytest.raises(ValueError, match="must be None .*False .*or the URL"):
         TarReader(pattern, data_index=True)  # type: ignore[arg-type]
 
@@ -107,6 +108,9 @@ def test_the_command_names_what_it_cannot_do(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "cannot tell the format of" in done.stderr and "give --format" in done.stderr
     pattern = shards(tmp_path / "data")
+    signed = "https://example.com/data/shard-0001?sig=SECRETSECRETSECRET42"
+    done = subprocess.run([*run, signed], capture_output=True, text=True)
+    assert done.returncode == 2 and "SECRETSECRET" not in done.stderr and "give --format" in done.stderr
     done = subprocess.run([*run, pattern, "--storage-options", "{nope"], capture_output=True, text=True)
     assert done.returncode == 2 and "--storage-options is not JSON" in done.stderr
     done = subprocess.run([*run, pattern, "--option", "colour=red"], capture_output=True, text=True)
@@ -116,3 +120,49 @@ def test_the_command_names_what_it_cannot_do(tmp_path: Path) -> None:
     assert (tmp_path / "data" / INDEX_DIR / "meta.json").is_file()
     reader, items, _ = start(str(tmp_path / "data" / "*"), tmp_path / "c")  # the index is no data file
     assert len(items) == len(SIZES)
+
+
+def test_a_large_shard_with_a_new_time_is_indexed_again(tmp_path: Path) -> None:
+    """A local file over 4 MiB has a content id of sampled blocks, which cannot vouch for its headers:
+    touched, it is walked again (and the warning says why); one kept with its time is not."""
+    import io
+    import tarfile
+
+    (tmp_path / "data").mkdir()
+    with tarfile.open(tmp_path / "data" / "big.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        for i in range(5):
+            for ext, data in (("bin", os.urandom(1 << 20)), ("json", b'{"label": 1}')):
+                info = tarfile.TarInfo(f"s{i}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    pattern = str(tmp_path / "data" / "*.tar")
+    assert main(["index", pattern]) == 0
+    reader, _, said = start(pattern, tmp_path / "c1")
+    assert reader.last_scan["scanned"] == 0 and not said
+    os.utime(tmp_path / "data" / "big.tar", (1, 1))
+    reader, items, said = start(pattern, tmp_path / "c2")
+    assert reader.last_scan["scanned"] == 1 and [it.num_samples for it in items] == [5]  # type: ignore[attr-defined]
+    (warning,) = said
+    assert "1 file(s) over 4 MiB have a new modification time" in warning and "big.tar" in warning
+
+
+def test_an_index_that_cannot_be_read_is_not_used_and_a_named_one_is_an_error(tmp_path: Path) -> None:
+    pattern = shards(tmp_path / "data")
+    (tmp_path / "data" / INDEX_DIR).write_text("not a directory")  # looking inside it fails, not as "missing"
+    reader, items, said = start(pattern, tmp_path / "c1")
+    assert len(items) == len(SIZES) and reader.last_scan["scanned"] == len(SIZES)
+    (warning,) = said
+    assert f"the data index {tmp_path / 'data' / INDEX_DIR} cannot be used (NotADirectoryError" in warning
+    assert "pass data_index=False" in warning
+    (tmp_path / "data" / INDEX_DIR).unlink()
+    assert main(["index", pattern]) == 0
+    (arrays,) = (tmp_path / "data" / INDEX_DIR).glob("arrays-*")
+    (arrays / "key.npy").write_bytes((arrays / "key.npy").read_bytes()[:100])  # truncated
+    reader, items, said = start(pattern, tmp_path / "c2")
+    assert reader.last_scan["scanned"] == len(SIZES) and "cannot be used" in said[0]
+    with pytest.raises(ValueError, match=r"cannot be used .*write it again with `lightning-sharding index`"):
+        TarReader(pattern, cache_dir=tmp_path / "c3", data_index=str(tmp_path / "data")).items()
+    assert main(["index", pattern]) == 0  # the command repairs it
+    assert [p.name for p in (tmp_path / "data" / INDEX_DIR).glob("arrays-*")] != [arrays.name]
+    reader, _, said = start(pattern, tmp_path / "c4")
+    assert reader.last_scan["scanned"] == 0 and not said

@@ -297,3 +297,9 @@ def test_a_local_glob_lists_what_fsspec_lists(tmp_path: Any) -> None:
     expected = sorted(str(tmp_path / n) for n in (".hidden.tar", "a.tar", "c1.tar", "c2.tar", "link.tar"))
     assert [f.url for f in list_files(f"{tmp_path}/*.tar")] == expected
     assert [f.url for f in list_files(f"{tmp_path}/**/*.tar")] == expected  # through fsspec's glob
+    os.mkfifo(tmp_path / "pipe.tar")  # not a file: left out (reading it would wait forever)
+    assert [f.url for f in list_files(f"{tmp_path}/*.tar")] == expected
+    os.symlink(tmp_path / "gone.tar", tmp_path / "broken.tar")
+    for pattern in ("*.tar", "**/*.tar"):
+        with pytest.raises(FileNotFoundError, match=r"broken\.tar is a broken symbolic link"):
+            list_files(f"{tmp_path}/{pattern}")

@@ -200,6 +200,7 @@ def test_a_batch_of_shards_is_indexed_as_each_alone(tmp_path: Path) -> None:
     write("c-utf8.tar", [f"é{i}.txt" for i in range(6)], tarfile.PAX_FORMAT)
     write("d-again.tar", ["x.txt", "y.txt", "x.json"])
     write("e-nokey.tar", [".txt", "a.txt"])
+    write("e-utf8-gnu.tar", [f"é{i}.txt" for i in range(4)])  # raw UTF-8 in the name field: left to the walk
     with wds.ShardWriter(str(tmp_path / "f-wds-%d.tar"), maxcount=100, verbose=0) as sink:
         for i in range(30):
             sink.write({"__key__": f"w{i:03d}", "cls": i, "txt": "t" * i})
