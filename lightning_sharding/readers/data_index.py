@@ -138,6 +138,23 @@ def read_data_index(reader: FileReader, files: Sequence[FileInfo]) -> DataIndex 
         return None
 
 
+def data_index_there(reader: FileReader, files: Sequence[FileInfo]) -> bool:
+    """Whether :func:`read_data_index` may find an index for ``files`` (one request, for the job's
+    lister): a named one is looked for in any case, and a doubt (no permission to ask) says yes."""
+    if reader.data_index is False or not files:
+        return False
+    if isinstance(reader.data_index, str):
+        return True
+    location = default_location([f.url for f in files])
+    if location is None:
+        return False
+    try:
+        fs, path = filesystem(location, reader.storage_options)
+        return bool(fs.exists(f"{path}/meta.json"))
+    except Exception:  # noqa: BLE001 - read_data_index says what it is
+        return True
+
+
 class _NoIndex(Exception):
     """No ``meta.json`` where the index was looked for."""
 

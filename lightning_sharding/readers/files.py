@@ -30,7 +30,7 @@ from lightning_sharding.core.private import URL_CREDENTIALS, check_mode, hide_cr
 from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
-from lightning_sharding.readers.data_index import changed_because, read_data_index, stale_warning
+from lightning_sharding.readers.data_index import changed_because, data_index_there, read_data_index, stale_warning
 from lightning_sharding.readers.index import (
     INDEX_VERSION,
     FileIndex,
@@ -243,14 +243,16 @@ class FileReader(Reader):
     def _spread(self, world: World) -> Sequence[Item]:
         """Rank 0 lists; rank r indexes files r, r + W, r + 2W...; every rank assembles the manifest
         from the gathered indexes, and each machine's local rank 0 caches the ones it did not index."""
-        files, cached = shared_items(self._listing, "job", self._what())
+        files, cached, look = shared_items(self._listing_looked, "job", self._what())
         if cached is not None:
             return cached
         share = files[world.rank :: world.world_size]
         what = f"indexing {len(share)} of {len(files)} {self.format} file(s) on rank {world.rank} of {world.world_size}"
         nodes = gather_objects(world.node_rank, world.world_size)  # the ranks of a machine share its cores
         done = on_every_rank(
-            lambda: self._index_files(share, what, show=world.rank == 0, ranks_here=nodes.count(world.node_rank)),
+            lambda: self._index_files(
+                share, what, show=world.rank == 0, ranks_here=nodes.count(world.node_rank), look=look
+            ),
             world,
             f"indexes its share of {self._what()} for this job (index_once_per='job')",
         )
@@ -268,6 +270,12 @@ class FileReader(Reader):
         raise_any(world, error, f"writes the index of {self._what()} into its cache_dir")
         assert items is not None
         return items
+
+    def _listing_looked(self) -> tuple[list[FileInfo], list[Item] | None, bool]:
+        """:meth:`_listing`, and whether there may be a data index to read (the lister looks, once
+        for the job: a store answers a missing object's request like any other)."""
+        files, cached = self._listing()
+        return files, cached, cached is None and data_index_there(self, files)
 
     def _listing(self) -> tuple[list[FileInfo], list[Item] | None]:
         """The files, and their items when this listing was seen before (its cache file)."""
@@ -322,10 +330,11 @@ class FileReader(Reader):
         self._opened_listing = None
 
     def _index_files(
-        self, files: Sequence[FileInfo], what: str, show: bool = True, ranks_here: int = 1
+        self, files: Sequence[FileInfo], what: str, show: bool = True, ranks_here: int = 1, look: bool = True
     ) -> list[tuple[FileIndex, str, bool]]:
-        """Each file's index (from the cache, or scanned and saved), content id, and whether it was
-        scanned; ``ranks_here``: the ranks of this machine indexing at once (they share its cores)."""
+        """Each file's index (from the cache, a data index, or scanned and saved), content id, and
+        whether it was scanned; ``ranks_here``: the ranks of this machine indexing at once (they share
+        its cores); ``look``: whether to look for a data index (the job's lister found one)."""
         threads = self.indexing_threads(files, ranks_here)
         progress = Progress(f"{what}, {threads} thread(s)", len(files), every=5.0 if show else float("inf"))
         if not files:
@@ -336,7 +345,7 @@ class FileReader(Reader):
         for info in files:
             idx = (self._cached(info) if kept else None) or before(info)
             known.append(None if idx is None else (idx, info.content))
-        data_index = read_data_index(self, files) if any(k is None for k in known) else None
+        data_index = read_data_index(self, files) if look and any(k is None for k in known) else None
         maybe: dict[int, tuple[int, str, str]] = {}  # a local file touched or copied since: its digest decides
         changed: list[tuple[FileInfo, str]] = []
         missing: list[FileInfo] = []
