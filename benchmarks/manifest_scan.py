@@ -1,6 +1,7 @@
 """First start over many local WebDataset tar shards: the header walk, the first manifest, the cached one.
 
-    python -m benchmarks.manifest_scan [--shards 10000] [--samples 32] [--s3-shards 1000] [--latency-ms 50] [--repeats 3]
+    python -m benchmarks.manifest_scan [--shards 10000] [--samples 32] [--s3-shards 1000] [--latency-ms 50]
+                                       [--repeats 3]
 
 - **Header walk, one core:** tar members per second of ``readers/tar_headers.py`` against Python's
   ``tarfile`` on one shard of 30,000 members, walked header by header (a large shard) and with
@@ -183,7 +184,9 @@ def remote_rows(shards: int, samples: int, latency_ms: float, repeats: int) -> N
     finally:
         proxy.close()
         server.stop()
-    print(f"manifest of {shards} tar shards x {samples} samples on the loopback S3 server, +{latency_ms:.0f} ms a request")
+    print(
+        f"manifest of {shards} tar shards x {samples} samples on the loopback S3 server, +{latency_ms:.0f} ms a request"
+    )
     print(f"(median of {repeats})\n")
     print("| build | seconds | vs 1 rank |")
     print("|---|---:|---:|")
@@ -218,7 +221,12 @@ def main() -> None:
         for label, threads in ((f"first start, automatic ({auto} thread(s))", None), ("first start, 1 thread", 1)):
             times = [timed_build(pattern, root / "cache", threads, True)[0] for _ in range(args.repeats)]
             rows.append((label, statistics.median(times)))
-        rows.append(("first start, 2 ranks (each half)", statistics.median(two_ranks(pattern, root / "ranks") for _ in range(args.repeats))))
+        rows.append(
+            (
+                "first start, 2 ranks (each half)",
+                statistics.median(two_ranks(pattern, root / "ranks") for _ in range(args.repeats)),
+            )
+        )
         write_data_index(TarReader(pattern, cache_dir=root / "cache"))
         indexed = [timed_build(pattern, root / "cache", None, True, data_index=True) for _ in range(args.repeats)]
         assert all(stats["scanned"] == 0 for _, stats in indexed), "a start from the data's index walked shards"
@@ -230,7 +238,10 @@ def main() -> None:
     status = "met" if min(ours, batched) >= MEMBERS_TARGET else "NOT MET"
     print(f"tar header walk, one core (median of {args.repeats}), members/s: header by header {ours:,.0f}, ")
     print(f"  array walk over 1,000 shards {batched:,.0f}, tarfile {theirs:,.0f}")
-    print(f"  ours / tarfile {ours / theirs:.1f}x and {batched / theirs:.1f}x; target >= {MEMBERS_TARGET:,} members/s: {status}\n")
+    print(
+        f"  ours / tarfile {ours / theirs:.1f}x and {batched / theirs:.1f}x; "
+        f"target >= {MEMBERS_TARGET:,} members/s: {status}\n"
+    )
     print(f"manifest of {args.shards} local tar shards x {args.samples} samples (median of {args.repeats})\n")
     print("| build | seconds | per shard (ms) | vs first start | target |")
     print("|---|---:|---:|---:|---|")

@@ -60,7 +60,9 @@ class Worked(StreamingDataset):  # type: ignore[misc]
     """Streaming's dataset with the benchmark's work applied to each sample's ``field`` (``None``:
     the whole sample)."""
 
-    def __init__(self, local: str, work: Work, batch: int, field: str | None = "row", remote: str | None = None) -> None:
+    def __init__(
+        self, local: str, work: Work, batch: int, field: str | None = "row", remote: str | None = None
+    ) -> None:
         super().__init__(local=local, remote=remote, shuffle=True, shuffle_seed=0, batch_size=batch)
         self.work, self.field = work, field
 

@@ -57,3 +57,14 @@ def s3_server() -> Iterator[S3Server]:
         yield S3Server(f"http://{host}:{port}")
     finally:
         server.stop()
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server) -> Iterator[Any]:
+    """The counting, faultable proxy of tests/fault_proxy.py in front of the S3 server (no faults
+    unless a test sets them; a test module may define its own)."""
+    from tests.fault_proxy import FaultProxy
+
+    p = FaultProxy(s3_server.endpoint)
+    yield p
+    p.close()

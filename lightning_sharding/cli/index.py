@@ -27,10 +27,17 @@ def register(sub: Any) -> None:
         "the files that changed.",
     )
     parser.add_argument(
-        "data", nargs="+", metavar="DATA_URL", help="the files: paths, URLs or globs (quoted), e.g. 's3://bucket/ds/*.tar'"
+        "data",
+        nargs="+",
+        metavar="DATA_URL",
+        help="the files: paths, URLs or globs (quoted), e.g. 's3://bucket/ds/*.tar'",
     )
-    parser.add_argument("--format", choices=sorted(set(FORMATS.values())), help="the files' format (default: their extension)")
-    parser.add_argument("--output", metavar="DIR_URL", help="write the index into this directory (default: the files' own)")
+    parser.add_argument(
+        "--format", choices=sorted(set(FORMATS.values())), help="the files' format (default: their extension)"
+    )
+    parser.add_argument(
+        "--output", metavar="DIR_URL", help="write the index into this directory (default: the files' own)"
+    )
     parser.add_argument(
         "--storage-options",
         metavar="JSON",
@@ -52,10 +59,11 @@ def _reader(args: argparse.Namespace) -> Any:
 
     fmt = args.format
     if fmt is None:
-        found = {FORMATS.get("." + _name(url).rpartition(".")[2].lower()) for url in args.data}
+        guessed = [FORMATS.get("." + _name(url).rpartition(".")[2].lower()) for url in args.data]
         formats = ", ".join(sorted(set(FORMATS.values())))
         shown = " ".join(redact_url(url) for url in args.data)
-        if None in found:
+        found = {f for f in guessed if f is not None}
+        if None in guessed:
             raise CliError(f"cannot tell the format of {shown} from its extension: give --format ({formats})")
         if len(found) > 1:
             raise CliError(f"{shown} are files of {len(found)} formats ({', '.join(sorted(found))}): index each apart")

@@ -15,14 +15,16 @@ from lightning_sharding.cli._common import PROG, CliError, _Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lightning-sharding`` argument parser with its ``plan``, ``inspect``, ``audit`` and ``index`` subcommands."""
+    """The ``lightning-sharding`` argument parser and its subcommands: ``plan``, ``inspect``, ``audit``, ``index``."""
     from lightning_sharding import _version
     from lightning_sharding.cli.audit import register as register_audit
     from lightning_sharding.cli.checkpoint import register as register_inspect
     from lightning_sharding.cli.index import register as register_index
     from lightning_sharding.cli.plan import register as register_plan
 
-    parser = _Parser(prog=PROG, description="Plan, inspect and audit exactly-once sharded data loading; index data files.")
+    parser = _Parser(
+        prog=PROG, description="Plan, inspect and audit exactly-once sharded data loading; index data files."
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 

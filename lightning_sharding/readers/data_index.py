@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from lightning_sharding.core.identity import common_root
 from lightning_sharding.core.private import dir_mode, make_dirs
@@ -48,21 +48,29 @@ class FileReader(Protocol):
     """What this module uses of a :class:`~lightning_sharding.readers.files.FileReader` (which
     imports this module: named here, not imported)."""
 
-    format: str
+    @property
+    def format(self) -> str:
+        """The files' format (``tar``...)."""
+
     urls: list[str]
-    data_index: str | bool | None
+    data_index: str | Literal[False] | None
     storage_options: dict[str, Any]
     cache_dir: Path | None
     cache_mode: int
     retry: Any
 
-    def scrub(self, text: str) -> str: ...
+    def scrub(self, text: str) -> str:
+        """``text`` with credentials redacted."""
 
-    def options_key(self) -> str: ...
+    def options_key(self) -> str:
+        """The options that change an index."""
 
-    def check_indexes(self, files: Sequence[FileInfo], indexes: Sequence[FileIndex]) -> None: ...
+    def check_indexes(self, files: Sequence[FileInfo], indexes: Sequence[FileIndex]) -> None:
+        """Raise when the files do not agree with each other."""
 
-    def _index_files(self, files: Sequence[FileInfo], what: str, show: bool = True) -> list[tuple[FileIndex, str, bool]]: ...
+    def _index_files(
+        self, files: Sequence[FileInfo], what: str, show: bool = True
+    ) -> list[tuple[FileIndex, str, bool]]: ...
 
 
 SHARED_MODE = 0o644  # an index beside the data is read by whoever reads the data (its copies: the umask's)
@@ -228,7 +236,9 @@ def stale_warning(
     cannot vouch for what lies between its samples)."""
 
     def named(infos: Sequence[FileInfo], why: Sequence[str] | None = None) -> str:
-        shown = [f"{info.url} ({w})" if why else info.url for info, w in zip(infos, why or [""] * len(infos))]
+        shown = [
+            f"{info.url} ({w})" if why else info.url for info, w in zip(infos, why or [""] * len(infos), strict=False)
+        ]
         more = f" and {len(infos) - SHOWN} more" if len(infos) > SHOWN else ""
         return ", ".join(shown[:SHOWN]) + more
 
@@ -292,7 +302,9 @@ def write_data_index(reader: FileReader, output: str | None = None) -> dict[str,
         "options": reader.options_key(),
         "arrays": arrays,
         "root": root,
-        "files": [[f.url[len(root) :], f.fingerprint, content] for f, (_, content, _) in zip(files, indexed)],
+        "files": [
+            [f.url[len(root) :], f.fingerprint, content] for f, (_, content, _) in zip(files, indexed, strict=False)
+        ],
     }
     with tempfile.TemporaryDirectory(prefix="lightning-sharding-index-") as tmp:
         if not ListingIndex.save(Path(tmp) / arrays, indexes, SHARED_MODE):

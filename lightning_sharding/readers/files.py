@@ -28,6 +28,7 @@ import numpy.typing as npt
 from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.private import URL_CREDENTIALS, check_mode, hide_credentials, scrub
 from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
 from lightning_sharding.readers.data_index import changed_because, data_index_there, read_data_index, stale_warning
@@ -40,7 +41,6 @@ from lightning_sharding.readers.index import (
     write_atomically,
 )
 from lightning_sharding.readers.prefetch import Prefetcher, check_prefetch, files_ahead
-from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.readers.shared_index import (
     check_index_once_per,
     current_world,
@@ -376,9 +376,9 @@ class FileReader(Reader):
                 else:
                     changed.append((info, changed_because(info, fingerprint)))
             scanned = idx is None
-            if scanned:  # a remote file's index is kept at once (a slow walk); a local one with the listing's
+            if idx is None:  # a remote file's index is kept at once (a slow walk); a local one with the listing's
                 idx, read = self._scan_and_save(info, save=scheme_of(info.url) != "file")
-                content = content or read
+                content = content or read or ""
             progress.step()
             return idx, content or self._digest(info), scanned
 
@@ -397,10 +397,10 @@ class FileReader(Reader):
         indexed: list[Indexed] = [None] * len(files)  # type: ignore[list-item]
         with ThreadPoolExecutor(max_workers=threads) as pool:
             scanned = [(batch, pool.submit(many, batch)) for batch in batches]
-            for i, result in zip(alone, pool.map(one, alone)):
+            for i, result in zip(alone, pool.map(one, alone), strict=False):
                 indexed[i] = result
             for batch, future in scanned:
-                for i, result in zip(batch, future.result()):
+                for i, result in zip(batch, future.result(), strict=False):
                     indexed[i] = result
         progress.done()
         if data_index is not None and (changed or missing or unsure):

@@ -241,7 +241,7 @@ def digest_of(f: Any, size: int) -> str:
     return f"size={size};digest={digest.hexdigest()}"
 
 
-def bytes_digest(data: bytes, size: int | None = None) -> str:
+def bytes_digest(data: bytes | memoryview, size: int | None = None) -> str:
     """:func:`digest_of` a file of at most :data:`DIGEST_WHOLE` bytes, from its bytes already read."""
     return f"size={len(data) if size is None else size};digest={hashlib.blake2b(data, digest_size=16).hexdigest()}"
 

@@ -8,7 +8,6 @@ never the shard from its start.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +38,11 @@ def split_name(name: str) -> tuple[str, str]:
     directory, _, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
     return (f"{directory}/{stem}" if directory else stem), (ext if dot else "")
+
+
+def _slicer(data: bytes) -> Callable[[int, int], bytes]:
+    """``read(offset, n)`` over ``data``, for :func:`~lightning_sharding.readers.tar_headers.members`."""
+    return lambda pos, n: data[pos : pos + n]
 
 
 def local_path(url: str) -> str | None:
@@ -106,7 +110,8 @@ def table_samples(table: MemberTable, archives: int = 1) -> list[dict[str, npt.N
     names the fault)."""
     bad = np.bincount(table.file, weights=(table.names >= 128).any(axis=1), minlength=archives) > 0
     if bad.any():  # names that are not ASCII: those archives are left out here, walked member by member
-        table = MemberTable(*(column[~bad[table.file]] for column in table))
+        keep = ~bad[table.file]
+        table = MemberTable(*(np.asarray(column)[keep] for column in table))  # type: ignore[arg-type]
     names, lengths, file = table.names, table.lengths, table.file
     if not len(file):
         return [None] * archives
@@ -126,7 +131,9 @@ def table_samples(table: MemberTable, archives: int = 1) -> list[dict[str, npt.N
     new[1:] = (keys[1:] != keys[:-1]) | (file[1:] != file[:-1])
     firsts = np.flatnonzero(new)
     order = np.lexsort((keys[firsts], file[firsts]))  # a key that appears again after other keys
-    again = (keys[firsts][order][1:] == keys[firsts][order][:-1]) & (file[firsts][order][1:] == file[firsts][order][:-1])
+    again = (keys[firsts][order][1:] == keys[firsts][order][:-1]) & (
+        file[firsts][order][1:] == file[firsts][order][:-1]
+    )
     bad[file[firsts][order][1:][again]] = True
     lasts = np.append(firsts[1:], len(keys)) - 1
     ends = table.offset_data + (table.size + _BLOCK - 1) // _BLOCK * _BLOCK
@@ -209,7 +216,7 @@ class TarReader(FileReader):
             total += -(-info.size // _BLOCK) * _BLOCK if fits else 0
         buffer = bytearray(total)
         view = memoryview(buffer)
-        for j, (info, (start, size)) in enumerate(zip(files, where)):
+        for j, (info, (start, size)) in enumerate(zip(files, where, strict=False)):
             if start >= 0 and not _read_into(local_path(info.url), view[start : start + size]):
                 where[j] = (-1, 0)
         spans, end = [], 0  # a file not read holds no blocks, where the last one ended (the starts stay sorted)
@@ -219,7 +226,7 @@ class TarReader(FileReader):
         table, plain = plain_batch(buffer, spans)
         samples = table_samples(table, len(files))
         found: list[tuple[FileIndex, str | None] | None] = []
-        for j, (info, (start, size)) in enumerate(zip(files, where)):
+        for j, (info, (start, size)) in enumerate(zip(files, where, strict=False)):
             if start < 0:
                 found.append(None)
                 continue
@@ -228,8 +235,7 @@ class TarReader(FileReader):
                 if plain[j]:
                     arrays = samples[j] or member_samples(table.members(j))
                 else:
-                    whole = bytes(data)
-                    arrays = member_samples(members(lambda pos, n: whole[pos : pos + n], size, self.scrub(info.url)))
+                    arrays = member_samples(members(_slicer(bytes(data)), size, self.scrub(info.url)))
             except ValueError:
                 found.append(None)  # a duplicate key, a bad header: scan_content names it with the file
                 continue

@@ -171,7 +171,13 @@ class MemberTable(NamedTuple):
         names = [bytes(self.names[r, : self.lengths[r]]).decode("utf-8", "surrogateescape") for r in rows.tolist()]
         return [
             Member(*m)
-            for m in zip(names, self.offset[rows].tolist(), self.offset_data[rows].tolist(), self.size[rows].tolist())
+            for m in zip(
+                names,
+                self.offset[rows].tolist(),
+                self.offset_data[rows].tolist(),
+                self.size[rows].tolist(),
+                strict=False,
+            )
         ]
 
 
@@ -212,7 +218,9 @@ def plain_batch(data: bytes | bytearray, spans: list[tuple[int, int]]) -> tuple[
     heads, digits, file = heads[heads_in], digits[heads_in], file[heads_in]
     if not len(heads):
         nothing = np.zeros(0, dtype=np.int64)
-        return MemberTable(nothing, np.zeros((0, 100), dtype=np.uint8), nothing, nothing, nothing, nothing), np.zeros(k, bool)
+        return MemberTable(nothing, np.zeros((0, 100), dtype=np.uint8), nothing, nothing, nothing, nothing), np.zeros(
+            k, bool
+        )
     sizes = digits @ _OCTAL_PLACES
     following = heads + 1 + (sizes + BLOCK - 1) // BLOCK
     headers = blocks[heads]

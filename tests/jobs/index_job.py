@@ -27,7 +27,9 @@ class CountingTar(TarReader):
 
     def scan_batch(self, files: Any) -> Any:
         found = super().scan_batch(files)
-        self._write([info for info, got in zip(files, found) if got is not None])  # the others: scan_content
+        self._write(
+            [info for info, got in zip(files, found, strict=False) if got is not None]
+        )  # the others: scan_content
         return found
 
     def _write(self, files: Any) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ from tests.s3 import S3Server
 SIZES = (23, 17, 29, 19, 31)
 
 
-@pytest.fixture
-def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
-    p = FaultProxy(s3_server.endpoint)
-    yield p
-    p.close()
-
-
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_a_job_reads_the_index_written_with_the_data_and_no_shard(
@@ -37,7 +29,15 @@ def test_a_job_reads_the_index_written_with_the_data_and_no_shard(
     shards = write_regression(f"{bucket}/wds", "tar", list(SIZES), storage_options=s3_server.storage_options)
     urls = "s3://data-index/wds/part-*.tar"
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_sharding.cli", "index", urls, "--storage-options", json.dumps(proxy.storage_options())],
+        [
+            sys.executable,
+            "-m",
+            "lightning_sharding.cli",
+            "index",
+            urls,
+            "--storage-options",
+            json.dumps(proxy.storage_options()),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -49,7 +49,12 @@ def test_a_job_reads_the_index_written_with_the_data_and_no_shard(
     assert all(proxy.requests[("GET", o)] >= 1 for o in objects), "writing the index walks every shard"
 
     proxy.requests.clear()
-    data = {"format": "tar", "urls": urls, "storage_options": proxy.storage_options(), "cache_dir": str(tmp_path / "job")}
+    data = {
+        "format": "tar",
+        "urls": urls,
+        "storage_options": proxy.storage_options(),
+        "cache_dir": str(tmp_path / "job"),
+    }
     job = Job(Topology(2, 2), Data(files=data), Loading(batch_size=6), Training(limit_train_batches=0))
     segment = run_segment(tmp_path / "run", "first", job)
     assert {o: proxy.requests[("GET", o)] for o in objects} == dict.fromkeys(objects, 0), segment.output[-2000:]

@@ -7,7 +7,6 @@ rank with its message instead of leaving one waiting."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,6 @@ from tests.harness import Data, Job, Loading, Topology, Training, assert_exactly
 from tests.s3 import S3Server
 
 SIZES = (23, 17, 29, 19, 31)
-
-
-@pytest.fixture
-def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
-    p = FaultProxy(s3_server.endpoint)
-    yield p
-    p.close()
 
 
 def bucket_with_shards(s3_server: S3Server, name: str) -> tuple[str, list[str]]:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +33,6 @@ from tests.unit.test_readers import ids_served, serve_epoch
 SIZES = [23, 17, 29, 19, 31]
 TOTAL = sum(SIZES)
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
-    p = FaultProxy(s3_server.endpoint)
-    yield p
-    p.close()
 
 
 def shards(s3_server: S3Server, bucket: str) -> list[str]:

@@ -88,10 +88,14 @@ def test_an_index_for_other_options_is_not_used_and_a_named_one_must_exist(tmp_p
     np.save(tmp_path / "npy" / "b.npy", np.arange(8))
     assert main(["index", str(tmp_path / "npy" / "*.npy"), "--option", "sample_length=4"]) == 0
     reader = NpyReader(str(tmp_path / "npy" / "*.npy"), sample_length=2, cache_dir=tmp_path / "c")
-    with pytest.warns(UserWarning, match=r"was written for npy files with options 'sample_length=4'.*indexed without it"):
+    with pytest.warns(
+        UserWarning, match=r"was written for npy files with options 'sample_length=4'.*indexed without it"
+    ):
         assert [it.num_samples for it in reader.items()] == [6, 4]
     pattern = shards(tmp_path / "data")
-    with pytest.raises(FileNotFoundError, match=rf"data_index='{tmp_path}/nowhere': there is no data index at .*nowhere/{INDEX_DIR}"):
+    with pytest.raises(
+        FileNotFoundError, match=rf"data_index='{tmp_path}/nowhere': there is no data index at .*nowhere/{INDEX_DIR}"
+    ):
         TarReader(pattern, cache_dir=tmp_path / "c", data_index=str(tmp_path / "nowhere")).items()
     assert main(["index", pattern, "--output", str(tmp_path / "elsewhere")]) == 0
     for named in (tmp_path / "elsewhere", tmp_path / "elsewhere" / INDEX_DIR):  # what --output named, or the index

@@ -292,7 +292,9 @@ def test_a_local_glob_lists_what_fsspec_lists(tmp_path: Any) -> None:
                 target = (tmp_path / "a.tar").stat()
                 assert (info["type"], info["size"], info["mtime"]) == ("file", 5, target.st_mtime)
                 continue
-            assert {k: info[k] for k in ("size", "mtime", "type")} == {k: theirs[path][k] for k in ("size", "mtime", "type")}
+            assert {k: info[k] for k in ("size", "mtime", "type")} == {
+                k: theirs[path][k] for k in ("size", "mtime", "type")
+            }
     assert _local_glob(fs, f"{tmp_path}/*/x.tar") is None and _local_glob(fs, f"{tmp_path}/**") is None
     expected = sorted(str(tmp_path / n) for n in (".hidden.tar", "a.tar", "c1.tar", "c2.tar", "link.tar"))
     assert [f.url for f in list_files(f"{tmp_path}/*.tar")] == expected
