@@ -30,7 +30,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -102,6 +102,47 @@ class DataIndex:
     def index(self, number: int) -> FileIndex:
         """The index of the file ``number``."""
         return self.listing.file(number)
+
+    def sort_out(self, files: Sequence[FileInfo], known: list[tuple[FileIndex, str] | None]) -> SortedOut:
+        """Fill ``known[i]`` (index, content id) for each file it holds unchanged (the same fingerprint,
+        or the same content id from the store) and is not known yet; sort the others out."""
+        out = SortedOut()
+        for i, info in enumerate(files):
+            if known[i] is not None:
+                continue
+            entry = self.entry(info)
+            if entry is None:
+                out.missing.append(info)
+            elif entry[1] == info.fingerprint or (info.content and info.content == entry[2]):
+                known[i] = (self.index(entry[0]), info.content or entry[2])
+            elif info.content:  # the store's content id says it changed
+                out.changed.append((info, changed_because(info, entry[1])))
+            elif info.size > DIGEST_WHOLE:  # its content id samples it: it cannot tell a change inside
+                out.unsure.append(info)
+            else:
+                out.maybe[i] = entry
+        return out
+
+
+@dataclass
+class SortedOut:
+    """The files a data index could not give at once: ``maybe`` (local files touched or copied since,
+    by number: ``(number in the index, fingerprint, content id)``; a digest of the file decides),
+    ``changed`` (with why), ``missing`` (not in it), ``unsure`` (large local files with a new time)."""
+
+    maybe: dict[int, tuple[int, str, str]] = field(default_factory=dict)
+    changed: list[tuple[FileInfo, str]] = field(default_factory=list)
+    missing: list[FileInfo] = field(default_factory=list)
+    unsure: list[FileInfo] = field(default_factory=list)
+
+    def stale(self) -> bool:
+        """Whether any file was not taken from the index."""
+        return bool(self.changed or self.missing or self.unsure)
+
+    def warning(self, index: DataIndex, data: str) -> str:
+        """The warning naming them (changed files in order of their URLs)."""
+        changed = sorted(self.changed, key=lambda c: c[0].url)
+        return stale_warning(index, changed, self.missing, self.unsure, data)
 
 
 def default_location(urls: Sequence[str]) -> str | None:

@@ -31,7 +31,7 @@ from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
-from lightning_sharding.readers.data_index import changed_because, data_index_there, read_data_index, stale_warning
+from lightning_sharding.readers.data_index import changed_because, data_index_there, read_data_index
 from lightning_sharding.readers.index import (
     INDEX_VERSION,
     FileIndex,
@@ -49,7 +49,6 @@ from lightning_sharding.readers.shared_index import (
     shared_items,
 )
 from lightning_sharding.readers.storage import (
-    DIGEST_WHOLE,
     FileInfo,
     RetryPolicy,
     content_digest,
@@ -346,25 +345,8 @@ class FileReader(Reader):
             idx = (self._cached(info) if kept else None) or before(info)
             known.append(None if idx is None else (idx, info.content))
         data_index = read_data_index(self, files) if look and any(k is None for k in known) else None
-        maybe: dict[int, tuple[int, str, str]] = {}  # a local file touched or copied since: its digest decides
-        changed: list[tuple[FileInfo, str]] = []
-        missing: list[FileInfo] = []
-        unsure: list[FileInfo] = []  # a large local file with a new time: indexed again
-        if data_index is not None:
-            for i, info in enumerate(files):
-                if known[i] is not None:
-                    continue
-                entry = data_index.entry(info)
-                if entry is None:
-                    missing.append(info)
-                elif entry[1] == info.fingerprint or (info.content and info.content == entry[2]):
-                    known[i] = (data_index.index(entry[0]), info.content or entry[2])
-                elif info.content:  # the store's content id says it changed
-                    changed.append((info, changed_because(info, entry[1])))
-                elif info.size > DIGEST_WHOLE:  # its content id samples it: it cannot tell a change inside
-                    unsure.append(info)
-                else:
-                    maybe[i] = entry
+        sorted_out = data_index.sort_out(files, known) if data_index is not None else None
+        maybe = sorted_out.maybe if sorted_out is not None else {}
 
         def one(i: int) -> Indexed:
             info, (idx, content) = files[i], known[i] or (None, files[i].content)
@@ -374,7 +356,7 @@ class FileReader(Reader):
                 if content == stored:
                     idx = data_index.index(number)  # type: ignore[union-attr]
                 else:
-                    changed.append((info, changed_because(info, fingerprint)))
+                    sorted_out.changed.append((info, changed_because(info, fingerprint)))  # type: ignore[union-attr]
             scanned = idx is None
             if idx is None:  # a remote file's index is kept at once (a slow walk); a local one with the listing's
                 idx, read = self._scan_and_save(info, save=scheme_of(info.url) != "file")
@@ -403,11 +385,10 @@ class FileReader(Reader):
                 for i, result in zip(batch, future.result(), strict=False):
                     indexed[i] = result
         progress.done()
-        if data_index is not None and (changed or missing or unsure):
+        if data_index is not None and sorted_out is not None and sorted_out.stale():
             data = " ".join(f"'{self.scrub(url)}'" for url in self.urls)
             data += f" --option {self.options_key()}" if self.options_key() else ""
-            changed.sort(key=lambda c: c[0].url)
-            warnings.warn(stale_warning(data_index, changed, missing, unsure, data), stacklevel=3)
+            warnings.warn(sorted_out.warning(data_index, data), stacklevel=3)
         return indexed
 
     def _batches(self, todo: list[int], files: Sequence[FileInfo]) -> list[list[int]]:
