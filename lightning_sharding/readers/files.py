@@ -388,6 +388,7 @@ class FileReader(Reader):
         if data_index is not None and sorted_out is not None and sorted_out.stale():
             data = " ".join(f"'{self.scrub(url)}'" for url in self.urls)
             data += f" --option {self.options_key()}" if self.options_key() else ""
+            data += f" --output {self.scrub(self.data_index)}" if isinstance(self.data_index, str) else ""
             warnings.warn(sorted_out.warning(data_index, data), stacklevel=3)
         return indexed
 

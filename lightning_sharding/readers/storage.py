@@ -293,10 +293,16 @@ def list_files(
             if found is None:
                 found = with_retries(partial(fs.glob, path, detail=True), f"listing {url}", retry)
             # a link is its file (fsspec calls it "other"); the data index's own files are no data
+            found_all = list(found)
             found = {p: _followed(fs, p) if i.get("islink") else i for p, i in found.items() if _DATA_INDEX not in p}
             matches = sorted((p, i) for p, i in found.items() if i.get("type", "file") == "file")
             if not matches:
-                raise FileNotFoundError(f"no file matches {url!r}: check the pattern and the bucket or directory")
+                left = (
+                    " (a data index's files, lightning_sharding.index/, are no data)"
+                    if any(_DATA_INDEX in p for p in found_all)
+                    else ""
+                )
+                raise FileNotFoundError(f"no file matches {url!r}{left}: check the pattern and the bucket or directory")
             found_files = [(spelled_like(url, path, p), p, i) for p, i in matches]
         else:
             found_files = [(url if "://" in url else path, path, _info(fs, path, url, retry))]
