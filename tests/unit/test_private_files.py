@@ -56,12 +56,14 @@ def assert_private(modes: dict[str, int], root: Path) -> None:
 
 
 def own_shm_files() -> dict[str, int]:
-    """This process's (and its workers') files in /dev/shm, with their modes."""
+    """This process's (and its workers') files in /dev/shm, with their modes: those named with its
+    token (a pool's slots carry their owner's, the process that made the pool). Another test's run at
+    the same time has its own token: its files are not this test's."""
     token = shared_memory.process_token()
     found = {}
     for path in shared_memory.SHM_DIR.glob(f"{shared_memory.PREFIX}*"):
         try:
-            if path.stat().st_uid == os.getuid() and (token in path.name or "-w" in path.name):
+            if path.stat().st_uid == os.getuid() and token is not None and token in path.name:
                 found[path.name] = stat.S_IMODE(path.stat().st_mode)
         except FileNotFoundError:
             continue
