@@ -219,8 +219,10 @@ def _read(reader: FileReader, location: str, shown: str) -> DataIndex | None:
     fs, path = filesystem(location, reader.storage_options)
     try:
         raw = with_retries(lambda: fs.cat_file(f"{path}/meta.json"), f"reading {shown}", reader.retry)
-    except FileNotFoundError:
-        raise _NoIndex from None
+    except OSError as err:
+        if isinstance(err, FileNotFoundError) or isinstance(err.__cause__, FileNotFoundError):
+            raise _NoIndex from None  # missing, maybe after a transient error and a retry
+        raise
     meta = json.loads(raw)
     theirs = (meta.get("version"), meta.get("format"), meta.get("options"))
     ours = (DATA_INDEX_VERSION, reader.format, reader.options_key())

@@ -170,3 +170,15 @@ def test_an_index_that_cannot_be_read_is_not_used_and_a_named_one_is_an_error(tm
     assert [p.name for p in (tmp_path / "data" / INDEX_DIR).glob("arrays-*")] != [arrays.name]
     reader, _, said = start(pattern, tmp_path / "c4")
     assert reader.last_scan["scanned"] == 0 and not said
+
+
+def test_no_index_after_a_transient_error_is_no_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that fails once and then answers "no such object" has no index: nothing to warn about."""
+    from lightning_sharding.readers import data_index
+
+    def flaky_then_missing(call: object, what: str, policy: object) -> object:
+        raise OSError(f"{what} failed after 2 attempts") from FileNotFoundError("meta.json")
+
+    monkeypatch.setattr(data_index, "with_retries", flaky_then_missing)
+    reader, items, said = start(shards(tmp_path / "data"), tmp_path / "c")
+    assert len(items) == len(SIZES) and not said
