@@ -1,13 +1,20 @@
 """Test-wide settings: one OpenMP thread per process (2-core machine, many processes per test), and
 ``@pytest.mark.needs(module, ...)`` for tests of optional extras (see tests/extras.py)."""
 
+import multiprocessing
 import os
 
 import pytest
 
+from tests.harness import JOB_PRELOAD
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # gcsfs would ask every bucket's type over gRPC, which the loopback GCS server does not speak (tests/gcs.py).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+# A job forked from this process's forkserver (tests/harness.py::launch, launcher "fork") finds these
+# imported; the package adds its own to the list when its loaders start the server first.
+multiprocessing.set_forkserver_preload(list(JOB_PRELOAD))
 
 # The object-store servers on loopback for the remote-storage tests: S3 (moto) and GCS.
 pytest_plugins = ["tests.s3", "tests.gcs"]

@@ -9,7 +9,9 @@ that a checkpoint or the final run kept.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import runpy
 import shutil
 import signal
 import socket
@@ -24,6 +26,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "jobs" / "train_job.py"
 SEGMENT_TIMEOUT = 240
+# What a job forked from a test process's forkserver finds imported (launcher "fork", :func:`launch`).
+JOB_PRELOAD = (
+    "torch",
+    "lightning.pytorch",
+    "lightning_sharding.lightning.datamodule",
+    "lightning_sharding.lightning.callbacks",
+    "lightning_sharding.strategies.shard",
+    "tests.jobs.parts",
+)
 
 
 def cpu_trainer(**overrides: Any) -> Any:
@@ -55,10 +66,11 @@ class Topology:
 
     world_size: int = 2
     num_workers: int = 2
-    # How the ranks start. "ddp": Lightning's own launcher (strategy "ddp": the job's script runs again
-    # for each further rank; two interpreters for two ranks, the cheapest); "spawn": Lightning's
-    # ddp_spawn (a launcher process spawns every rank); "torchrun": one torchrun per node.
-    launcher: str = "ddp"
+    # How the ranks start. "fork" (the tests not about launchers): Lightning's ddp_fork, in a job forked
+    # from the test process's preloaded forkserver (no interpreter starts); "ddp": Lightning's own
+    # launcher, from `python job.py` (the job's script runs again for each further rank); "spawn":
+    # Lightning's ddp_spawn (a launcher process spawns every rank); "torchrun": one torchrun per node.
+    launcher: str = "fork"
     num_nodes: int = 1
     # Model replicas of this many ranks (tensor parallel): by the strategy's distributed_sampler_kwargs
     # (tests/jobs/parts.py::ReplicatedDDP), or with `data_parallel_override` by ShardedDataModule(data_parallel=)
@@ -109,6 +121,9 @@ class Loading:
     persistent_workers: bool = False
     prefetch_items: int = 1
     transport: str = "torch"  # how workers hand batches over: "torch" or "pool" (strategies/_slots.py)
+    # How DataLoader workers (and a dispatch process) start: None is the package's default, a forkserver
+    # with the modules preloaded (strategies/_start.py); "spawn" where a test stands for spawn.
+    start_method: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +212,12 @@ class Job:
         """The first rank of each model replica: the ranks whose records count the samples trained."""
         return list(range(0, self.topology.world_size, self.topology.tensor_parallel))
 
+
+# Every start method of helper processes, for the tests that check a mechanism behaves the same
+# under each (dead-worker detection, the slot pool, /dev/shm, the dispatch process): None is the
+# package's default, a forkserver with the modules preloaded.
+START_METHODS = (None, "spawn", "fork")
+START_IDS = ("forkserver", "spawn", "fork")
 
 # The first segment several tests start from (tests/process/conftest.py trains it once a session, as
 # check_resume(..., checkpoint_every=3) runs it: a checkpoint at step 3, killed at step 6): 2 ranks x
@@ -314,7 +335,15 @@ def run_at_once(root: Path, jobs: dict[str, Job]) -> dict[str, Segment]:
 
 
 def launch(topology: Topology, config: Path, env: dict[str, str], job: Path = JOB) -> tuple[int, str]:
-    """Start ``job``'s processes (one, or one torchrun per node), wait with a timeout, kill on expiry."""
+    """Start ``job``'s processes (one, or one torchrun per node), wait with a timeout, kill on expiry.
+
+    Under ``launcher="fork"`` the job's process is forked from this test process's forkserver, which
+    imported Lightning and the jobs' modules once (:data:`JOB_PRELOAD`): the job starts in
+    milliseconds, then forks its ranks with Lightning's ``ddp_fork``. Every other launcher starts
+    ``python job.py`` (or ``torchrun``) as a user does."""
+    if topology.launcher == "fork":
+        log = config.with_suffix(".node0.log")
+        return _run_forked([str(job), str(config)], env, log), log.read_text()
     if topology.launcher in ("spawn", "ddp"):
         commands = [[sys.executable, str(job), str(config)]]
     else:
@@ -353,6 +382,41 @@ def launch(topology: Topology, config: Path, env: dict[str, str], job: Path = JO
             proc.wait()
     outputs = [log.read_text() for log in logs]
     return max(codes, key=abs), "\n".join(outputs)
+
+
+def _run_forked(argv: list[str], env: dict[str, str], log: Path) -> int:
+    """Run script ``argv`` as ``python *argv`` would, in a process forked from the forkserver, in a
+    session of its own, output to ``log``; wait with a timeout, then kill what is left of its session."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(JOB_PRELOAD))  # before the server starts; then kept
+    proc = context.Process(target=_forked_main, args=(argv, env, str(log), os.getcwd()), daemon=False)
+    proc.start()
+    try:
+        proc.join(SEGMENT_TIMEOUT)
+    finally:
+        try:  # also reaps stragglers (workers of a killed rank) in the job's session
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.join()
+    assert proc.exitcode is not None
+    return proc.exitcode
+
+
+def _forked_main(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
+    """In the forked job: a session of its own, the job's environment, output to ``log``, then the script."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 def checkpoint_step(path: Path) -> int:

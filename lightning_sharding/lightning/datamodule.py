@@ -34,6 +34,7 @@ from lightning_sharding.readers.shared_index import collective
 from lightning_sharding.readers.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies._shared_memory import sweep_dead
+from lightning_sharding.strategies._start import worker_context
 from lightning_sharding.strategies.base import strategies_where
 from lightning_sharding.strategies.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
 from lightning_sharding.tokens import PackedReader, Packing
@@ -238,6 +239,12 @@ class ShardedDataModule(pl.LightningDataModule):
         data = self.source if self.source is not None else self.make_reader()
         self.strategy.check(self.options, data, owner=type(self).__name__)
         self._train_data = data
+        if self.options.num_workers > 0 and "multiprocessing_context" not in self.strategy.fixed_options:
+            # The forkserver (the default start method) imports while the ranks list, plan and restore.
+            options = self.options
+            worker_context(
+                options.multiprocessing_context, self.strategy, data, options.transform, options.batch_transform
+            )
         with collective(self.world):  # the leaders list and index, the other ranks receive the items
             self.manifest = self.strategy.manifest(data, self.options.batch_size)
         seed = self._shared_seed()

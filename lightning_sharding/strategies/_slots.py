@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import itertools
 import mmap
-import multiprocessing
 import os
 import secrets
 import weakref
+from multiprocessing.context import BaseContext
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -94,9 +94,8 @@ class SlotStates:
     """The busy flags of every worker's slots, shared by the training process and its workers
     (a ``RawArray``: it travels to spawned workers with the dataset, and leaves no file behind)."""
 
-    def __init__(self, num_workers: int, slots_per_worker: int, context: str | None) -> None:
-        ctx = multiprocessing.get_context(context)
-        self.flags = ctx.RawArray("b", num_workers * slots_per_worker)
+    def __init__(self, num_workers: int, slots_per_worker: int, context: BaseContext) -> None:
+        self.flags = context.RawArray("b", num_workers * slots_per_worker)
         self.per_worker = slots_per_worker
         self.owner = shared_memory.process_token()
         self.prefix = f"{shared_memory.PREFIX}{_RUN}-{self.owner}-t{next(_pools)}"
@@ -169,7 +168,7 @@ class SlotPool:
     """The training process's side: maps each slot once, unlinks its name, and turns a
     :class:`SlotBatch` into tensors viewing the slot, freeing the slot when they are all gone."""
 
-    def __init__(self, num_workers: int, prefetch_factor: int | None, context: str | None, pin_memory: bool) -> None:
+    def __init__(self, num_workers: int, prefetch_factor: int | None, context: BaseContext, pin_memory: bool) -> None:
         shared_memory.sweep_dead()  # what a SIGKILLed run left behind
         # In flight per worker (prefetch_factor), plus what the trainer holds: the batch in the step,
         # the one prefetched ahead, and one of slack; more than that is a consumer keeping batches.

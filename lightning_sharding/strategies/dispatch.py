@@ -15,7 +15,6 @@ reset cannot deadlock. With ``num_workers=0`` the same dealing runs in the train
 
 from __future__ import annotations
 
-import multiprocessing
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +40,7 @@ from lightning_sharding.strategies._dispatch_worker import (
     make_batch,
 )
 from lightning_sharding.strategies._helper_deaths import how_it_ended, reraise_if_dead, watch, worker_processes
+from lightning_sharding.strategies._start import worker_context
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
@@ -78,7 +78,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
         self.world = world
         self.options = options
         self.queue_size = queue_size
-        self._start_method = options.multiprocessing_context or "spawn"
+        self._start_method = options.multiprocessing_context
         self.sampler = DispatchSampler(ledger)
         self.delivered = DeliveredLog(padding_key=options.padding_key, track=track)
         self._group = cpu_group(world.world_size) if self.sync else None
@@ -206,7 +206,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
                     f"is gone (exit code {self._process.exitcode})"
                 )
             return self._loader
-        mp: Any = multiprocessing.get_context(self._start_method)
+        mp: Any = worker_context(self._start_method, self.source, self.options.transform, self.options.collate_fn)
         queues = [mp.Queue(maxsize=self.queue_size) for _ in range(self.options.num_workers)]
         self._control = mp.Queue()
         alive_r, alive_w = mp.Pipe(duplex=False)

@@ -15,6 +15,7 @@ from torch.utils.data import default_collate
 
 from lightning_sharding.core.plan import EvenBatches
 from lightning_sharding.core.world import BatchContext, SampleContext
+from lightning_sharding.strategies._start import check_start_method
 
 Transform = Callable[[Any, SampleContext], Any]
 BatchTransform = Callable[[Any, BatchContext], Any]
@@ -44,8 +45,10 @@ class LoaderOptions:
         padding_key: the key of the padding flags added to dict batches; ``None`` adds none.
         on_error: ``"raise"`` or ``"skip"`` (strategies whose ``skips_errors`` is true).
         prefetch_items: with ``broadcast``, how many items each rank loads ahead.
-        persistent_workers, prefetch_factor, pin_memory, multiprocessing_context, timeout: passed
-            to the DataLoader.
+        persistent_workers, prefetch_factor, pin_memory, timeout: passed to the DataLoader.
+        multiprocessing_context: how workers start: ``None`` (the default) is ``"forkserver"`` with
+            torch, the package and the modules of the reader and the script preloaded
+            (``strategies/_start.py``); ``"spawn"`` or ``"fork"``.
         transport: how DataLoader workers hand batches over: ``"pool"`` (the default: a few reusable
             shared-memory slots per worker, see ``strategies/_slots.py``) or ``"torch"`` (PyTorch's
             own path, a new shared-memory file per tensor per batch). Strategies other than ``shard``
@@ -90,6 +93,7 @@ class LoaderOptions:
             raise ValueError(f"`{owner}(transport={self.transport!r})` must be one of {list(TRANSPORTS)}")
         if self.on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"`{owner}(on_error={self.on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
+        check_start_method(self.multiprocessing_context, owner)
         if not _count(self.prefetch_items, 0):
             raise ValueError(f"`{owner}(prefetch_items={self.prefetch_items!r})` must be an integer >= 0")
         return self

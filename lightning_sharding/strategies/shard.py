@@ -22,7 +22,6 @@ the batch and keeps in order for the ledger.
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
@@ -43,6 +42,7 @@ from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
 from lightning_sharding.strategies._helper_deaths import reraise_if_dead, stop_workers, watch, worker_processes
 from lightning_sharding.strategies._slots import SlotPool
+from lightning_sharding.strategies._start import start_method, worker_context
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
@@ -212,18 +212,22 @@ class ShardedLoader(TrainLoader):
         self._dataset = dataset
         self._yielded = 0  # batches yielded under the current plan
         workers = options.num_workers
-        start_method = options.multiprocessing_context or multiprocessing.get_start_method()
-        if workers > 0 and start_method in ("spawn", "forkserver"):
+        method = start_method(options.multiprocessing_context)
+        if workers > 0 and method in ("spawn", "forkserver"):
             check_picklable(
-                f"DataLoader workers started with {start_method}",
+                f"DataLoader workers started with {method}",
                 "",
                 reader=dataset.reader,
                 transform=dataset.transform,
                 collate_fn=dataset.collate_fn,
             )
+        context = None
+        if workers > 0:
+            used = (dataset, dataset.reader, dataset.transform, dataset.batch_transform, dataset.collate_fn)
+            context = worker_context(options.multiprocessing_context, *used)
         self._pool: SlotPool | None = None
-        if workers > 0 and options.transport == "pool":
-            self._pool = SlotPool(workers, options.prefetch_factor, options.multiprocessing_context, options.pin_memory)
+        if context is not None and options.transport == "pool":
+            self._pool = SlotPool(workers, options.prefetch_factor, context, options.pin_memory)
             dataset.slot_states = self._pool.states
         self._loader = DataLoader(
             dataset,
@@ -231,7 +235,7 @@ class ShardedLoader(TrainLoader):
             sampler=sampler,
             num_workers=workers,
             collate_fn=pass_through,
-            multiprocessing_context=options.multiprocessing_context if workers > 0 else None,
+            multiprocessing_context=context,
             **options.dataloader_kwargs(),
         )
 

@@ -93,7 +93,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
         dm = ShardedDataModule(
             **data,
             persistent_workers=loading["persistent_workers"] and workers > 0,
-            multiprocessing_context="spawn" if workers > 0 else None,
+            multiprocessing_context=loading["start_method"] if workers > 0 else None,
             strategy=loading["strategy"],
             data_parallel=partial(replica_of, replicas) if topology["data_parallel_override"] else None,
             prefetch_items=loading["prefetch_items"],
@@ -195,6 +195,8 @@ def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any
         strategy, devices = "ddp", world // nodes
     elif topology["launcher"] == "ddp":  # Lightning's own launcher: this script runs again for each further rank
         strategy, devices = ("ddp" if world > 1 else "auto"), world
+    elif topology["launcher"] == "fork":  # Lightning's ddp_fork: this process forks every rank
+        strategy, devices = ("ddp_fork" if world > 1 else "auto"), world
     else:
         strategy, devices = ("ddp_spawn" if world > 1 else "auto"), world
     if topology["model_parallel"]:  # started like ddp: the script runs again for each further rank
@@ -205,7 +207,7 @@ def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any
     elif topology["tensor_parallel"] > 1 and not topology["data_parallel_override"]:
         from tests.jobs.parts import ReplicatedDDP
 
-        start = "spawn" if topology["launcher"] == "spawn" else "popen"
+        start = {"spawn": "spawn", "fork": "fork"}.get(topology["launcher"], "popen")
         strategy = ReplicatedDDP(topology["tensor_parallel"], start_method=start)
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -90,7 +90,7 @@ def fit(
     **options: Any,
 ) -> Result:
     """Train one epoch on ``data`` with a real Trainer in this process."""
-    defaults = {"batch_size": 4, "seed": 3, "multiprocessing_context": "spawn" if num_workers else None}
+    defaults = {"batch_size": 4, "seed": 3}
     dm = ShardedDataModule(**data, on_error=on_error, num_workers=num_workers, **{**defaults, **options})  # type: ignore[arg-type]
     log = d / f"seen-{next(_runs)}"
     trainer = cpu_trainer(max_steps=max_steps)

@@ -21,6 +21,8 @@ from lightning_sharding.strategies._shared_memory import SHM_DIR
 from lightning_sharding.strategies.broadcast import BroadcastLoader
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
+    START_IDS,
+    START_METHODS,
     Data,
     Faults,
     Job,
@@ -66,13 +68,12 @@ def build(
     ledger = Ledger(seed=11, total=manifest.total, manifest=manifest.summary())
     options.setdefault("batch_size", 6)
     options.setdefault("num_workers", 2)
-    spawn = "spawn" if options["num_workers"] else None
     return BroadcastLoader.build(
         reader,
         manifest.items,
         ledger,
         world=World(rank=rank, world_size=world_size),
-        options=LoaderOptions(multiprocessing_context=spawn, **options),
+        options=LoaderOptions(**options),
     )
 
 
@@ -110,9 +111,10 @@ def test_workers_crop_disjoint_windows_of_the_same_item_from_one_copy(tmp_path: 
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
-def test_an_abandoned_or_failed_epoch_unlinks_its_segments(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", START_METHODS, ids=START_IDS)
+def test_an_abandoned_or_failed_epoch_unlinks_its_segments(tmp_path: Path, start: str | None) -> None:
     paths = write_months(tmp_path, list(MONTHS))
-    loader = build(paths, num_workers=1, prefetch_items=2)
+    loader = build(paths, num_workers=1, prefetch_items=2, multiprocessing_context=start)
     it = iter(loader)
     next(it)
     assert len(mine()) >= 1
@@ -150,7 +152,8 @@ def broadcast_job(months: Path, topology: Topology, *, halo: bool = False, **loa
 @pytest.mark.timeout(300)
 def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothing(tmp_path: Path) -> None:
     """2 ranks x 2 workers, SIGKILLed mid-epoch, resumed on 1 rank x 1 worker. The halo makes the
-    epoch exactly the windows of the continuous series; the next run sweeps the killed run's segments."""
+    epoch exactly the windows of the continuous series; the next run sweeps the killed run's segments.
+    Spawned workers: the broadcast strategy's exactly-once chain under spawn."""
     write_months(tmp_path / "months", MONTHS)
     total = sum(MONTHS) - 4 + 1  # every window of the continuous series, stride 1
     before = shm_files()
@@ -159,7 +162,7 @@ def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothi
     def look(segment: Segment) -> None:
         left.append(shm_files() - before)
 
-    first = broadcast_job(tmp_path / "months", Topology(2, 2), halo=True)
+    first = broadcast_job(tmp_path / "months", Topology(2, 2), halo=True, start_method="spawn")
     then = first.on(1, 1)
     seen, segments = check_resume(tmp_path / "run", first, [then], checkpoint_every=3, after_segment=look)
     assert_exactly_once(seen, total, epochs=1)

@@ -85,7 +85,8 @@ def test_lightnings_model_parallel_strategy_gives_each_replica_its_share(tmp_pat
     """Lightning's own ``ModelParallelStrategy`` (a 2 x 2 device mesh over gloo on CPU) names its
     data-parallel dimension in ``distributed_sampler_kwargs``; nothing else is configured. It does
     not synchronise gradients by itself, so exactly-once is read from the records and the audit."""
-    job = tp(model_parallel=True).but(checks=dict(count_weights=False))
+    # ModelParallelStrategy starts its ranks as Lightning's ddp does: the script runs again for each.
+    job = tp(model_parallel=True, launcher="ddp").but(checks=dict(count_weights=False))
     segment = run_segment(tmp_path, "run", job)
     records = segment.records
     assert batches(records[0]) == batches(records[1]) and batches(records[2]) == batches(records[3])

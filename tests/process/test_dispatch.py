@@ -25,6 +25,8 @@ from lightning_sharding.strategies._dispatch_process import Chunk, SourceError, 
 from lightning_sharding.strategies.dispatch import DispatchLoader
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
+    START_IDS,
+    START_METHODS,
     Data,
     Job,
     Loading,
@@ -95,10 +97,13 @@ def test_a_query_without_order_by_is_refused(db: Path) -> None:
         SqliteSource(db, "SELECT id FROM samples")
 
 
-def test_a_failing_source_in_process_names_the_rank_the_dispatcher_and_the_error(db: Path) -> None:
+@pytest.mark.parametrize("start", START_METHODS, ids=START_IDS)
+def test_a_failing_source_in_process_names_the_rank_the_dispatcher_and_the_error(db: Path, start: str | None) -> None:
+    """The dispatch process, started by every start method, reports its source's failure."""
     source = FailingSqlite(str(db), ROTATING_QUERY, fail_at=20)
     ledger = Ledger(seed=0, total=N, manifest=source_manifest(source).summary())
-    loader = DispatchLoader(source, ledger, world=World(), options=LoaderOptions(batch_size=8, transform=row_to_sample))
+    options = LoaderOptions(batch_size=8, transform=row_to_sample, multiprocessing_context=start)
+    loader = DispatchLoader(source, ledger, world=World(), options=options)
     with pytest.raises(SourceError, match=r"rank 0: the dispatcher reading SqliteSource.*ValueError: corrupt row at"):
         list(loader)
 
@@ -160,7 +165,8 @@ def dispatch_job(db: Path, topology: Topology, source: dict[str, Any] | None = N
 @pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_sqlite_resumes_exactly_once_after_sigkill_on_another_topology(tmp_path: Path, db: Path) -> None:
-    first = dispatch_job(db, Topology(2, 2)).but(training=Training(epochs=2))
+    """Spawned dispatch processes and workers: the dispatch strategy's exactly-once chain under spawn."""
+    first = dispatch_job(db, Topology(2, 2), start_method="spawn").but(training=Training(epochs=2))
     then = first.on(1, 2)
     seen, segments = check_resume(tmp_path / "run", first, [then], checkpoint_every=3)
     assert_exactly_once(seen, N, epochs=2)

@@ -32,6 +32,8 @@ from lightning_sharding.strategies._helper_deaths import HelperProcessError
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import (
     ROOT,
+    START_IDS,
+    START_METHODS,
     Checks,
     Data,
     Job,
@@ -202,9 +204,12 @@ HELPER_KILLS = {
 
 @pytest.mark.processes
 @pytest.mark.timeout(60)
-def test_a_killed_worker_is_named_with_its_rank_wherever_the_error_surfaces() -> None:
+@pytest.mark.parametrize("start", START_METHODS, ids=START_IDS)
+def test_a_killed_worker_is_named_with_its_rank_wherever_the_error_surfaces(start: str | None) -> None:
     """In-process, one rank of 2 workers: PyTorch reports the death from a SIGCHLD handler (inside
-    whatever runs, here the sleep) or the loader sees it while waiting; either way it is named."""
+    whatever runs, here the sleep) or the loader sees it while waiting; either way it is named. Under
+    every start method: a forkserver's workers are not this process's children (no SIGCHLD), so
+    there the loader sees the death at PyTorch's next status check (every 5 s)."""
     reader = SyntheticReader(num_items=4, samples_per_item=4096)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
@@ -213,7 +218,7 @@ def test_a_killed_worker_is_named_with_its_rank_wherever_the_error_surfaces() ->
         manifest.items,
         ledger,
         world=World(rank=1, world_size=2),
-        options=LoaderOptions(batch_size=8, num_workers=2, multiprocessing_context="spawn"),
+        options=LoaderOptions(batch_size=8, num_workers=2, multiprocessing_context=start),
     )
     batches = iter(loader)
     next(batches)

@@ -52,7 +52,7 @@ def cli(tmp_path: Path, *args: str) -> Any:
     """``python cli.py fit ARGS``, in this process."""
     from lightning.pytorch.cli import LightningCLI
 
-    common = [f"--data.batch_size={BATCH}", "--data.multiprocessing_context=spawn", "--trainer.accelerator=cpu"]
+    common = [f"--data.batch_size={BATCH}", "--trainer.accelerator=cpu"]
     common += ["--trainer.devices=1", "--trainer.logger=false", "--trainer.enable_progress_bar=false"]
     common += [f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_model_summary=false"]
     return LightningCLI(Recorder, SyntheticData, args=["fit", *common, *args], save_config_kwargs={"overwrite": True})

@@ -1,8 +1,9 @@
-"""Exactly-once under a real Lightning Trainer, DDP over gloo (2 ranks) and spawned DataLoader workers.
+"""Exactly-once under a real Lightning Trainer, DDP over gloo (2 ranks) and real DataLoader workers.
 
-The ranks start as the harness starts them by default, with Lightning's own launcher (strategy
-``ddp``); the kill-and-resume case below runs under ``ddp_spawn``, where Lightning pickles the
-DataModule and callbacks into ranks that a launcher process spawns."""
+The first case starts its ranks with Lightning's own launcher (strategy ``ddp``: ``python job.py``
+runs again for rank 1) and workers from the package's default forkserver; the kill-and-resume case
+runs under ``ddp_spawn``, where Lightning pickles the DataModule and callbacks into ranks that a
+launcher process spawns, with spawned workers: the shard strategy's exactly-once chain under spawn."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ TOTAL = sum(Job().data.sizes)
 def test_two_epochs_serve_every_sample_once_in_different_orders(tmp_path: Path) -> None:
     """Cases (a) and (b): 2 ranks x 2 workers, two epochs. No seed is given: rank 0 draws one and
     broadcasts it (ranks with different seeds would plan different orders and break coverage)."""
-    segment = run_segment(tmp_path, "run", Job(loading=Loading(seed=None), training=Training(epochs=2)))
+    job = Job(Topology(launcher="ddp"), loading=Loading(seed=None), training=Training(epochs=2))
+    segment = run_segment(tmp_path, "run", job)
     records = kept_records(segment, None)
     assert_exactly_once(served_per_epoch(records), TOTAL, epochs=2)
     orders = [[i for r in records if r["epoch"] == e for i in r["ids"]] for e in (0, 1)]
@@ -55,7 +57,8 @@ def test_mid_epoch_checkpoint_kill_and_resume_is_exactly_once_with_persistent_wo
     Two epochs, so the resumed run also crosses an epoch boundary with the same (persistent)
     workers. Fresh workers resume in every other kill-and-resume test (test_elastic, test_faults).
     """
-    job = Job(Topology(launcher="spawn"), loading=Loading(persistent_workers=True), training=Training(epochs=2))
+    loading = Loading(persistent_workers=True, start_method="spawn")  # the shard strategy's chain under spawn
+    job = Job(Topology(launcher="spawn"), loading=loading, training=Training(epochs=2))
     seen, segments = check_resume(tmp_path, job, [job], checkpoint_every=4)
     assert_exactly_once(seen, TOTAL, epochs=2)
     # The killed segment really trained past its checkpoint: those steps are the ones re-served.

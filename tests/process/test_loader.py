@@ -62,7 +62,6 @@ def make_loader(
             num_workers=num_workers,
             even_batches=even_batches,
             persistent_workers=persistent,
-            multiprocessing_context="spawn" if num_workers else None,
         ),
     )
 
@@ -227,9 +226,7 @@ def test_a_batch_transform_runs_in_real_workers_on_every_batch_once() -> None:
     served: Counter[int] = Counter()
     for rank in range(2):
         ledger = Ledger(seed=7, total=manifest.total, manifest=manifest.summary())
-        options = LoaderOptions(
-            batch_size=8, num_workers=2, multiprocessing_context="spawn", batch_transform=scaled_in_worker
-        )
+        options = LoaderOptions(batch_size=8, num_workers=2, batch_transform=scaled_in_worker)
         loader = ShardedLoader.build(reader, manifest, ledger, world=World(rank=rank, world_size=2), options=options)
         for batch in loader:
             real = ~batch["is_padding"]

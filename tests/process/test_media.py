@@ -127,9 +127,7 @@ def test_spawned_workers_decode_every_kind_of_file_of_shards_a_third_party_wrote
     urls = write_shards(tmp_path / "shards", n=20, per_shard=6)
     assert len(urls) == 4
     reader = TarReader(urls, decode=media(), cache_dir=tmp_path / "cache")
-    delivered = serve(
-        reader, batch_size=4, num_workers=2, multiprocessing_context="spawn", transform=add_worker, shuffle=True
-    )
+    delivered = serve(reader, batch_size=4, num_workers=2, transform=add_worker, shuffle=True)
     seen = []
     for batch, _ in delivered:
         real = ~batch["is_padding"]
@@ -266,7 +264,7 @@ def test_the_images_recipes_crops_are_the_same_on_any_topology(tmp_path: Path) -
     write_image_shards(tmp_path / "shards", shards=3, per_shard=10, size=32, classes=4)
     reader = TarReader(str(tmp_path / "shards" / "*.tar"), decode="rgb8", cache_dir=tmp_path / "cache")
     crop = partial(keep_key, RandomResizedCrop(20))
-    workers = crops_by_key(reader, 1, transform=crop, num_workers=2, multiprocessing_context="spawn")
+    workers = crops_by_key(reader, 1, transform=crop, num_workers=2)
     ranks = crops_by_key(reader, 2, transform=crop, num_workers=0)
     assert len(workers) == 30 and workers == ranks
     assert len(set(workers.values())) == 30  # the crops differ from image to image
@@ -279,7 +277,7 @@ def test_the_batch_path_decodes_into_one_array_with_the_same_crops_on_any_topolo
     write_image_shards(tmp_path / "shards", shards=3, per_shard=10, size=64, classes=4)
     reader = TarReader(str(tmp_path / "shards" / "*.tar"), cache_dir=tmp_path / "cache")  # images stay bytes
     crop = DecodeCropBatch(20)
-    workers = crops_by_key(reader, 1, batch_transform=crop, num_workers=2, multiprocessing_context="spawn")
+    workers = crops_by_key(reader, 1, batch_transform=crop, num_workers=2)
     ranks = crops_by_key(reader, 2, batch_transform=crop, num_workers=0)
     assert len(workers) == 30 and workers == ranks
     assert len(set(workers.values())) == 30

@@ -43,7 +43,7 @@ def train(tmp_path: Path, urls: list[str], *extra: str, token: str = URL_SECRET)
     signed = ",".join(f"'{u}?X-Amz-Signature=${{oc.env:LSH_URL_TOKEN}}'" for u in urls)
     cmd = [sys.executable, "-m", "lightning_sharding.train", "data=files", "data.format=tar", f"data.urls=[{signed}]"]
     cmd += ["+data.storage_options={client_kwargs: {headers: {X-Api-Key: '${oc.env:LSH_API_KEY}'}}}"]
-    cmd += ["data.batch_size=8", "data.num_workers=1", "data.multiprocessing_context=spawn", "trainer.max_epochs=1"]
+    cmd += ["data.batch_size=8", "data.num_workers=1", "trainer.max_epochs=1"]
     cmd += ["checkpoint_every_n_steps=2", "audit.enabled=true", f"out_dir={tmp_path / 'run'}"]
     cmd += [f"data.cache_dir={tmp_path / 'run' / 'cache'}", *QUIET, *extra]
     env = {**_env(), "LSH_URL_TOKEN": token, "LSH_API_KEY": OPTION_SECRET}

@@ -73,7 +73,7 @@ def test_a_cached_shard_is_fetched_once_across_epochs_and_runs(
     cached = reader(cache_limit=10**9)
     cached.items()
     for epoch in range(2):
-        served = serve_epoch(cached, world_size=2, num_workers=2, multiprocessing_context="spawn")
+        served = serve_epoch(cached, world_size=2, num_workers=2)
         assert sorted(ids_served(served)) == list(range(TOTAL)), f"epoch {epoch}"
         if epoch == 0:
             first = object_gets(proxy, objects)
@@ -103,7 +103,7 @@ def test_a_budget_smaller_than_the_data_holds_and_the_epoch_stays_exactly_once(
         "s3://cache-budget/wds/part-*.tar", storage_options=options, cache_dir=tmp_path / "c", cache_limit=limit
     )
     for epoch in range(2):
-        served = serve_epoch(reader, world_size=2, num_workers=2, multiprocessing_context="spawn")
+        served = serve_epoch(reader, world_size=2, num_workers=2)
         assert sorted(ids_served(served)) == list(range(TOTAL)), f"epoch {epoch}"
         held = copies(tmp_path / "c")
         assert 0 < sum(held.values()) <= limit, held
@@ -222,7 +222,7 @@ def test_a_worker_prefetches_its_next_files_in_plan_order(
         ledger,
         world=World(0, 1),
         track=True,
-        options=LoaderOptions(batch_size=4, transform=to_regression, num_workers=1, multiprocessing_context="spawn"),
+        options=LoaderOptions(batch_size=4, transform=to_regression, num_workers=1),
     )
     batches = iter(loader)
     first = next(batches)
@@ -280,7 +280,7 @@ def test_each_stream_of_a_mixture_prefetches_its_own_next_files(
         later = [object_of[i] for i in items[batch - 1 :][streams[batch - 1 :] == s].tolist()]
         expected.add(next(o for o in later if o not in {object_of[i] for i in items[:batch].tolist()}))
     proxy.delay, proxy.log[:] = 0.05, []
-    options_ = LoaderOptions(batch_size=batch, transform=to_regression, num_workers=1, multiprocessing_context="spawn")
+    options_ = LoaderOptions(batch_size=batch, transform=to_regression, num_workers=1)
     loader = ShardedLoader.build(mixture, manifest, ledger, world=World(0, 1), track=True, options=options_)
     batches = iter(loader)
     next(batches)
@@ -339,9 +339,7 @@ def test_the_logger_gets_cache_hits_and_prefetch_wait(tmp_path: Path, s3_server:
         cache_limit=10**9,
         prefetch_files=1,
     )
-    dm = ShardedDataModule(
-        reader, transform=to_regression, batch_size=8, num_workers=2, multiprocessing_context="spawn", seed=5
-    )
+    dm = ShardedDataModule(reader, transform=to_regression, batch_size=8, num_workers=2, seed=5)
     logger = CSVLogger(str(tmp_path), name="logs")
     trainer = cpu_trainer(
         max_epochs=2, logger=logger, log_every_n_steps=1, callbacks=[ShardingCallback(log_every_n_steps=1)]

@@ -60,7 +60,7 @@ def test_the_main_job_trains_the_synthetic_set_and_reports_every_epoch(tmp_path:
 def test_every_recipe_generates_its_data_and_trains(tmp_path: Path, recipe: str) -> None:
     overrides, total = TINY[recipe]
     # One spawned worker for the strategies with processes of their own, in-process for the rest (time).
-    workers = ["data.num_workers=1", "data.multiprocessing_context=spawn"] if recipe == "climate" else []
+    workers = ["data.num_workers=1"] if recipe == "climate" else []
     workers = workers or ["data.num_workers=0"]
     cfg = make(tmp_path, f"recipe={recipe}", *overrides, *workers, "trainer.max_epochs=1", "data.seed=5")
     result = run(cfg)
@@ -155,7 +155,6 @@ def test_the_webdataset_recipe_reads_tar_shards_from_a_bucket(
         credentials,
         "data.batch_size=16",
         "data.num_workers=1",
-        "data.multiprocessing_context=spawn",
         "trainer.max_epochs=1",
     ]
     result = run(make(tmp_path, *overrides))
@@ -176,7 +175,6 @@ def test_ckpt_path_last_resumes_the_run_on_another_number_of_workers(tmp_path: P
     first.trainer.max_steps = 4
     assert run(first)["epochs"][0]["consumed"] == 4 * 8
     then = make(tmp_path, "recipe=tokens", *overrides, "ckpt_path=last", "data.num_workers=1")
-    then.data.multiprocessing_context = "spawn"
     result = run(then)
     assert result["ckpt_path"] == str(tmp_path / "checkpoints" / "last.ckpt")
     assert [e["consumed"] for e in result["epochs"]] == [total]  # the first 32 samples were not served again
@@ -222,7 +220,7 @@ def test_the_tokens_recipe_under_torchrun_on_two_ranks(tmp_path: Path) -> None:
     env = _env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={env['MASTER_PORT']}"]
     cmd += ["-m", "lightning_sharding.train", "recipe=tokens", "trainer=ddp_cpu", *overrides]
-    cmd += ["data.num_workers=1", "data.multiprocessing_context=spawn"]
+    cmd += ["data.num_workers=1"]
     cmd += [f"out_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", *QUIET]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -238,7 +236,7 @@ def test_a_config_dir_of_your_own_under_lightnings_launcher(tmp_path: Path) -> N
     Lightning's launcher (what ddp_cpu sets), which tests/process/test_elastic.py started on its own."""
     cmd = [sys.executable, "-m", "lightning_sharding.train", "--config-dir", str(ROOT / "recipes")]
     cmd += ["--config-name", "ddp_cpu", "data.num_items=2", "data.samples_per_item=64", "trainer.max_epochs=1"]
-    cmd += ["data.num_workers=1", "data.multiprocessing_context=spawn", f"out_dir={tmp_path}", *QUIET]
+    cmd += ["data.num_workers=1", f"out_dir={tmp_path}", *QUIET]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "world 2 rank(s) x 1 worker(s)" in proc.stdout

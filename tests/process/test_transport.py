@@ -1,4 +1,4 @@
-"""The pooled shared-memory transport (strategies/_slots.py) with real spawned workers: slots are
+"""The pooled shared-memory transport (strategies/_slots.py) with real workers: slots are
 reused, a batch larger than its slot gets a larger one, a consumer that keeps batches keeps them
 intact (the workers go PyTorch's way rather than overwrite), a SIGKILL leaves nothing in /dev/shm
 once swept, and exactly-once holds in the weights with every batch carried by the pool."""
@@ -21,7 +21,17 @@ from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader,
 from lightning_sharding.readers.synthetic import regression_arrays
 from lightning_sharding.strategies._slots import SlotBatch
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import Checks, Job, Loading, Training, assert_weights_count_once, check_resume, weights_of_run
+from tests.harness import (
+    START_IDS,
+    START_METHODS,
+    Checks,
+    Job,
+    Loading,
+    Training,
+    assert_weights_count_once,
+    check_resume,
+    weights_of_run,
+)
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
@@ -35,14 +45,12 @@ def growing(batch: dict[str, torch.Tensor], ctx: Any) -> dict[str, torch.Tensor]
 
 
 def loader(samples: int, batch_size: int = 64, **options: Any) -> tuple[ShardedLoader, list[Any]]:
-    """One rank's loader with 2 spawned workers; the list fills with what each delivery carried
+    """One rank's loader with 2 workers; the list fills with what each delivery carried
     (``SlotBatch``: its slot's name; else ``None``: PyTorch's path)."""
     reader = SyntheticReader(4, samples // 4, dim=DIM)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
-    opts = LoaderOptions(
-        batch_size=batch_size, num_workers=2, multiprocessing_context="spawn", transport="pool", **options
-    )
+    opts = LoaderOptions(batch_size=batch_size, num_workers=2, transport="pool", **options)
     built = ShardedLoader.build(reader, manifest, ledger, world=World(), options=opts)
     carried: list[Any] = []
     pool = built._pool
@@ -66,8 +74,9 @@ def check(batch: dict[str, torch.Tensor]) -> list[int]:
     return ids.tolist()
 
 
-def test_slots_are_reused_and_every_batch_is_exact() -> None:
-    built, carried = loader(3200)  # 50 batches
+@pytest.mark.parametrize("start", START_METHODS, ids=START_IDS)
+def test_slots_are_reused_and_every_batch_is_exact(start: str | None) -> None:
+    built, carried = loader(3200, multiprocessing_context=start)  # 50 batches
     served = Counter(i for batch in built for i in check(batch))
     assert served == Counter(range(3200))
     names = [n for n in carried if n is not None]
@@ -105,7 +114,7 @@ def test_a_consumer_that_keeps_every_batch_finds_them_intact() -> None:
 CHILD = """
 import sys, time
 from tests.process.test_transport import loader
-built, _ = loader(64000)
+built, _ = loader(64000, multiprocessing_context={start!r})
 print(built._pool.states.prefix, flush=True)
 for n, batch in enumerate(built):
     if n == 5:
@@ -114,11 +123,17 @@ for n, batch in enumerate(built):
 """
 
 
-def test_a_sigkill_leaves_nothing_in_dev_shm_once_swept(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", START_METHODS, ids=START_IDS)
+def test_a_sigkill_leaves_nothing_in_dev_shm_once_swept(tmp_path: Path, start: str | None) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD], cwd=root, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", CHILD.format(start=start)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     assert child.stdout is not None
     prefix = child.stdout.readline().strip()
