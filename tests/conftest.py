@@ -1,8 +1,12 @@
-"""Test-wide settings: one OpenMP thread per process (2-core machine, many processes per test), and
-``@pytest.mark.needs(module, ...)`` for tests of optional extras (see tests/extras.py)."""
+"""Test-wide settings: one OpenMP thread per process (2-core machine, many processes per test),
+``@pytest.mark.needs(module, ...)`` for tests of optional extras (see tests/extras.py), the ``quick``
+inner loop (every unit test and the ``chain`` tests: ``pytest -m quick``), and the suite's CPU-seconds
+printed at its end (the budget: docs/development.md#the-test-budget)."""
 
 import multiprocessing
 import os
+import time
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +46,43 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if path and report.skipped and os.environ.get("PYTEST_XDIST_WORKER") is None:
         with open(path, "a") as out:
             out.write(report.nodeid + "\n")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``quick`` marks every unit test and every ``chain`` test (one exactly-once chain a strategy)."""
+    unit = Path(__file__).parent / "unit"
+    for item in items:
+        if item.get_closest_marker("chain") is not None or unit in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.quick)
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU-seconds this machine has been busy (user, nice, system) since boot, from /proc/stat: every
+    process the suite starts counts, whoever reaps it (a worker's forkserver reaps its workers)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    return (int(fields[1]) + int(fields[2]) + int(fields[3])) / os.sysconf("SC_CLK_TCK")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        session.config.stash[_STARTED] = (_busy_cpu_seconds(), time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """The suite's CPU-seconds and wall time, beside the budget in docs/development.md."""
+    started = config.stash.get(_STARTED, None)
+    busy = _busy_cpu_seconds()
+    if started is None or started[0] is None or busy is None:
+        return
+    cpu, wall = busy - started[0], time.monotonic() - started[1]
+    terminalreporter.write_line(
+        f"CPU: the machine was busy {cpu:,.0f} CPU-seconds in {wall:,.0f} s of this run "
+        f"({cpu / max(wall, 1e-9):.2f} of {os.cpu_count()} cores on average; "
+        "the budget: docs/development.md#the-test-budget)"
+    )
+
+
+_STARTED = pytest.StashKey[tuple[float | None, float]]()

@@ -25,6 +25,7 @@ from lightning_sharding.core.plan import RankPlan
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.sources import Source
+from lightning_sharding.strategies._start import leave_forkserver
 
 POLL_SECONDS = 0.1  # how often a blocked dispatcher looks for a newer generation or a dead parent
 
@@ -180,6 +181,7 @@ def run_dispatcher(source: Source, control: Any, queues: list[Any], alive: Conne
     ``queues`` are the workers' bounded queues (pickled messages); ``alive`` is held open for the
     process's lifetime so that workers see its end as end-of-file on the other side.
     """
+    leave_forkserver()  # the server then ends with the rank, and this process with the server
     spec: Spec | None = _wait_command(control)
     while spec is not None:
         interrupted, following = _serve(source, spec, control, queues)

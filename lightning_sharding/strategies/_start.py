@@ -73,6 +73,23 @@ def worker_context(requested: str | None, *used: Any) -> BaseContext:
     return context
 
 
+def leave_forkserver(_worker_id: int | None = None) -> None:
+    """Run first in a helper process (a DataLoader's ``worker_init_fn``): close the forkserver's "alive"
+    pipe that multiprocessing hands every process the server starts. A server lives while anyone
+    holds that pipe, and a worker lives while its parent, the server, does: after a SIGKILL of the
+    training process the workers would keep each other's server alive, and so themselves, forever.
+    Closed here, the server exits with the training process and PyTorch's watchdog stops the workers."""
+    server: Any = getattr(forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is None or _started_by == os.getpid():
+        return  # not started by a forkserver, or the server is this process's own
+    try:
+        os.close(alive)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = None
+
+
 def _start_forkserver(modules: list[str]) -> None:
     """Start this process's forkserver with ``modules`` preloaded, unless it runs already (then the
     modules it lacks are imported by each worker)."""

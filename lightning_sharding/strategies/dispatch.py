@@ -40,7 +40,7 @@ from lightning_sharding.strategies._dispatch_worker import (
     make_batch,
 )
 from lightning_sharding.strategies._helper_deaths import how_it_ended, reraise_if_dead, watch, worker_processes
-from lightning_sharding.strategies._start import worker_context
+from lightning_sharding.strategies._start import leave_forkserver, worker_context
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
@@ -233,6 +233,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
             sampler=self.sampler,
             num_workers=self.options.num_workers,
             collate_fn=pass_through,
+            worker_init_fn=leave_forkserver,
             multiprocessing_context=mp,
             **self.options.dataloader_kwargs(),
         )

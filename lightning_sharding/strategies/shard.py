@@ -42,7 +42,7 @@ from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
 from lightning_sharding.strategies._helper_deaths import reraise_if_dead, stop_workers, watch, worker_processes
 from lightning_sharding.strategies._slots import SlotPool
-from lightning_sharding.strategies._start import start_method, worker_context
+from lightning_sharding.strategies._start import leave_forkserver, start_method, worker_context
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
@@ -235,6 +235,7 @@ class ShardedLoader(TrainLoader):
             sampler=sampler,
             num_workers=workers,
             collate_fn=pass_through,
+            worker_init_fn=leave_forkserver,
             multiprocessing_context=context,
             **options.dataloader_kwargs(),
         )

@@ -149,6 +149,7 @@ def broadcast_job(months: Path, topology: Topology, *, halo: bool = False, **loa
 
 
 @pytest.mark.processes
+@pytest.mark.chain
 @pytest.mark.timeout(300)
 def test_resume_and_rescale_with_a_halo_is_exactly_once_and_sigkill_leaves_nothing(tmp_path: Path) -> None:
     """2 ranks x 2 workers, SIGKILLed mid-epoch, resumed on 1 rank x 1 worker. The halo makes the

@@ -178,6 +178,7 @@ def test_without_workers_one_source_serves_the_epoch_in_process() -> None:
 
 @needs_dali
 @pytest.mark.processes
+@pytest.mark.chain
 @pytest.mark.timeout(240)
 def test_resume_under_lightning_on_other_ranks_and_workers(tmp_path: Path) -> None:
     """Real Trainer, 2 DDP ranks x 2 DALI workers, killed after a checkpoint; resumed on 1 rank x 1

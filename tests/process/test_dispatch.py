@@ -163,6 +163,7 @@ def dispatch_job(db: Path, topology: Topology, source: dict[str, Any] | None = N
 
 
 @pytest.mark.processes
+@pytest.mark.chain
 @pytest.mark.timeout(240)
 def test_sqlite_resumes_exactly_once_after_sigkill_on_another_topology(tmp_path: Path, db: Path) -> None:
     """Spawned dispatch processes and workers: the dispatch strategy's exactly-once chain under spawn."""

@@ -33,7 +33,7 @@ TOTAL = sum(Job().data.sizes)
     # At most 2 x 2: the machine has 2 cores. Up in ranks and workers, and down in ranks with workers
     # up; 2x2 -> 1x2 -> 2x0 is the next test, and every other rank change is the in-process contract
     # test's (tests/unit/test_strategy_contract.py).
-    [((1, 0), (2, 2)), ((2, 1), (1, 2))],
+    [pytest.param((1, 0), (2, 2), marks=pytest.mark.chain), ((2, 1), (1, 2))],  # the inner loop's shard chain
     ids=lambda t: f"{t[0]}x{t[1]}",
 )
 def test_mid_epoch_resume_on_another_topology(tmp_path: Path, before: tuple[int, int], after: tuple[int, int]) -> None:
