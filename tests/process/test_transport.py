@@ -139,7 +139,9 @@ def group_members(group: int) -> list[str]:
 
 
 @pytest.mark.parametrize("start", START_METHODS, ids=START_IDS)
-def test_a_sigkill_of_the_training_process_leaves_no_process_and_nothing_in_dev_shm_once_swept(tmp_path: Path, start: str | None) -> None:
+def test_a_sigkill_of_the_training_process_leaves_no_process_and_nothing_in_dev_shm_once_swept(
+    tmp_path: Path, start: str | None
+) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen(
