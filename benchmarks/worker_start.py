@@ -99,7 +99,7 @@ def measure(method: str, workers: int, consumed: float, script: Path) -> dict[st
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def run(workers: list[int], repeats: int, script: Path) -> dict[str, Any]:
+def run(workers: list[int], repeats: int, script: Path, *, resume: bool = True) -> dict[str, Any]:
     """``{workers: {method: {figure: median}}}``, each method in turn within a round."""
     results: dict[str, Any] = {}
     for n in workers:
@@ -107,7 +107,7 @@ def run(workers: list[int], repeats: int, script: Path) -> dict[str, Any]:
         for _ in range(repeats):
             for method in METHODS:
                 fresh = measure(method, n, 0.0, script)
-                fresh["resume_wall"] = measure(method, n, 0.5, script)["start_wall"]
+                fresh["resume_wall"] = measure(method, n, 0.5, script)["start_wall"] if resume else float("nan")
                 rounds[method].append(fresh)
         results[str(n)] = {
             m: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for m, runs in rounds.items()
@@ -140,14 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="2 workers, 1 round (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="2 workers, 1 round, no resume (a smoke run)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     workers, repeats = ([2], 1) if args.quick else (args.workers, args.repeats)
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"lsh_worker_start_{os.getpid()}.py"
     script.write_text(SCRIPT)
     try:
-        results = run(workers, repeats, script)
+        results = run(workers, repeats, script, resume=not args.quick)
     finally:
         script.unlink(missing_ok=True)
     print(f"## Worker start by start method ({os.cpu_count()} cores, {repeats} rounds, medians)")

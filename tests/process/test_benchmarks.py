@@ -158,6 +158,19 @@ def test_first_batch_benchmark_times_every_system_local_and_on_s3() -> None:
         )
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+def test_worker_start_benchmark_times_every_start_method(tmp_path: Path) -> None:
+    """``benchmarks.worker_start --quick``: one fresh training process per start method, 2 workers."""
+    out = run_benchmark("benchmarks.worker_start", "--quick", "--json", str(tmp_path / "ws.json"), timeout=180).stdout
+    assert "| workers | start method | start: wall s |" in out, out
+    figures = json.loads((tmp_path / "ws.json").read_text())["2"]
+    assert set(figures) == {"spawn", "fork", "forkserver"}
+    for method, row in figures.items():
+        assert row["start_wall"] > 0 and row["epoch_wall"] > 0, (method, row)
+    assert figures["spawn"]["start_cpu"] > 0 and figures["forkserver"]["start_cpu"] > 0  # interpreters started
+
+
 def run_benchmark(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess[str]:
     """``python -m module args`` from the repository root; fails the test unless it exits 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -1,0 +1,35 @@
+"""A reader whose samples tell what its worker process sees of the training process's memory: the
+value of a module global and the state of a lock that the training process changed after importing
+this module (tests/process/test_worker_start.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_sharding import Item, Reader, ShardContext
+
+MARKER = "as imported"
+LOCK = threading.Lock()
+
+
+class ProbeReader(Reader):
+    """Two items of 8 samples; each sample: its id, its worker's pid and parent's pid, and what the
+    worker sees of :data:`MARKER` and :data:`LOCK`."""
+
+    def items(self) -> Sequence[Item]:
+        return [Item("a", 8), Item("b", 8)]
+
+    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+        free = LOCK.acquire(blocking=False)
+        if free:
+            LOCK.release()
+        return {
+            "id": (0 if item.key == "a" else 8) + index,
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "marker": MARKER,
+            "lock_free": free,
+        }
