@@ -1,7 +1,8 @@
 """Data-parallel groups: the ranks of one model replica (tensor, context or pipeline parallel) read
 the same batches, and only the replicas split the data.
 
-Real processes throughout: 4 ranks of DDP over gloo (Lightning's ddp_spawn) whose strategy declares
+Real processes throughout: 4 ranks of DDP over gloo (Lightning's ddp_fork; ``ModelParallelStrategy``'s
+own launcher for its test) whose strategy declares
 2 replicas x 2 tensor-parallel ranks in ``distributed_sampler_kwargs``, as ``ModelParallelStrategy``
 does (tests/jobs/parts.py::ReplicatedDDP), or whose DataModule is told by ``data_parallel=``.
 Exactly-once is checked in the records of the first rank of each replica, in the weights (each
@@ -122,7 +123,7 @@ def test_a_tensor_parallel_checkpoint_resumes_with_another_replica_size_and_as_p
 
 def test_a_ddp_checkpoint_resumes_under_tensor_parallelism_given_by_data_parallel(tmp_path: Path) -> None:
     """The reverse, with the replicas named by the user's ``data_parallel=`` function (a mesh Lightning
-    cannot see): plain ddp_spawn on 4 ranks, ``data_parallel=(global_rank // 2, world_size // 2)``."""
+    cannot see): plain DDP on 4 ranks, ``data_parallel=(global_rank // 2, world_size // 2)``."""
     then = tp(data_parallel_override=True)
     seen, segments = check_resume(tmp_path, ddp(), [then], checkpoint_every=2)
     assert_exactly_once(seen, TOTAL, epochs=1)

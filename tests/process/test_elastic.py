@@ -1,6 +1,7 @@
 """Elastic resume: a checkpoint written on one (ranks, workers) resumes on any other, exactly-once.
 
-Every case runs real processes: Lightning's launcher or torchrun, DDP over gloo, spawned workers.
+Every case runs real processes: Lightning's ddp_fork ranks or torchrun, DDP over gloo, real workers
+from the package's forkserver.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def test_torchrun_two_nodes_on_one_machine_resumes_a_checkpoint_of_lightnings_la
     tmp_path: Path, trained_2x2: Path
 ) -> None:
     """Two `torchrun --nnodes=2 --node_rank={0,1}` launches with a rendezvous on 127.0.0.1, resuming
-    (a copy of) the session's shared 2x2 segment, trained under Lightning's launcher (tests/process/conftest.py)."""
+    (a copy of) the session's shared 2x2 segment, trained under Lightning's ddp_fork (tests/process/conftest.py)."""
     then = FIRST_2X2.on(2, 1, launcher="torchrun", num_nodes=2)
     seen, segments = check_resume(tmp_path, FIRST_2X2, [then], checkpoint_every=3, trained=trained_2x2)
     assert_exactly_once(seen, TOTAL, epochs=1)

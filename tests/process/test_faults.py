@@ -1,7 +1,7 @@
 """Faults: the whole job SIGKILLed at random points, dead helper processes, two runs side by side.
 
-Every kill is a real SIGKILL of real processes (Lightning's ddp_spawn ranks, spawned DataLoader
-workers, dispatch processes); every exactly-once claim is checked by the audit trail over all
+Every kill is a real SIGKILL of real processes (Lightning's ddp_fork ranks, DataLoader workers from
+the package's forkserver, dispatch processes); every exactly-once claim is checked by the audit trail over all
 segments of a run (``lightning_sharding.lightning.audit``) and, independently, by the sample ids the training
 steps recorded. Kill points are drawn from a seed that is printed and put in every assertion
 message; set ``LSH_FAULT_SEED`` to replay one, and ``LSH_FAULT_KILLS`` for more kills per run.

@@ -214,7 +214,7 @@ def _consumed(stdout: str, samples: int) -> list[int]:
 @pytest.mark.processes
 def test_the_tokens_recipe_under_torchrun_on_two_ranks(tmp_path: Path) -> None:
     """The train entry under `torchrun --nproc_per_node=2` (trainer=ddp_cpu: devices 2, strategy ddp),
-    with 1 spawned worker a rank (this launch also stands for the plain train entry under torchrun that
+    with 1 worker a rank (this launch also stands for the plain train entry under torchrun that
     tests/process/test_elastic.py started with the synthetic data)."""
     overrides, total = TINY["tokens"]
     env = _env()

@@ -7,7 +7,7 @@ checkpoint a run writes is compared sample by sample, then every one of them is 
 topology (1 rank, no workers) and one on the same topology, and every finished epoch must have
 added exactly 1 to every sample's weight.
 
-Real processes throughout: a real Trainer, DDP over gloo (ddp_spawn or torchrun), spawned workers,
+Real processes throughout: a real Trainer, DDP over gloo (ddp_spawn or torchrun), real workers,
 Lightning's own SLURM auto-requeue handler on a real SIGUSR1, Lightning's OnExceptionCheckpoint.
 """
 
