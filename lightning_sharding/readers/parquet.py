@@ -84,9 +84,9 @@ class ParquetReader(FileReader):
         sink = pa.BufferOutputStream()
         meta.write_metadata_file(sink)
         footer = np.frombuffer(sink.getvalue().to_pybytes(), dtype=np.uint8)
-        arrays: list[dict[str, npt.NDArray[Any]]] = [{} for _ in counts]
-        if arrays:
-            arrays[0]["footer"] = footer
+        # Row group 0 keeps it, the others an empty one: every item has the same arrays, so the files
+        # of a listing or a data index share one set of arrays, whatever their row groups.
+        arrays = [{"footer": footer if i == 0 else footer[:0]} for i in range(len(counts))]
         return FileIndex([f"rg={i}" for i in range(len(counts))], counts, arrays)
 
     def _group(self, item: Item) -> dict[str, Any]:

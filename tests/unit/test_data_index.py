@@ -5,6 +5,7 @@ not used, and a missing one that was named is an error."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -182,3 +183,37 @@ def test_no_index_after_a_transient_error_is_no_index(tmp_path: Path, monkeypatc
     monkeypatch.setattr(data_index, "with_retries", flaky_then_missing)
     reader, items, said = start(shards(tmp_path / "data"), tmp_path / "c")
     assert len(items) == len(SIZES) and not said
+
+
+@pytest.mark.needs("pyarrow")
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_parquet_files_of_several_row_groups_share_one_data_index(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files of 3, 2 and 1 row groups (an item each) under one index: a first start reads no file."""
+    from lightning_sharding.readers import ParquetReader
+
+    monkeypatch.setenv("LIGHTNING_SHARDING_CACHE", str(tmp_path / "cli-cache"))  # the command walks every file
+
+    sizes, options, args = [150, 70, 40], {}, []
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        root, options = f"{server.bucket('row-groups')}/data", server.storage_options
+        args = ["--storage-options", json.dumps(options)]
+    else:
+        root = str(tmp_path / "data")
+    write_regression(root, "parquet", sizes, row_group_size=64, storage_options=options or None)
+    pattern = f"{root}/*.parquet"
+    walked = ParquetReader(pattern, cache_dir=tmp_path / "walked", data_index=False, storage_options=options)
+    walked_items = list(walked.items())
+    assert [item.num_samples for item in walked_items] == [64, 64, 22, 64, 6, 40]
+    assert main(["index", pattern, *args]) == 0
+    reader = ParquetReader(pattern, cache_dir=tmp_path / "fresh", storage_options=options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no file is stale, none is walked
+        items = list(reader.items())
+    assert reader.last_scan == {"files": 3, "scanned": 0, "cached": 3} and items == walked_items
+    for item in items:  # every row group reads from the footer the index kept
+        ours = reader.read_batch(item, np.arange(item.num_samples), None)  # type: ignore[arg-type]
+        theirs = walked.read_batch(item, np.arange(item.num_samples), None)  # type: ignore[arg-type]
+        assert [r["id"] for r in ours] == [r["id"] for r in theirs]
