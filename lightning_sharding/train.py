@@ -188,7 +188,18 @@ def main() -> None:
     a recipe's ``_target_`` may name a module next to it."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    sys.argv[1:] = [quote_equals(arg) for arg in sys.argv[1:]]
     _hydra_main()
+
+
+def quote_equals(arg: str) -> str:
+    """An override whose value holds ``=``, as every checkpoint ``ModelCheckpoint`` names by default
+    does (``ckpt_path=out/checkpoints/epoch=0-step=20.ckpt``), quoted for Hydra, whose grammar refuses
+    an unquoted ``=`` in a value; anything with quotes, brackets, braces or commas is left as written."""
+    key, sep, value = arg.partition("=")
+    if not sep or arg.startswith("-") or "=" not in value or any(c in value for c in "'\"[]{}(),"):
+        return arg
+    return f"{key}='{value}'"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ come from their registry (:mod:`lightning_sharding.strategies`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,9 +185,12 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         return cfg.ckpt_path  # type: ignore[no-any-return]
     where = Path(cfg.callbacks.dirpath)
     found = sorted(where.glob("*.ckpt"), key=lambda p: (p.stat().st_mtime_ns, p.name.startswith("last")))
-    if not found:
-        raise FileNotFoundError(
-            f"ckpt_path=last: no checkpoint in {where} (callbacks.dirpath, from out_dir={cfg.out_dir}). "
-            "Give the out_dir of the run to resume, or ckpt_path=PATH/TO/FILE.ckpt"
+    if not found:  # as Lightning's ckpt_path="last": one command for a job's first launch and every requeue
+        warnings.warn(
+            f"ckpt_path=last: no checkpoint in {where} yet (callbacks.dirpath, from out_dir={cfg.out_dir}), "
+            "so training starts from scratch. If you meant to resume a run, give its out_dir, or "
+            "ckpt_path=PATH/TO/FILE.ckpt",
+            stacklevel=2,
         )
+        return None
     return str(found[-1])

@@ -8,12 +8,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from lightning_sharding.lightning.audit import audit
 from lightning_sharding.train import CONF_DIR, run
 from tests.harness import ROOT, free_port
 
@@ -267,3 +269,43 @@ def test_the_packaged_config_needs_no_repository(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     conf = Path(proc.stdout.strip())
     assert conf == copy / "conf" and (conf / "recipe" / "climate.yaml").is_file()
+
+
+@pytest.mark.processes
+def test_one_command_starts_a_run_and_after_a_sigkill_resumes_it(tmp_path: Path) -> None:
+    """The same `lightning-sharding-train ... ckpt_path=last` command as a cluster requeues it: the
+    first launch finds no checkpoint, warns and starts fresh, and is SIGKILLed once checkpoints are
+    written; the same command resumes from the newest. Then a checkpoint named as ModelCheckpoint
+    names it (`epoch=0-step=2.ckpt`) resumes given as written."""
+    total = 4 * 300
+    base = [sys.executable, "-m", "lightning_sharding.train", "data.num_items=4", "data.samples_per_item=300"]
+    base += ["data.batch_size=4", "data.num_workers=0", "data.seed=5", "checkpoint_every_n_steps=2"]
+    base += ["trainer.max_epochs=1", "audit.enabled=true", f"out_dir={tmp_path}", *QUIET]
+    command = [*base, "ckpt_path=last"]
+    checkpoints = tmp_path / "checkpoints"
+    log = tmp_path / "first.log"
+    with open(log, "w") as sink:
+        first = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path, env=_env())
+        deadline = time.time() + 120
+        while time.time() < deadline and first.poll() is None and len(list(checkpoints.glob("epoch=*.ckpt"))) < 2:
+            time.sleep(0.01)
+        first.kill()  # SIGKILL, as a preemption that gives no time
+        first.wait(timeout=30)
+    said = log.read_text()
+    assert first.returncode == -9, f"the first launch was not killed mid-epoch (it ended {first.returncode}):\n{said}"
+    assert "ckpt_path=last: no checkpoint in" in said and "starts from scratch" in said, said[-3000:]
+    written = sorted(checkpoints.glob("epoch=*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
+    requeued = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_env())
+    assert requeued.returncode == 0, (requeued.stdout + requeued.stderr)[-3000:]
+    assert "starts from scratch" not in requeued.stdout + requeued.stderr
+    assert _consumed(requeued.stdout, total) == [total]
+    assert f"Restoring states from the checkpoint path at {checkpoints}" in requeued.stdout + requeued.stderr
+    (row,) = audit([tmp_path])  # the killed run's kept steps and the requeued run's: each sample once
+    assert (row.consumed, row.duplicates, row.missing, row.complete) == (total, 0, 0, True)
+    oldest = written[0]  # a name with '=' signs, as ModelCheckpoint wrote it
+    assert "=" in oldest.name
+    given = subprocess.run(
+        [*base, f"ckpt_path={oldest}"], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_env()
+    )
+    assert given.returncode == 0, (given.stdout + given.stderr)[-3000:]
+    assert _consumed(given.stdout, total) == [total]

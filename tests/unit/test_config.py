@@ -204,9 +204,11 @@ def test_a_reader_of_your_own_that_cannot_window_is_refused_for_broadcast(tmp_pa
         run(cfg)
 
 
-def test_ckpt_path_last_without_a_checkpoint_says_where_it_looked(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=f"ckpt_path=last: no checkpoint in {tmp_path / 'checkpoints'}"):
-        resolve_ckpt_path(make(tmp_path, "ckpt_path=last"))
+def test_ckpt_path_last_without_a_checkpoint_starts_fresh_saying_where_it_looked(tmp_path: Path) -> None:
+    """As Lightning's ckpt_path="last": one command for a job's first launch and every requeue."""
+    said = f"ckpt_path=last: no checkpoint in {tmp_path / 'checkpoints'} yet .* starts from scratch"
+    with pytest.warns(UserWarning, match=said):
+        assert resolve_ckpt_path(make(tmp_path, "ckpt_path=last")) is None
     with pytest.raises(FileNotFoundError, match="ckpt_path=nothing.ckpt: no such checkpoint file"):
         resolve_ckpt_path(make(tmp_path, "ckpt_path=nothing.ckpt"))
 
@@ -249,3 +251,19 @@ def test_allow_mixture_change_reaches_the_datamodule(tmp_path: Path) -> None:
     assert build_datamodule(cfg).allow_mixture_change is False
     cfg = make(tmp_path, "data=mixture", "data.num_workers=0", "data.allow_mixture_change=true")
     assert build_datamodule(cfg).allow_mixture_change is True
+
+
+def test_a_value_with_equals_signs_is_quoted_for_hydra_and_nothing_else_is() -> None:
+    from lightning_sharding.train import quote_equals
+
+    assert quote_equals("ckpt_path=runs/x/epoch=0-step=20.ckpt") == "ckpt_path='runs/x/epoch=0-step=20.ckpt'"
+    assert quote_equals("+data.root=/d/year=2024") == "+data.root='/d/year=2024'"
+    for kept in (
+        "ckpt_path=last",
+        "data.urls=[s3://b/year=2024/*.tar]",
+        "ckpt_path='a=b'",
+        "a=x=1,y=2",
+        "-m",
+        "--cfg=job",
+    ):
+        assert quote_equals(kept) == kept
