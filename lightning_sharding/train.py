@@ -8,6 +8,7 @@ summary (epochs, samples consumed, padding, throughput) when it ends.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -189,7 +190,58 @@ def main() -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     sys.argv[1:] = [quote_equals(arg) for arg in sys.argv[1:]]
+    typo = misspelt_key(sys.argv[1:])
+    if typo is not None:
+        print(f"{PROG}: error: {typo}", file=sys.stderr)
+        sys.exit(2)
     _hydra_main()
+
+
+PROG = "lightning-sharding-train"
+# Hydra's own flags, after which Hydra alone reads the command line (help, a sweep, another config).
+_HYDRA_FLAGS: tuple[str, ...] = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info")
+_HYDRA_FLAGS += ("-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir")
+
+
+def misspelt_key(args: list[str]) -> str | None:
+    """What is wrong with an override that names a key its group does not have (``data.batch_sise=8``),
+    with the group's keys and the closest one; None when the command composes, or fails otherwise
+    (Hydra then says why). Hydra's own message only suggests appending the typo with ``+``."""
+    if any(arg.split("=", 1)[0] in _HYDRA_FLAGS for arg in args):
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        try:
+            compose("train", overrides=args)
+            return None
+        except ConfigCompositionException as err:
+            missing = err.__cause__
+            if not isinstance(missing, (ConfigAttributeError, ConfigKeyError)) or not getattr(
+                missing, "full_key", None
+            ):
+                return None
+            full_key = str(missing.full_key)
+            bad = next((a for a in args if a.lstrip("~+").split("=", 1)[0] == full_key), None)
+            try:
+                cfg = compose("train", overrides=[a for a in args if a is not bad])
+            except Exception:  # noqa: BLE001 - then Hydra's own message is as good as it gets
+                return None
+    parent, _, key = full_key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return None
+    keys = sorted(str(k) for k in node.keys() if not str(k).startswith("_"))
+    close = difflib.get_close_matches(key, keys, n=1)
+    hint = f"Did you mean {'.'.join(filter(None, [parent, close[0]]))}? " if close else ""
+    more = (
+        " (any other argument of lightning.pytorch.Trainer goes in as +trainer.NAME=VALUE)"
+        if parent == "trainer"
+        else ""
+    )
+    return f"{full_key}: {parent or 'the train config'} has no key {key!r}. {hint}Its keys are {', '.join(keys)}{more}"
 
 
 def quote_equals(arg: str) -> str:

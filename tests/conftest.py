@@ -52,8 +52,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """``quick`` marks every unit test and every ``chain`` test (one exactly-once chain a strategy)."""
     unit = Path(__file__).parent / "unit"
     for item in items:
-        if item.get_closest_marker("chain") is not None or unit in Path(item.fspath).parents:
+        if item.get_closest_marker("chain") is not None or unit in item.path.parents:
             item.add_marker(pytest.mark.quick)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n logical``: a test process per core this process may run on, and at most one per 3 GiB of
+    memory (a process test's ranks, workers and servers take up to about that)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        total_kib = int(Path("/proc/meminfo").read_text().split("MemTotal:", 1)[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        return cores
+    return max(1, min(cores, total_kib // (3 * 2**20)))
 
 
 def _busy_cpu_seconds() -> float | None:

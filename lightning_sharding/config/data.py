@@ -29,7 +29,7 @@ class DataOptions:
     shuffle: bool = True
     even_batches: str = "pad"  # pad | drop (| sync with sharding=dispatch)
     persistent_workers: bool = True
-    multiprocessing_context: str | None = None  # e.g. spawn
+    multiprocessing_context: str | None = None  # null: forkserver, modules preloaded (Linux) | spawn | fork
     on_error: str = "raise"  # raise | skip (sharding=shard only)
     transport: str = "pool"  # pool | torch: how workers hand batches over (sharding=shard)
     cache_dir: str | None = None  # file indexes and generated data; none: ~/.cache/lightning_sharding

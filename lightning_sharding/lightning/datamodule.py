@@ -61,8 +61,10 @@ class ShardedDataModule(pl.LightningDataModule):
         even_batches: ``"pad"`` repeats at most one flagged sample per rank, ``"drop"`` leaves at
             most one sample per rank unserved (reported); either way every rank yields the same
             number of batches, so DDP never hangs at an epoch's end.
-        persistent_workers, prefetch_factor, pin_memory, multiprocessing_context, timeout: passed
-            to the DataLoader.
+        persistent_workers, prefetch_factor, pin_memory, timeout: passed to the DataLoader.
+        multiprocessing_context: how workers start: ``None`` (the default) is, on Linux, a forkserver
+            with torch, the package and the reader's modules imported once (``"fork"`` in a notebook,
+            ``"spawn"`` on macOS); or ``"forkserver"``, ``"spawn"``, ``"fork"``. docs/performance.md.
         transport: how workers hand batches to training: ``"pool"`` (reusable shared-memory slots,
             one copy per batch) or ``"torch"`` (PyTorch's own path); see the README's "Performance".
         transform, batch_transform: ``transform(sample, SampleContext) -> sample`` per sample and
@@ -242,9 +244,8 @@ class ShardedDataModule(pl.LightningDataModule):
         if self.options.num_workers > 0 and "multiprocessing_context" not in self.strategy.fixed_options:
             # The forkserver (the default start method) imports while the ranks list, plan and restore.
             options = self.options
-            worker_context(
-                options.multiprocessing_context, self.strategy, data, options.transform, options.batch_transform
-            )
+            used = (self.strategy, data, options.transform, options.batch_transform, options.collate_fn)
+            worker_context(options.multiprocessing_context, *used)
         with collective(self.world):  # the leaders list and index, the other ranks receive the items
             self.manifest = self.strategy.manifest(data, self.options.batch_size)
         seed = self._shared_seed()

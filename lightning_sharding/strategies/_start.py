@@ -1,16 +1,22 @@
 """How a rank's helper processes (DataLoader workers, a dispatch process) start: the start method.
 
-``multiprocessing_context=None`` (the default) is ``"forkserver"`` where the platform has it, with
-torch, this package and the modules of what the workers run preloaded: the server imports them once
-per training process, and each worker is forked from it in milliseconds. It is as safe as
-``"spawn"`` (the server is a fresh interpreter started before any CUDA context or thread of the
-training process could leak into it) and, from the second worker on, nearly as fast as ``"fork"``.
+``multiprocessing_context=None`` (the default) is, on Linux, ``"forkserver"`` with torch, this package
+and the modules of what the workers run preloaded: the server imports them once per training
+process, and each worker is forked from it in milliseconds. It is as safe as ``"spawn"``: the server
+is a new interpreter (exec'd, not forked), so no CUDA context, thread or lock of the training
+process reaches it, whenever it starts. From the second worker on it is nearly as fast as ``"fork"``.
 docs/performance.md#worker-start has the figures the default was chosen from.
 
+Where a forkserver cannot serve, the default is what Python's is: ``"spawn"`` on macOS (forking a
+process that loaded Apple's frameworks is unsafe) and Windows, and ``"fork"`` in a notebook or an
+interactive session, whose classes no new process can import. ``multiprocessing.set_start_method``
+is honoured, and ``"spawn"``, ``"fork"`` or a context are passed through as PyTorch takes them.
+
 A spawned or forkserver worker runs the training script's top level again (as ``__mp_main__``), so
-the modules that top level imported (``import lightning.pytorch as pl``) are preloaded too: the
-server pays for them once instead of every worker. ``"spawn"`` and ``"fork"`` are passed through
-as PyTorch takes them.
+the well-known heavy packages that top level imported (``import lightning.pytorch as pl``) are
+preloaded too: the server pays for them once instead of every worker. Other modules of the script
+are not (one that starts a thread at import would put it into every worker); add yours with
+``multiprocessing.set_forkserver_preload``, whose list is kept.
 """
 
 from __future__ import annotations
@@ -24,37 +30,49 @@ from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any
 
-DEFAULT_START_METHOD = "forkserver"
 START_METHODS: tuple[str, ...] = ("forkserver", "spawn", "fork")
 # What every worker imports, whatever it reads: torch and the worker side of every strategy.
 BASE_PRELOAD: tuple[str, ...] = ("torch", "lightning_sharding.strategies._worker")
+# The packages of a training script's imports that the server preloads: heavy, and known to start no
+# thread and touch no device when imported.
+SAFE_TO_PRELOAD = frozenset(
+    ("torch", "lightning", "pytorch_lightning", "lightning_sharding", "numpy", "hydra", "omegaconf", "pyarrow")
+)
 
 _started_by: int | None = None  # the pid of the process whose loader started the forkserver
 
 
-def start_method(requested: str | None) -> str:
-    """The start method a loader uses for ``multiprocessing_context=requested``."""
-    if requested is None:
-        return DEFAULT_START_METHOD if DEFAULT_START_METHOD in multiprocessing.get_all_start_methods() else "spawn"
-    return requested
+def start_method(requested: str | BaseContext | None) -> str:
+    """The start method a loader uses for ``multiprocessing_context=requested`` (see the module)."""
+    if isinstance(requested, BaseContext):
+        return requested.get_start_method()
+    if requested is not None:
+        return requested
+    chosen = multiprocessing.get_start_method(allow_none=True)  # multiprocessing.set_start_method(...)
+    if chosen is not None:
+        return chosen
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    return "fork" if _interactive() else "forkserver"
 
 
 def check_start_method(requested: Any, owner: str) -> None:
     """Raise a ValueError naming ``owner`` unless ``requested`` is a start method this platform has."""
-    if requested is None:
+    if requested is None or isinstance(requested, BaseContext):
         return
     available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
     if requested not in available:
         raise ValueError(
             f"`{owner}(multiprocessing_context={requested!r})` must be one of {available} "
-            f"(or None: {start_method(None)!r}, with torch and the package preloaded)"
+            f"(or None: {start_method(None)!r} here)"
         )
 
 
 def preload_modules(*used: Any) -> list[str]:
     """The modules a forkserver imports for workers that run ``used`` (readers, transforms, datasets):
-    :data:`BASE_PRELOAD`, the module of each object's class or function, and what the training
-    script's top level imported. Modules of ``__main__`` itself are left out (a worker runs it again)."""
+    :data:`BASE_PRELOAD`, the module of each object's class or function, and the modules of the
+    training script's imports from :data:`SAFE_TO_PRELOAD`. ``__main__`` is left out (a worker runs
+    it again)."""
     names = list(BASE_PRELOAD)
     for obj in used:
         if obj is not None:
@@ -63,14 +81,30 @@ def preload_modules(*used: Any) -> list[str]:
     return [n for n in dict.fromkeys(names) if n and n not in ("__main__", "__mp_main__", "builtins")]
 
 
-def worker_context(requested: str | None, *used: Any) -> BaseContext:
+def worker_context(requested: str | BaseContext | None, *used: Any) -> BaseContext:
     """The multiprocessing context for helper processes that run ``used``; for the forkserver, the
     server is started here (it imports while the caller goes on) with :func:`preload_modules`."""
+    if isinstance(requested, BaseContext):
+        return requested
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "a new worker ran the training script's top level again, and it started training: put the "
+            'code that trains under `if __name__ == "__main__":` (a spawned or forkserver worker imports '
+            "the script as __mp_main__), or pass multiprocessing_context='fork'"
+        )
     method = start_method(requested)
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         _start_forkserver(preload_modules(*used))
     return context
+
+
+def _interactive() -> bool:
+    """A notebook or an interactive interpreter: its ``__main__`` has no file for a new process to import."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "__file__", None) is not None or getattr(main, "__spec__", None) is not None:
+        return False
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "get_ipython" in vars(main)
 
 
 def leave_forkserver(_worker_id: int | None = None) -> None:
@@ -97,7 +131,7 @@ def _start_forkserver(modules: list[str]) -> None:
     if _started_by == os.getpid():
         return
     # What the user asked multiprocessing.set_forkserver_preload for stays asked for.
-    asked = getattr(forkserver._forkserver, "_preload_modules", None) or []
+    asked = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or []
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*asked, *modules])))
     forkserver.ensure_running()
     _started_by = os.getpid()
@@ -114,16 +148,17 @@ def _module_of(obj: Any) -> str:
 
 
 def _imported_by_main() -> list[str]:
-    """The modules the training script's top level bound to names: imported modules, and the modules
-    of imported classes and functions (``from lightning.pytorch import Trainer``)."""
+    """The modules of :data:`SAFE_TO_PRELOAD` that the training script's top level bound to names:
+    imported modules, and the modules of imported classes and functions (``from lightning.pytorch
+    import Trainer``)."""
     main = sys.modules.get("__main__")
     found = []
-    for value in vars(main).values() if main is not None else ():
+    for value in list(vars(main).values()) if main is not None else ():
         if isinstance(value, types.ModuleType):
             found.append(value.__name__)
         elif isinstance(value, (type, types.FunctionType)):
             found.append(getattr(value, "__module__", "") or "")
-    return [name for name in found if not name.startswith("_")]
+    return [name for name in found if name.split(".")[0] in SAFE_TO_PRELOAD]
 
 
 def _forget_inherited_forkserver() -> None:

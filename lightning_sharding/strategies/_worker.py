@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -60,12 +62,22 @@ def pass_through(data: Any) -> Any:
 
 
 def check_picklable(where: str, hint: str, **objects: Any) -> None:
-    """Raise a TypeError naming the object that cannot be pickled into ``where``."""
+    """Raise a TypeError naming the object that cannot be pickled into ``where``, or that a new
+    process could not import (a class or function of an interactive session's ``__main__``)."""
+    main = sys.modules.get("__main__")
+    fileless_main = getattr(main, "__file__", None) is None and getattr(main, "__spec__", None) is None
     for name, obj in objects.items():
         try:
             pickle.dumps(obj)
         except Exception as err:  # noqa: BLE001 - any pickling failure means the same thing here
             raise TypeError(
                 f"the {name} {obj!r} cannot be pickled into {where} ({err}). Define it at module level "
-                f"(not inside a function or as a lambda){hint}, or use num_workers=0."
+                f"(not inside a function or as a lambda){hint}, pass multiprocessing_context='fork', "
+                "or use num_workers=0."
             ) from err
+        defined_in = getattr(obj, "__module__", None) if isinstance(obj, (type, types.FunctionType)) else None
+        if fileless_main and obj is not None and "__main__" in (defined_in, type(obj).__module__):
+            raise TypeError(
+                f"the {name} {obj!r} is defined in a notebook, an interactive session or `python -c`, whose "
+                f"code {where} cannot import: define it in a .py module, or pass multiprocessing_context='fork'"
+            )

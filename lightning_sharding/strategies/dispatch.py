@@ -93,6 +93,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
                 ", and keep open handles out of it (open them in Source.open)",
                 source=source,
                 transform=options.transform,
+                batch_transform=options.batch_transform,
                 collate_fn=options.collate_fn,
             )
 

@@ -219,6 +219,7 @@ class ShardedLoader(TrainLoader):
                 "",
                 reader=dataset.reader,
                 transform=dataset.transform,
+                batch_transform=dataset.batch_transform,
                 collate_fn=dataset.collate_fn,
             )
         context = None

@@ -23,8 +23,10 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
 
 SCRIPT = textwrap.dedent(
     """
-    import colorsys  # noqa: F401 - a module the script's top level imports: the server preloads it
+    import colorsys  # noqa: F401 - not a package known to be safe at import: not preloaded
     import json, os, sys
+
+    import numpy  # noqa: F401 - a heavy package known to be safe: the server preloads it
 
     from lightning_sharding import Ledger, Manifest, World
     from lightning_sharding.strategies.options import LoaderOptions
@@ -83,8 +85,9 @@ def test_default_workers_come_from_a_preloaded_forkserver_that_shares_no_memory_
     assert len(probe["preloaded"]) == 1 and all(r["ppid"] != probe["me"] for r in rows)
     server = probe["preloaded"][0]
     assert "multiprocessing.forkserver" in server, server
-    for module in ("torch", "lightning_sharding.strategies.shard", "tests.jobs.start_probe", "colorsys"):
+    for module in ("torch", "lightning_sharding.strategies.shard", "tests.jobs.start_probe", "numpy"):
         assert f"'{module}'" in server, f"{module} is not preloaded: {server}"
+    assert "'colorsys'" not in server, "a module of the script outside the known-safe packages was preloaded"
     # Nothing of the training process's memory: the global as imported, the lock free.
     assert {r["marker"] for r in rows} == {"as imported"}
     assert all(r["lock_free"] for r in rows)
@@ -101,3 +104,29 @@ def test_fork_workers_inherit_the_training_process_memory(tmp_path: Path) -> Non
     assert {r["marker"] for r in rows} == {"changed by the training process"}
     assert not any(r["lock_free"] for r in rows)
     assert probe["forked_child"] == 0
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
+    """A forkserver (or spawned) worker runs the script's top level again: without
+    ``if __name__ == "__main__":`` it would start training there. It stops, saying what to do."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from lightning_sharding import Ledger, Manifest, SyntheticReader, World
+            from lightning_sharding.strategies.options import LoaderOptions
+            from lightning_sharding.strategies.shard import ShardedLoader
+
+            reader = SyntheticReader(num_items=2, samples_per_item=8)
+            manifest = Manifest.from_items(reader.items())
+            ledger = Ledger(seed=1, total=manifest.total, manifest=manifest.summary())
+            options = LoaderOptions(batch_size=4, num_workers=1)
+            loader = ShardedLoader.build(reader, manifest, ledger, world=World(), options=options)
+            print(sum(len(b["id"]) for b in loader))
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode != 0, done.stdout
+    assert 'put the code that trains under `if __name__ == "__main__":`' in done.stderr, done.stderr[-3000:]

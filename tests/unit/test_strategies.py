@@ -11,6 +11,7 @@ import pytest
 from lightning_sharding import ShardedDataModule, SyntheticReader
 from lightning_sharding.strategies import get_strategy, register_strategy, strategy_names
 from lightning_sharding.strategies.base import _REGISTRY
+from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardStrategy
 from tests.harness import ROOT
 
@@ -68,3 +69,52 @@ def test_a_strategy_that_reads_a_source_in_its_order_turns_shuffle_off(tmp_path:
     source = SqliteSource(make_db(tmp_path / "rows.sqlite", 8), "SELECT id FROM samples ORDER BY id")
     dm = ShardedDataModule(source=source, strategy="dispatch")
     assert dm.shuffle is False and not get_strategy("dispatch").shuffles
+
+
+def test_the_default_start_method_is_a_forkserver_on_linux_and_what_python_can_serve_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import multiprocessing
+    import types
+
+    from lightning_sharding.strategies import _start
+
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: None)
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert _start.start_method(None) == "forkserver"
+    assert _start.start_method("spawn") == "spawn"
+    assert _start.start_method(multiprocessing.get_context("fork")) == "fork"
+    notebook = types.ModuleType("__main__")
+    notebook.get_ipython = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    assert _start.start_method(None) == "fork"  # a notebook's classes cannot be imported by a new process
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert _start.start_method(None) == "spawn"
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: "spawn")
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert _start.start_method(None) == "spawn"  # multiprocessing.set_start_method is honoured
+
+
+def test_the_multiprocessing_internals_the_forkserver_start_relies_on_are_there() -> None:
+    """``leave_forkserver`` and the after-fork reset use these; were they renamed, a killed training
+    process would leave its server and workers running again."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    for name in ("_forkserver_pid", "_forkserver_alive_fd", "_forkserver_address", "_preload_modules"):
+        assert hasattr(server, name), name
+
+
+def test_a_class_of_a_fileless_main_is_refused_for_new_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from lightning_sharding.strategies._worker import check_picklable
+
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    Cell = type("Cell", (), {"__module__": "__main__"})
+    main.Cell = Cell  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"defined in a notebook.*multiprocessing_context='fork'"):
+        check_picklable("DataLoader workers started with forkserver", "", reader=Cell())
+    with pytest.raises(ValueError, match=r"multiprocessing_context='Fork'.*must be one of"):
+        LoaderOptions(multiprocessing_context="Fork").check("ShardedDataModule")
