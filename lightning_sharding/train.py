@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -123,10 +124,10 @@ def trainer_options(cfg: DictConfig) -> dict[str, Any]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns ``{"epochs": [...reports...], "world_size", "global_rank", "seed",
     "ckpt_path"}``. Bad combinations of options fail here, before any data is read."""
+    check_config(cfg)  # before Lightning's import: a bad value is said in a second, not after the import
+    ckpt_path = resolve_ckpt_path(cfg)
     import lightning.pytorch as pl
 
-    check_config(cfg)
-    ckpt_path = resolve_ckpt_path(cfg)
     dm = build_datamodule(cfg)
     _check_data(cfg, dm)
     model = instantiate(cfg.model, _convert_="all")
@@ -159,8 +160,32 @@ def _hydra_main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:  # each job of a sweep keeps its checkpoints and logs apart
         cfg.out_dir = hydra_cfg.runtime.output_dir  # <out_dir>/multirun/<date>_<time>/<job number>
-    _log_through_hydra()
-    run(cfg)
+    try:
+        check_config(cfg)  # a bad value is said before Lightning is imported
+        _log_through_hydra()
+        run(cfg)
+    except Exception as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"{PROG}: error: {user_message(err)}", file=sys.stderr)
+        print("(run again with HYDRA_FULL_ERROR=1 to see the traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+def user_message(err: BaseException) -> str:
+    """One line for the user: the error's message; for one raised again in this process from a
+    DataLoader worker or a rank (its text carries that process's traceback), the exception at the end
+    of that traceback, as the process raised it."""
+    text = str(err).strip()
+    if "Traceback (most recent call last)" in text:
+        lines = text.splitlines()
+        starts = [
+            i for i, line in enumerate(lines) if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b", line)
+        ]
+        if starts:
+            text = " ".join(lines[starts[-1] :])
+    text = " ".join(text.split())
+    return text or type(err).__name__
 
 
 def _log_through_hydra() -> None:

@@ -74,10 +74,10 @@ def check_config(cfg: DictConfig) -> None:
             f"data.even_batches={data.even_batches!r} is not available with sharding.strategy={name!r}; "
             f"choose one of {list(allowed)}" + (f" ({data.even_batches} needs {elsewhere})" if elsewhere else "")
         )
-    if data.batch_size < 1 or data.num_workers < 0:
-        raise ConfigError(
-            f"data.batch_size={data.batch_size} must be >= 1 and data.num_workers={data.num_workers} >= 0"
-        )
+    if data.batch_size < 1:
+        raise ConfigError(f"data.batch_size={data.batch_size} must be a positive number of samples per rank")
+    if data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0 (0 loads in the training process)")
     total = OmegaConf.to_object(data).known_total() if feeds is not None else None  # type: ignore[union-attr]
     if total is not None:
         check_batch_size(cfg, total)

@@ -309,3 +309,45 @@ def test_one_command_starts_a_run_and_after_a_sigkill_resumes_it(tmp_path: Path)
     )
     assert given.returncode == 0, (given.stdout + given.stderr)[-3000:]
     assert _consumed(given.stdout, total) == [total]
+
+
+@pytest.mark.processes
+def test_a_user_error_prints_one_line_and_how_to_see_the_traceback(tmp_path: Path) -> None:
+    """A missing path, a corrupt sample (read in a DataLoader worker) and a bad value: each ends the
+    command with the package's one line and the hint, and no traceback; HYDRA_FULL_ERROR=1 shows it."""
+    from lightning_sharding.recipes.synthetic_files import write_regression
+
+    data = tmp_path / "data"
+    write_regression(str(data), "jsonl", [16, 16], dim=16)
+    part = data / "part-00000.jsonl"
+    lines = part.read_text().splitlines()
+    lines[5] = '{"id": 5, "x": [0.1, 0.2'  # cut short
+    part.write_text("\n".join(lines) + "\n")
+    files = ["data=files", "data.format=jsonl", "data.batch_size=4", "trainer.max_epochs=1"]
+    cases = {
+        "missing path": ([f"data.urls=[{tmp_path}/nowhere/*.jsonl]", "data.num_workers=0"], "no file matches"),
+        "corrupt sample": (
+            [f"data.urls=[{data}/*.jsonl]", "data.num_workers=1"],
+            "line 6 (sample 5) is not valid JSON",
+        ),
+        "bad value": ([f"data.urls=[{data}/*.jsonl]", "data.batch_size=-4"], "batch_size=-4"),
+    }
+    base = [sys.executable, "-m", "lightning_sharding.train", *files, f"out_dir={tmp_path}", *QUIET]
+    for case, (overrides, message) in cases.items():
+        done = subprocess.run(
+            [*base, *overrides], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_env()
+        )
+        assert done.returncode == 1, (case, done.stdout[-2000:], done.stderr[-2000:])
+        errors = [line for line in done.stderr.splitlines() if line.startswith("lightning-sharding-train: error: ")]
+        assert len(errors) == 1 and message in errors[0], (case, done.stderr[-3000:])
+        assert "(run again with HYDRA_FULL_ERROR=1 to see the traceback)" in done.stderr, case
+        assert "Traceback (most recent call last)" not in done.stderr, (case, done.stderr[-3000:])
+    full = subprocess.run(
+        [*base, *cases["bad value"][0]],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env={**_env(), "HYDRA_FULL_ERROR": "1"},
+    )
+    assert full.returncode == 1 and "Traceback (most recent call last)" in full.stderr
