@@ -26,6 +26,7 @@ from lightning_sharding.config import (
     register_configs,
     resolve_ckpt_path,
 )
+from lightning_sharding.core import spelling
 
 # Lightning is imported inside the functions, not here: spawned processes (DataLoader workers, the
 # dispatch process, DALI's) re-import the main module, and `import lightning` costs seconds each.
@@ -214,6 +215,7 @@ def main() -> None:
     a recipe's ``_target_`` may name a module next to it."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    os.environ[spelling.ENV] = "hydra"  # advice in messages, here and in every rank and worker, as overrides
     sys.argv[1:] = [quote_equals(arg) for arg in sys.argv[1:]]
     typo = misspelt_key(sys.argv[1:])
     if typo is not None:

@@ -36,6 +36,9 @@ class DataOptions:
     # {old prefix: new prefix}: a checkpoint of lightning_sharding 0.1 (which knew items by path) resumes
     # on data that moved; later checkpoints know items by name and content and need none.
     root_map: dict[str, str] = field(default_factory=dict)
+    # Resume a checkpoint of other data by starting its epoch afresh (its consumed samples are trained
+    # again, with a warning), rather than refusing it.
+    allow_data_change: bool = False
 
     def known_total(self) -> int | None:
         """Samples per epoch when the config alone tells (generated data), else ``None``."""

@@ -21,6 +21,7 @@ from lightning_sharding.core.identity import item_changes
 from lightning_sharding.core.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.spelling import option
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.mixture import (
@@ -214,8 +215,9 @@ class LedgerKeeper:
             raise CheckpointMismatchError(
                 f"{source} holds a mixture of {composition} batches of {size} samples, and batch_size is now "
                 f"{self.options.batch_size}: such an epoch's order depends on the batch size. Resume with "
-                f"batch_size={size}, pass `allow_mixture_change=True` to go on with the rest of epoch "
-                f"{restored.epoch} in batches of {self.options.batch_size}, or pass `allow_data_change=True` to "
+                f"{option('batch_size', size)}, pass `{option('allow_mixture_change', True)}` to go on with the rest "
+                f"of epoch {restored.epoch} in batches of {self.options.batch_size}, or pass "
+                f"`{option('allow_data_change', True)}` to "
                 f"start it afresh (training its {len(restored.consumed)} consumed samples again)."
             )
         if not self.allow_data_change:
@@ -334,7 +336,7 @@ class LedgerKeeper:
 
     def _ways_on(self, restored: Ledger, items: Any) -> str:
         """What the user can do about a checkpoint of other data, only the ways that would work."""
-        fresh = f"pass `allow_data_change=True` to start epoch {restored.epoch} afresh on the new data"
+        fresh = f"pass `{option('allow_data_change', True)}` to start epoch {restored.epoch} afresh on the new data"
         saved = restored.manifest
         if (
             saved.get("streams")
@@ -342,8 +344,9 @@ class LedgerKeeper:
             and not (items is not None and self._contents_differ(items))
         ):
             return (
-                "If only the mixture's streams or shares changed, pass `allow_mixture_change=True` to go on "
-                f"with the rest of the epoch at the new shares; if the data changed, {fresh}."
+                "If only the mixture's streams or shares changed, pass "
+                f"`{option('allow_mixture_change', True)}` to go on with the rest of the epoch at the new shares; "
+                f"if the data changed, {fresh}."
             )
         if (
             items is None
@@ -352,8 +355,8 @@ class LedgerKeeper:
         ):
             old, new = moved_prefixes(str(saved.get("first_key")), self.manifest.items[0].key)
             return (
-                f"If the data only moved, give its old and new roots: `data_root_map={{{old!r}: {new!r}}}` "
-                f"(Hydra: `data.root_map`); if it changed, {fresh}."
+                f"If the data only moved, give its old and new roots: `{option('data_root_map', {old: new})}`; "
+                f"if it changed, {fresh}."
             )
         return f"Resume with the data it was written for, or {fresh}."
 
@@ -370,7 +373,7 @@ class LedgerKeeper:
                 raise CheckpointMismatchError(
                     f"{source}: its epoch {restored.epoch} already changed its mixture once, and the mixture differs "
                     f"again from the one it was changed to: {change}. Resume with that mixture until epoch "
-                    f"{restored.epoch} ends, or pass allow_data_change=True to start the epoch afresh"
+                    f"{restored.epoch} ends, or pass {option('allow_data_change', True)} to start the epoch afresh"
                 )
             changed = self._change(before, source)
         except CheckpointMismatchError as err:

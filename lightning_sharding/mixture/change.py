@@ -32,6 +32,7 @@ import numpy.typing as npt
 from lightning_sharding.core.blocks import Blocks
 from lightning_sharding.core.order import EpochOrder, derive_seed
 from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.spelling import option
 from lightning_sharding.mixture.composition import Layout, apportion, blocks_of, layout
 from lightning_sharding.mixture.control import layout_of_summary
 from lightning_sharding.mixture.order import (
@@ -229,17 +230,18 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
     if mixture is None or not old:
         raise MixtureChangeError(
             "allow_mixture_change continues a mixture under new streams or shares, but "
-            f"{'the data is' if mixture is None else 'the checkpoint holds'} no mixture; use allow_data_change=True"
+            f"{'the data is' if mixture is None else 'the checkpoint holds'} no mixture; "
+            f"use {option('allow_data_change', True)}"
         )
     if mixture.training or saved.get("training_schedule"):
         raise MixtureChangeError(
             "allow_mixture_change does not yet go on with a share schedule over training (Phase(samples=...)); "
-            "resume with the checkpoint's streams and schedule, or use allow_data_change=True"
+            f"resume with the checkpoint's streams and schedule, or use {option('allow_data_change', True)}"
         )
     if mixture.stream_epochs or any("packing" in s for s in old):
         raise MixtureChangeError(
             "allow_mixture_change does not yet continue a mixture of packed token streams under new streams or "
-            "shares; resume with the checkpoint's streams and shares, or use allow_data_change=True"
+            f"shares; resume with the checkpoint's streams and shares, or use {option('allow_data_change', True)}"
         )
     summary = manifest.summary()
     now = {s["name"]: s for s in summary["streams"]}
@@ -248,7 +250,7 @@ def change_mixture(before: Mapping[str, Any], manifest: Any, *, shuffle: bool) -
         if s["name"] in now and "data" not in s:
             raise MixtureChangeError(
                 f"the checkpoint was written by an earlier lightning_sharding that kept no fingerprint of stream "
-                f"{s['name']!r}'s data, so a change cannot prove it unchanged; use allow_data_change=True"
+                f"{s['name']!r}'s data, so a change cannot prove it unchanged; use {option('allow_data_change', True)}"
             )
         if s["name"] in now and s["data"] not in (now[s["name"]]["data"], now[s["name"]].get("data_by_path")):
             raise MixtureChangeError(
@@ -302,8 +304,8 @@ def _refuse_renamed(old: Sequence[Mapping[str, Any]], now: Mapping[str, Mapping[
             raise MixtureChangeError(
                 f"stream {same[0]!r} holds the same data as the checkpoint's stream {s['name']!r}{hidden}, which is "
                 f"gone: as a new stream it would serve again what {s['name']!r} consumed this epoch. Name it "
-                f"Stream({s['name']!r}, ...) to go on with what it has left, or pass allow_data_change=True to start "
-                "the epoch afresh"
+                f"Stream({s['name']!r}, ...) to go on with what it has left, or pass "
+                f"{option('allow_data_change', True)} to start the epoch afresh"
             )
 
 

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from lightning_sharding.core.identity import common_root
 from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.spelling import option
 from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import local_content_digest
@@ -124,7 +125,7 @@ class WindowedReader(Reader):
             if not self.halo and n < self.window:
                 raise ValueError(
                     f"item {key!r} has {n} steps, fewer than the window of {self.window}: "
-                    "pass halo=True to let windows run into the next item, or use a shorter window"
+                    f"pass {option('halo', True)} to let windows run into the next item, or use a shorter window"
                 )
             got_shape, got_dtype = self.signature(key)
             if got_shape != shape or got_dtype != dtype:

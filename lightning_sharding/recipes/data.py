@@ -26,6 +26,7 @@ _PASSED = (
     "multiprocessing_context",
     "on_error",
     "transport",
+    "allow_data_change",
 )
 
 

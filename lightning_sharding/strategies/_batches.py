@@ -13,6 +13,7 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask
+from lightning_sharding.core.spelling import option
 from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
 from lightning_sharding.mixture import mixture_of
 from lightning_sharding.readers.base import Reader
@@ -183,7 +184,8 @@ class PlannedBatches(Dataset[Delivery]):
                 f"sample {int(indices[i])} of item {self.items[int(item_ids[i])].key!r} (epoch {task.epoch}, "
                 f"position {int(task.positions[i])}, rank {ctx.rank}, worker {ctx.worker_id}) does not fit in a "
                 f"batch with the others: {difference(shapes[i], common)} ({type(err).__name__}: {err}). "
-                "Fix or remove the data, or pass on_error='skip' to skip bad samples (counted and reported)."
+                f"Fix or remove the data, or pass {option('on_error', 'skip')} to skip bad samples "
+                "(counted and reported)."
             )
             if self.on_error == "raise":
                 raise failure from err
@@ -230,7 +232,8 @@ class PlannedBatches(Dataset[Delivery]):
             failure = SampleError(
                 f"cannot read sample {index} of item {item.key!r} (epoch {ctx.epoch}, position {position}, "
                 f"rank {ctx.rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}. "
-                "Fix or remove the data, or pass on_error='skip' to skip bad samples (counted and reported)."
+                f"Fix or remove the data, or pass {option('on_error', 'skip')} to skip bad samples "
+                "(counted and reported)."
             )
             if self.on_error == "raise":
                 raise failure from (err if err is raised else None)

@@ -30,6 +30,8 @@ from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from lightning_sharding.core.spelling import option
+
 START_METHODS: tuple[str, ...] = ("forkserver", "spawn", "fork")
 # What every worker imports, whatever it reads: torch and the worker side of every strategy.
 BASE_PRELOAD: tuple[str, ...] = ("torch", "lightning_sharding.strategies._worker")
@@ -90,7 +92,7 @@ def worker_context(requested: str | BaseContext | None, *used: Any) -> BaseConte
         raise RuntimeError(
             "a new worker ran the training script's top level again, and it started training: put the "
             'code that trains under `if __name__ == "__main__":` (a spawned or forkserver worker imports '
-            "the script as __mp_main__), or pass multiprocessing_context='fork'"
+            f"the script as __mp_main__), or pass {option('multiprocessing_context', 'fork')}"
         )
     method = start_method(requested)
     context = multiprocessing.get_context(method)

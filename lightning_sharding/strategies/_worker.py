@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from lightning_sharding.core.spelling import option
 from lightning_sharding.core.world import ShardContext, World
 
 
@@ -72,12 +73,13 @@ def check_picklable(where: str, hint: str, **objects: Any) -> None:
         except Exception as err:  # noqa: BLE001 - any pickling failure means the same thing here
             raise TypeError(
                 f"the {name} {obj!r} cannot be pickled into {where} ({err}). Define it at module level "
-                f"(not inside a function or as a lambda){hint}, pass multiprocessing_context='fork', "
-                "or use num_workers=0."
+                f"(not inside a function or as a lambda){hint}, pass {option('multiprocessing_context', 'fork')}, "
+                f"or use {option('num_workers', 0)}."
             ) from err
         defined_in = getattr(obj, "__module__", None) if isinstance(obj, (type, types.FunctionType)) else None
         if fileless_main and obj is not None and "__main__" in (defined_in, type(obj).__module__):
             raise TypeError(
                 f"the {name} {obj!r} is defined in a notebook, an interactive session or `python -c`, whose "
-                f"code {where} cannot import: define it in a .py module, or pass multiprocessing_context='fork'"
+                f"code {where} cannot import: define it in a .py module, or pass "
+                f"{option('multiprocessing_context', 'fork')}"
             )

@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.spelling import option
 from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.distributed.collectives import all_true, cpu_group, gather_counts
 from lightning_sharding.readers.sources import Source, source_manifest
@@ -69,7 +70,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
         if source.length() is None and options.even_batches != "sync":
             raise ValueError(
                 f"{source.describe()} has no known length (length() is None), so the ranks cannot plan equal "
-                f"batch counts with even_batches={options.even_batches!r}; use even_batches='sync'"
+                f"batch counts with even_batches={options.even_batches!r}; use {option('even_batches', 'sync')}"
             )
         if queue_size < 1:
             raise ValueError(f"DispatchLoader(queue_size={queue_size}) must be at least 1")

@@ -274,7 +274,7 @@ def test_a_misspelt_key_names_its_group_keys_and_the_closest_one() -> None:
 
     said = misspelt_key(["recipe=tokens", "data.tokens_per_fil=3"])
     assert said is not None and said.startswith("data.tokens_per_fil: data has no key 'tokens_per_fil'. ")
-    assert "Did you mean data.tokens_per_file?" in said and "Its keys are batch_size," in said
+    assert "Did you mean data.tokens_per_file?" in said and "Its keys are allow_data_change, batch_size," in said
     assert "+trainer.NAME=VALUE" in (misspelt_key(["trainer.max_epoch=1"]) or "")
     for fine in (["data.batch_size=3"], ["ckpt_path=last"], ["-m", "data.batch_sise=1,2"], ["data=nonexistent"]):
         assert misspelt_key(fine) is None  # composes, or Hydra alone reads it, or fails for another reason

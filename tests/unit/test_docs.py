@@ -129,3 +129,78 @@ def test_the_readmes_links_resolve() -> None:
         if "://" in target:
             continue
         assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+
+
+# What a message may advise that only a Python user can follow (the situation arises only there).
+PYTHON_ONLY = {"reader", "datamodule", "cache_limit"}
+DATA_GROUPS = (None, "files", "months", "mixture", "tokens", "pretrain", "images", "sqlite")
+HYDRA_GROUPS = {"data", "sharding", "trainer", "model", "callbacks", "logger", "recipe"}
+
+
+def _composes(override: str) -> bool:
+    """Whether ``lightning-sharding-train`` takes ``override`` with some choice of the data group."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_sharding.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for group in DATA_GROUPS:
+            try:
+                compose("train", overrides=[*([f"data={group}"] if group else []), override])
+                return True
+            except Exception:  # noqa: BLE001 - not with this data option
+                continue
+    return False
+
+
+def _python_options() -> set[str]:
+    """The arguments a Python user can pass where these messages are raised."""
+    import inspect
+
+    import lightning_sharding.readers as readers
+    from lightning_sharding import ShardedData, ShardedDataModule
+
+    names = set(inspect.signature(ShardedDataModule).parameters) | set(inspect.signature(ShardedData).parameters)
+    for name in readers.__all__:
+        value = getattr(readers, name)
+        if inspect.isclass(value):
+            names |= set(inspect.signature(value).parameters)
+    return names
+
+
+def test_every_option_the_troubleshooting_page_advises_is_settable_where_the_message_is_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each `name=value` a message advises works where it is raised: a Hydra override
+    (`data.on_error=skip`) is taken by lightning-sharding-train, a Python argument (`on_error='skip'`) is
+    one the API takes, and that same advice raised under lightning-sharding-train is spelled as an
+    override the command takes."""
+    from lightning_sharding.core import spelling
+
+    messages = [b for b in blocks(DOCS / "troubleshooting.md") if b.lang == "text" and "skip" not in b.markers]
+    advice = re.compile(r"\b(?:pass|use|set|Resume with|give its old and new roots:) `?([\w.]+)=([^\s`,;)]+)")
+    python_options = _python_options()
+    checked: list[str] = []
+    for block in messages:
+        for name, value in advice.findall(normalized(block.text)):
+            value = value.rstrip(".")
+            if name.startswith(("data.", "trainer.", "sharding.")) or name in HYDRA_GROUPS:
+                assert _composes(f"{name}={value}"), f"{block.where}: lightning-sharding-train refuses {name}={value}"
+            else:
+                assert name in python_options, f"{block.where}: {name}= is no argument of the Python API"
+                if name in PYTHON_ONLY:
+                    continue
+                monkeypatch.setenv(spelling.ENV, "hydra")
+                literal = ast.literal_eval(value) if value not in ("...",) else value
+                override = spelling.option(name, literal)
+                monkeypatch.delenv(spelling.ENV)
+                assert _composes(override), f"{block.where}: under lightning-sharding-train it would say {override}"
+            checked.append(name)
+    for expected in ("allow_data_change", "allow_mixture_change", "on_error", "halo", "data.on_error"):
+        assert expected in checked, f"the page no longer shows advice of {expected}: {sorted(set(checked))}"
+    # And the package spells such advice through spelling.option, never as a Python literal.
+    python = {name for name in checked if "." not in name and name not in HYDRA_GROUPS | PYTHON_ONLY}
+    literal = re.compile(rf"\b(?:pass|use|or) `?(?:{'|'.join(sorted(python))})=")
+    for path in PACKAGE.rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not literal.search(line), f"{path.relative_to(ROOT)}:{number} spells advice for Python only: {line}"
