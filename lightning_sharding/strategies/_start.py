@@ -9,8 +9,9 @@ docs/performance.md#worker-start has the figures the default was chosen from.
 
 Where a forkserver cannot serve, the default is what Python's is: ``"spawn"`` on macOS (forking a
 process that loaded Apple's frameworks is unsafe) and Windows, and ``"fork"`` in a notebook or an
-interactive session, whose classes no new process can import. ``multiprocessing.set_start_method``
-is honoured, and ``"spawn"``, ``"fork"`` or a context are passed through as PyTorch takes them.
+interactive session, whose classes no new process can import. ``"spawn"``, ``"fork"`` or a context
+are passed through as PyTorch takes them (``multiprocessing.set_start_method`` is not consulted: a
+process that multiprocessing spawned, such as a ``ddp_spawn`` rank, has it set by no choice of yours).
 
 A spawned or forkserver worker runs the training script's top level again (as ``__mp_main__``), so
 the well-known heavy packages that top level imported (``import lightning.pytorch as pl``) are
@@ -50,9 +51,8 @@ def start_method(requested: str | BaseContext | None) -> str:
         return requested.get_start_method()
     if requested is not None:
         return requested
-    chosen = multiprocessing.get_start_method(allow_none=True)  # multiprocessing.set_start_method(...)
-    if chosen is not None:
-        return chosen
+    # Not multiprocessing's global start method: a process that multiprocessing spawned (a ddp_spawn
+    # rank) has it set to its parent's, by no choice of the user's.
     if not sys.platform.startswith("linux"):
         return "spawn"
     return "fork" if _interactive() else "forkserver"

@@ -92,7 +92,8 @@ def test_the_default_start_method_is_a_forkserver_on_linux_and_what_python_can_s
     assert _start.start_method(None) == "spawn"
     monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: "spawn")
     monkeypatch.setattr(sys, "platform", "linux")
-    assert _start.start_method(None) == "spawn"  # multiprocessing.set_start_method is honoured
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    assert _start.start_method(None) == "forkserver"  # as a ddp_spawn rank finds it: set by spawning, not by you
 
 
 def test_the_multiprocessing_internals_the_forkserver_start_relies_on_are_there() -> None:
