@@ -12,8 +12,9 @@ class ReleaseProcessGroup(pl.Callback):
 
     A gloo rank that exits with its process group alive can abort in interpreter shutdown
     ("terminate called without an active exception", see pytorch/pytorch#179291). Add this to a
-    script whose processes exit after ``fit``; leave it out if the same process runs
-    ``trainer.test()`` afterwards.
+    script whose processes exit after ``fit``; leave it out if the same process goes on using the
+    process group after ``fit``: ``trainer.test()``, ``trainer.validate()``, or a
+    ``trainer.save_checkpoint()`` (which gathers the data ledger from every rank, a collective call).
     """
 
     @override
