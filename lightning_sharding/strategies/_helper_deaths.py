@@ -100,8 +100,41 @@ _REPORTED: set[int] = set()
 _WRAPPED: list[bool] = []
 
 
+class DoneEvent:
+    """PyTorch's workers-done event as the training process uses it: this process alone sets it, so
+    whether it is set is known here without taking its lock. A worker SIGKILLed while it held that
+    lock (a worker checks the event at every task) holds it forever, and PyTorch, asking the event
+    in the very status check that was to report the death, hung (seen with forkserver workers,
+    whose deaths only that check finds). ``set`` gives up on the lock after a second: the workers
+    stop on the end marker in their queues all the same."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+        self._set = False
+
+    def is_set(self) -> bool:
+        """Whether this process set it."""
+        return self._set
+
+    def set(self) -> None:
+        """Set it here, and for the workers unless a dead one holds its lock."""
+        self._set = True
+        cond = self._event._cond
+        if cond.acquire(timeout=1.0):
+            try:
+                self._event._flag.acquire(False)
+                self._event._flag.release()
+                cond.notify_all()
+            finally:
+                cond.release()
+
+
 def watch(iterator: Any, rank: int) -> None:
-    """Name the workers of a DataLoader iterator in errors about their death (see module docstring)."""
+    """Name the workers of a DataLoader iterator in errors about their death (see module docstring),
+    and keep a dead worker's lock from hanging the report of its death (:class:`DoneEvent`)."""
+    event = getattr(iterator, "_workers_done_event", None)
+    if event is not None and not isinstance(event, DoneEvent) and hasattr(event, "_cond"):
+        iterator._workers_done_event = DoneEvent(event)
     for name, process in worker_processes(iterator).items():
         _NAMES[process.pid] = f"rank {rank}: {name}"
     while len(_NAMES) > 1024:  # fresh workers every epoch: keep the recent ones

@@ -10,6 +10,7 @@ message; set ``LSH_FAULT_SEED`` to replay one, and ``LSH_FAULT_KILLS`` for more 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -231,6 +232,44 @@ def test_a_killed_worker_is_named_with_its_rank_wherever_the_error_surfaces(star
             next(batches)
             time.sleep(0.01)
     print(f"named after {time.time() - started:.2f} s")
+    loader.close()
+
+
+def _hold_forever(event: Any) -> None:
+    """Take the lock of PyTorch's workers-done event and die holding it, as a worker SIGKILLed inside
+    ``done_event.is_set()`` does."""
+    event._cond.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_worker_killed_holding_the_workers_lock_is_named_not_waited_for_forever() -> None:
+    """A worker checks PyTorch's workers-done event at every task; killed while it holds the event's
+    lock, it holds it forever. The training process must still name the dead worker (it hung in
+    PyTorch's status check, which asks that event, under the default forkserver)."""
+    reader = SyntheticReader(num_items=4, samples_per_item=4096)
+    manifest = Manifest.from_items(reader.items())
+    ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
+    options = LoaderOptions(batch_size=8, num_workers=2)
+    loader = ShardedLoader.build(reader, manifest.items, ledger, world=World(rank=0, world_size=1), options=options)
+    batches = iter(loader)
+    next(batches)
+    event = loader._iterator._workers_done_event  # type: ignore[attr-defined]
+    event = getattr(event, "_event", event)  # PyTorch's own, behind the training process's view of it
+    holder = multiprocessing.get_context("fork").Process(target=_hold_forever, args=(event,))
+    holder.start()
+    holder.join(timeout=10)
+    assert holder.exitcode == -signal.SIGKILL
+    victim = loader.helper_processes()["DataLoader worker 1"]
+    os.kill(victim.pid, signal.SIGKILL)
+    started = time.time()
+    with pytest.raises(
+        HelperProcessError, match=rf"rank 0: DataLoader worker 1 \(pid {victim.pid}\) was killed by SIGKILL"
+    ):
+        while time.time() - started < 30:
+            next(batches)
+            time.sleep(0.01)
     loader.close()
 
 
