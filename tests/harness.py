@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import runpy
+import secrets
 import shutil
 import signal
 import socket
@@ -54,8 +55,24 @@ def cpu_trainer(**overrides: Any) -> Any:
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now, for one test's rendezvous."""
-    with socket.socket() as s:
+    """A TCP port nobody listens on right now, for one test's rendezvous. It is drawn below the
+    kernel's ephemeral range, where no outgoing connection takes one: a port of that range, free
+    when drawn, can be taken by another job's gloo connection before this job's rank 0 binds it
+    (CI saw EADDRINUSE with two runs at once)."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    low = 10000
+    for _ in range(200):
+        port = low + secrets.randbelow(max(1, first_ephemeral - low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the whole range is busy: any free port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
