@@ -56,6 +56,17 @@ def _check_plot_path(text: str | None) -> Path | None:
     return path
 
 
+def _require_matplotlib(path: Path) -> None:
+    """Refuse ``--plot`` where matplotlib is missing, before the work whose result it would draw."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError(
+            f"--plot {path}: drawing a plot needs matplotlib, which is not installed: "
+            'pip install "lightning-sharding[plot]"'
+        )
+
+
 def _draw(function: Callable[..., None], path: Path, *args: Any) -> None:
     from lightning_sharding.cli.plots import MatplotlibMissingError
 

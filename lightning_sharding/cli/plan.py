@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from lightning_sharding.cli._common import PROG, CliError, _check_plot_path, _draw, _first_line, _int_at_least
+from lightning_sharding.cli._common import (
+    PROG,
+    CliError,
+    _check_plot_path,
+    _draw,
+    _first_line,
+    _int_at_least,
+    _require_matplotlib,
+)
 from lightning_sharding.cli.plan_format import format_plan
 from lightning_sharding.config import CONF_DIR, ConfigError
 from lightning_sharding.config.checks import check_keys
@@ -190,6 +198,8 @@ def _plan(args: argparse.Namespace) -> int:
     manifest = _manifest(cfg, batch_size)
     if plot is not None and "packing" in manifest.summary():
         raise CliError("--plot draws the items of an epoch; a packed epoch's plan is printed only (leave out --plot)")
+    if plot is not None:
+        _require_matplotlib(plot)  # said now, not after the whole plan was made and printed
     # A source (strategy dispatch) is read in its own order: such a strategy never shuffles.
     # A fresh manifest: never a changed epoch's order, which only a resumed checkpoint has.
     order = cast(
