@@ -189,6 +189,8 @@ class TrainConfig:
     out_dir: str = "outputs"
 
 
+# The schema of each option, by group. The names are the ConfigStore's (top-level, so one name per
+# schema across all groups); ``files_schema`` is the schema of ``data=files``.
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {
         "synthetic_schema": SyntheticData,
@@ -219,9 +221,14 @@ SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register_configs() -> None:
-    """Register the schemas (idempotent): ``train_schema``, and ``<group>/<name>_schema``."""
+    """Register the schemas (idempotent): ``train_schema`` and every ``<name>_schema`` of :data:`SCHEMAS`.
+
+    All at the top level, outside the groups: an option's file extends its schema with
+    ``- /<name>_schema@_here_``, and Hydra's ``--help`` (which lists every option of every group)
+    shows the options one can choose, not the schemas behind them.
+    """
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
-    for group, schemas in SCHEMAS.items():
+    for schemas in SCHEMAS.values():
         for name, node in schemas.items():
-            store.store(group=group, name=name, node=node)
+            store.store(name=name, node=node)

@@ -39,6 +39,33 @@ def test_every_group_has_its_options() -> None:
     assert all(GROUPS[g] for g in GROUPS)
 
 
+def test_help_lists_each_groups_options_and_every_option_composes_typed_by_its_schema(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The schemas are top-level configs, not options: ``--help`` lists the options one chooses and
+    no ``*_schema``, while each option still extends its schema (a bad key or type fails when composed)."""
+    from omegaconf import OmegaConf
+
+    from lightning_sharding import train
+    from lightning_sharding.config import SCHEMAS
+    from lightning_sharding.core import spelling
+
+    monkeypatch.setenv(spelling.ENV, "python")  # main() sets it for the processes it starts
+    monkeypatch.setattr("sys.argv", [train.PROG, "--help"])
+    with pytest.raises(SystemExit) as done:
+        train.main()
+    assert done.value.code == 0
+    listing = capsys.readouterr().out.split("== Config ==")[0]
+    choices = dict(line.split(": ", 1) for line in listing.splitlines() if ": " in line)
+    assert "_schema" not in listing
+    for group, schemas in SCHEMAS.items():
+        assert choices[group].split(", ") == GROUPS[group]
+        for option in GROUPS[group]:
+            partner = [f"data={PARTNER[option]}"] if option in PARTNER else []
+            cfg = make(tmp_path, f"{group}={option}", *partner)
+            assert OmegaConf.get_type(cfg, group) in schemas.values(), f"{group}={option}"
+
+
 @pytest.mark.parametrize("option", GROUPS["data"])
 def test_every_data_option_builds_its_datamodule(tmp_path: Path, option: str) -> None:
     sharding = {"months": "broadcast", "sqlite": "dispatch"}.get(option, "shard")
