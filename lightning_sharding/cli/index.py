@@ -9,10 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from lightning_sharding.cli._common import CliError
-from lightning_sharding.core.private import redact_url
-
-FORMATS = {".tar": "tar", ".jsonl": "jsonl", ".parquet": "parquet", ".npy": "npy"}
+from lightning_sharding.cli._common import FORMATS, CliError, data_files
 
 
 def register(sub: Any) -> None:
@@ -30,7 +27,8 @@ def register(sub: Any) -> None:
         "data",
         nargs="+",
         metavar="DATA_URL",
-        help="the files: paths, URLs or globs (quoted), e.g. 's3://bucket/ds/*.tar'",
+        help="the files: paths, URLs or globs (quoted), e.g. 's3://bucket/ds/*.tar', or a local directory of "
+        "files of one format",
     )
     parser.add_argument(
         "--format", choices=sorted(set(FORMATS.values())), help="the files' format (default: their extension)"
@@ -57,17 +55,7 @@ def register(sub: Any) -> None:
 def _reader(args: argparse.Namespace) -> Any:
     from lightning_sharding.readers import FILE_READERS
 
-    fmt = args.format
-    if fmt is None:
-        guessed = [FORMATS.get("." + _name(url).rpartition(".")[2].lower()) for url in args.data]
-        formats = ", ".join(sorted(set(FORMATS.values())))
-        shown = " ".join(redact_url(url) for url in args.data)
-        found = {f for f in guessed if f is not None}
-        if None in guessed:
-            raise CliError(f"cannot tell the format of {shown} from its extension: give --format ({formats})")
-        if len(found) > 1:
-            raise CliError(f"{shown} are files of {len(found)} formats ({', '.join(sorted(found))}): index each apart")
-        (fmt,) = found
+    urls, fmt = data_files(args.data, args.format)
     options: dict[str, Any] = {}
     for text in args.option:
         key, eq, value = text.partition("=")
@@ -87,14 +75,9 @@ def _reader(args: argparse.Namespace) -> Any:
             raise CliError(f"--storage-options must be a JSON object, not {args.storage_options!r}")
     cls = FILE_READERS[fmt]
     try:
-        return cls(list(args.data), storage_options=storage, **options)
+        return cls(urls, storage_options=storage, **options)
     except TypeError as err:
         raise CliError(f"--option: {cls.__name__} takes no such option ({err})") from None
-
-
-def _name(url: str) -> str:
-    """The file name of a URL or path, without a query (a signed URL's)."""
-    return url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
 def _index(args: argparse.Namespace) -> int:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from lightning_sharding.cli._common import (
+    FORMATS,
     PROG,
     CliError,
     _check_plot_path,
@@ -16,6 +18,7 @@ from lightning_sharding.cli._common import (
     _first_line,
     _int_at_least,
     _require_matplotlib,
+    data_files,
 )
 from lightning_sharding.cli.plan_format import format_plan
 from lightning_sharding.config import CONF_DIR, ConfigError
@@ -39,14 +42,21 @@ def register(sub: Any) -> None:
     plan = sub.add_parser(
         "plan",
         help="show which samples, batches and items each rank and worker gets",
-        description="Plan one epoch of the train config's data (any data option or recipe) for a topology and "
-        "print, per rank and per (rank, worker), the samples, batches, padding, dropped samples and items touched.",
-        epilog=f"example: {PROG} plan data.num_items=16 data.samples_per_item=1000 --world-size 4 --workers 2\n"
+        description="Plan one epoch of data files, or of the train config's data (any data option or recipe), for "
+        "a topology and print, per rank and per (rank, worker), the samples, batches, padding, dropped samples and "
+        "items touched.",
+        epilog=f"example: {PROG} plan '/data/train/*.tar' --world-size 4 --workers 2\n"
+        f"         {PROG} plan data.num_items=16 data.samples_per_item=1000 --world-size 4 --workers 2\n"
         f"         {PROG} plan --world-size 8 --data-parallel 4   (4 replicas of 2 tensor-parallel ranks)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of the train config, e.g. data.num_items=16"
+        "overrides",
+        nargs="*",
+        metavar="DATA|KEY=VALUE",
+        help="data files (paths, globs, URLs, or a directory of files of one format: read as data=files of their "
+        "format, or as data.urls of the data option or recipe chosen) and Hydra overrides of the train config, "
+        "e.g. data.num_items=16",
     )
     plan.add_argument(
         "--world-size", type=_int_at_least(1), metavar="N", help="ranks (default: trainer.devices x trainer.num_nodes)"
@@ -69,6 +79,9 @@ def register(sub: Any) -> None:
     plan.add_argument(
         "--even-batches", choices=EVEN_BATCH_POLICIES, help="uneven ranks: pad or drop (default: data.even_batches)"
     )
+    plan.add_argument(
+        "--format", choices=sorted(set(FORMATS.values())), help="the data files' format (default: their extension)"
+    )
     plan.add_argument("--config-dir", metavar="DIR", help="a folder of recipes, as for lightning-sharding-train")
     plan.add_argument(
         "--config-name", default="train", metavar="NAME", help="the recipe in --config-dir (default: train)"
@@ -78,6 +91,30 @@ def register(sub: Any) -> None:
     )
     plan.add_argument("--plot", metavar="FILE.png", help="also draw the assignment into this image")
     plan.set_defaults(func=_plan)
+
+
+# A Hydra override: KEY=VALUE (KEY a config key or group, maybe with + or ++), or ~KEY.
+_OVERRIDE = re.compile(r"~|\+{0,2}[A-Za-z_][\w.@/-]*=")
+
+
+def _data_overrides(arguments: Sequence[str], fmt: str | None) -> list[str]:
+    """``plan``'s arguments as Hydra overrides: the overrides as given, after what reads the data files
+    among them: ``data=files`` of their format, or the ``data.urls`` of the data option or recipe that
+    the overrides choose."""
+    overrides = [a for a in arguments if _OVERRIDE.match(a)]
+    data = [a for a in arguments if not _OVERRIDE.match(a)]
+    if not data:
+        if fmt is not None:
+            raise CliError(f"--format {fmt} is the format of data files: name them (plan PATH... --format {fmt})")
+        return overrides
+    from lightning_sharding.core.spelling import hydra_value
+
+    given = dict(o.lstrip("+").partition("=")[::2] for o in overrides)
+    urls, fmt = data_files(data, fmt or given.get("data.format"))
+    reading = [f"data.urls={hydra_value(urls)}"]
+    if given.get("data", "files") == "files" and "recipe" not in given:  # data=files, of their format
+        reading = [*(["data=files"] if "data" not in given else []), f"data.format={fmt}", *reading]
+    return [*reading, *overrides]
 
 
 def _compose(overrides: Sequence[str], config_dir: str | None = None, config_name: str = "train") -> DictConfig:
@@ -168,7 +205,7 @@ def _plan(args: argparse.Namespace) -> int:
     from lightning_sharding.core.plan import plan_epoch
 
     plot = _check_plot_path(args.plot)
-    cfg = _compose(args.overrides, args.config_dir, args.config_name)
+    cfg = _compose(_data_overrides(args.overrides, args.format), args.config_dir, args.config_name)
     try:
         check_keys(cfg)  # a `+data.bogus_key=1` is refused here as training refuses it
     except ConfigError as err:

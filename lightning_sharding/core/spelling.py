@@ -30,7 +30,10 @@ def option(name: str, value: Any) -> str:
 
 
 def hydra_value(value: Any) -> str:
-    """``value`` as a Hydra override writes it: ``true``, ``null``, ``skip``, ``{'/old': '/new'}``."""
+    """``value`` as a Hydra override writes it: ``true``, ``null``, ``skip``, ``{'/old': '/new'}``,
+    ``['/data/a b.tar']``."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(hydra_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:

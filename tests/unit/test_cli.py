@@ -584,3 +584,45 @@ def test_plan_names_data_it_cannot_build(capsys: pytest.CaptureFixture[str], tmp
     )
     assert code == 2
     assert "token_files" in err and f"{tmp_path}/none-*.npy" in err
+
+
+def test_plan_of_data_files_reads_them_with_the_reader_of_their_format(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``plan PATH...`` (a directory, a glob, the files) plans what ``data=files`` with their format and
+    ``data.urls`` plans; with a recipe chosen, the files are its ``data.urls``."""
+    from lightning_sharding.recipes.synthetic_files import write_regression
+
+    tars = write_regression(str(tmp_path / "tars"), "tar", [30, 30, 20])
+    write_regression(str(tmp_path / "pq"), "parquet", [20, 20], row_group_size=8)
+    common = [f"data.cache_dir={tmp_path / 'cache'}", "--world-size", "2", "--workers", "1"]
+    listed = ["data=files", "data.format=tar", f"data.urls=[{tmp_path}/tars/*.tar]"]
+    code, expected, err = run(capsys, "plan", *listed, *common)
+    assert code == 0 and "80 samples in 3 items" in expected, err
+    for data in ([str(tmp_path / "tars")], [f"{tmp_path}/tars/*.tar"], tars):
+        code, out, err = run(capsys, "plan", *data, *common)
+        assert (code, out) == (0, expected), err
+    code, out, err = run(capsys, "plan", str(tmp_path / "pq"), "data.batch_size=4", *common)
+    assert code == 0 and "40 samples in 6 items" in out and "batch size 4," in out, err  # row groups of 8
+    code, out, err = run(capsys, "plan", "recipe=images", str(tmp_path / "tars"), *common)
+    assert code == 0 and "80 samples in 3 items" in out and "batch size 32," in out, err  # recipe=images' batch size
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        (["{tmp}/none.tar"], "'{tmp}/none.tar' names no file or directory"),
+        (["{tmp}"], "{tmp} holds files of 2 formats (npy, tar): give a glob of its data files, such as '{tmp}/*.npy'"),
+        (["{tmp}/a.tar", "{tmp}/b.npy"], "are files of 2 formats (npy, tar)"),
+        (["{tmp}/c.bin"], "cannot tell the format of {tmp}/c.bin from its extension: give --format"),
+        (["--format", "npy"], "--format npy is the format of data files: name them"),
+    ],
+)
+def test_plan_names_data_files_it_cannot_read(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, data: list[str], named: str
+) -> None:
+    for name in ("a.tar", "b.npy", "c.bin"):
+        (tmp_path / name).write_bytes(b"")
+    code, out, err = run(capsys, "plan", *(d.format(tmp=tmp_path) for d in data))
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1
+    assert named.format(tmp=tmp_path) in err
