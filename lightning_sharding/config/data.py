@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
+from lightning_sharding.readers.decoding import IMAGE_EXTENSIONS
+
 
 @dataclass
 class DataOptions:
@@ -157,10 +159,12 @@ class PretrainData(DataOptions):
 
 @dataclass
 class ImagesData(DataOptions):
-    """JPEG images with class labels in WebDataset tar shards (``urls``; with none, ``num_items``
-    shards of ``samples_per_item`` generated ``image_size`` squares of ``classes`` classes),
+    """Images with class labels in WebDataset tar shards (``urls``; with none, ``num_items``
+    shards of ``samples_per_item`` generated JPEG ``image_size`` squares of ``classes`` classes),
     decoded in the workers, random-resized-cropped to ``crop`` and flipped from each sample's seed;
-    ``batch_path``: per batch rather than per sample."""
+    ``batch_path``: per batch rather than per sample. A sample's image is its first field of
+    ``image_fields`` (the file extensions in the shard: ``jpg``, ``png``...), its label the
+    integer in the field ``label_field``."""
 
     _target_: str = "lightning_sharding.recipes.images.image_shards"
     urls: list[str] | None = None
@@ -171,6 +175,8 @@ class ImagesData(DataOptions):
     classes: int = 4
     crop: int = 48
     batch_path: bool = False  # decode each batch's JPEGs straight into one array (DecodeCropBatch)
+    image_fields: list[str] = field(default_factory=lambda: list(IMAGE_EXTENSIONS))  # any image the reader decodes
+    label_field: str = "cls"  # a sample's class label: an integer, as webdataset writes .cls
 
     def known_total(self) -> int | None:
         """Known for the generated shards only."""

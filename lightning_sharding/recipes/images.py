@@ -3,8 +3,10 @@ workers, cropped and flipped at random from each sample's seed (strategy ``shard
 
 With no ``urls``, ``num_items`` shards of ``samples_per_item`` JPEGs are generated once: each
 ``image_size`` square shows stripes whose angle is its class, with a random phase, colour and
-noise, so a small CNN learns it in an epoch. Your own shards need a ``jpg`` (or ``png``,
-``webp``, ...) and a ``cls`` field per sample, as ``webdataset.ShardWriter`` writes them.
+noise, so a small CNN learns it in an epoch. Your own shards need an image field per sample
+(``data.image_fields``: by default any image extension the reader decodes, ``jpg``, ``png``,
+``webp``, ...) and a class label field (``data.label_field``, default ``cls``), as
+``webdataset.ShardWriter`` writes them.
 
 The augmentation, :class:`RandomResizedCrop`, draws from ``SampleContext.sample_seed``: a sample
 is cropped the same way whichever rank or worker reads it, so a resumed epoch is the epoch an
@@ -29,11 +31,12 @@ import numpy.typing as npt
 
 from lightning_sharding.core.world import BatchContext, SampleContext
 from lightning_sharding.lightning.datamodule import ShardedDataModule
-from lightning_sharding.readers.decoding import need
+from lightning_sharding.readers.decoding import IMAGE_EXTENSIONS, need
 from lightning_sharding.readers.tar import TarReader
 from lightning_sharding.recipes.data import cache_root, datamodule, generated
 
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+#: The fields a sample's image may be in: the image extensions the reader decodes.
+IMAGE_FIELDS = IMAGE_EXTENSIONS
 
 
 def striped_image(label: int, classes: int, size: int, rng: np.random.Generator) -> npt.NDArray[np.uint8]:
@@ -72,7 +75,8 @@ class RandomResizedCrop:
     As torchvision's ``RandomResizedCrop``: ten tries at an area and a log-uniform aspect ratio
     that fit, else the central crop of the nearest allowed ratio. The crop is resized by
     :func:`resize_crop` (antialiased bilinear, as torchvision and Pillow filter).
-    A sample ``{<image field>, "cls"}`` becomes ``{"image": uint8 (3, size, size), "label": int}``.
+    A sample ``{<image field>, <label field>}`` becomes ``{"image": uint8 (3, size, size), "label": int}``:
+    its image is its first field of ``fields``, its class label the field ``label``.
     """
 
     def __init__(
@@ -81,6 +85,8 @@ class RandomResizedCrop:
         scale: tuple[float, float] = (0.08, 1.0),
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         flip: float = 0.5,
+        fields: Sequence[str] = IMAGE_FIELDS,
+        label: str = "cls",
     ) -> None:
         if size < 1 or not 0 < scale[0] <= scale[1] <= 1 or not 0 < ratio[0] <= ratio[1] or not 0 <= flip <= 1:
             raise ValueError(
@@ -88,6 +94,7 @@ class RandomResizedCrop:
                 "0 < scale[0] <= scale[1] <= 1, 0 < ratio[0] <= ratio[1] and 0 <= flip <= 1"
             )
         self.size, self.scale, self.ratio, self.flip = size, scale, ratio, flip
+        self.fields, self.label = tuple(fields), label
 
     def box(self, width: int, height: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         """``(left, top, right, bottom)`` of the crop in an image of ``width`` x ``height``."""
@@ -116,15 +123,17 @@ class RandomResizedCrop:
         """The cropped, resized and maybe flipped image as a CHW ``uint8`` tensor, and its label."""
         from PIL import Image
 
-        field = next((f for f in IMAGE_FIELDS if f in sample), None)
+        field = next((f for f in self.fields if f in sample), None)
         if field is None:
-            raise KeyError(f"sample {sample.get('__key__')!r} has no image field ({', '.join(IMAGE_FIELDS)})")
+            raise KeyError(f"sample {sample.get('__key__')!r} has no image field ({', '.join(self.fields)})")
+        if self.label not in sample:
+            raise KeyError(f"sample {sample.get('__key__')!r} has no label field {self.label!r}")
         pixels = sample[field]
         array = np.asarray(pixels.convert("RGB") if isinstance(pixels, Image.Image) else pixels)
         rng = np.random.default_rng(ctx.sample_seed)
         box = self.box(array.shape[1], array.shape[0], rng)
         image = resize_crop(array, box, self.size, flip=rng.random() < self.flip)
-        return {"image": image, "label": int(sample["cls"])}
+        return {"image": image, "label": int(sample[self.label])}
 
 
 def resize_crop(pixels: npt.NDArray[np.uint8], box: Sequence[float], size: int, flip: bool) -> Any:
@@ -146,7 +155,8 @@ def resize_crop(pixels: npt.NDArray[np.uint8], box: Sequence[float], size: int, 
 
 
 class DecodeCropBatch:
-    """A ``batch_transform``: the batch's JPEG bytes (field ``field``) -> ``"image"``, one ``uint8``
+    """A ``batch_transform``: the batch's JPEG bytes (field ``field``, or the first of the fields
+    ``field`` lists that the batch holds) -> ``"image"``, one ``uint8``
     tensor ``(B, 3, size, size)`` cropped, resized and flipped as :class:`RandomResizedCrop` does, and
     the ``label`` field as ``"label"``. It draws from ``BatchContext.sample_seeds``, so a row's crop
     depends only on the seed, epoch and position, on any rank, worker or topology.
@@ -158,18 +168,25 @@ class DecodeCropBatch:
     (images stay ``bytes``). A file that does not decode fails the batch, naming the row's key.
     """
 
-    def __init__(self, size: int, field: str = "jpg", label: str = "cls", flip: float = 0.5, **crop: Any) -> None:
+    def __init__(
+        self, size: int, field: str | Sequence[str] = "jpg", label: str = "cls", flip: float = 0.5, **crop: Any
+    ) -> None:
         need("simplejpeg", "image", "JPEG batches")  # in the main process, naming the extra, not in a worker
         need("PIL.Image", "image", "images")
         self.crop = RandomResizedCrop(size, flip=flip, **crop)
-        self.field = field
+        self.fields = (field,) if isinstance(field, str) else tuple(field)
         self.label = label
 
     def __call__(self, batch: Mapping[str, Any], ctx: BatchContext) -> dict[str, Any]:
         """The batch with ``"image"`` and ``"label"`` in place of the encoded field and the label field."""
         import torch
 
-        encoded = batch[self.field]
+        field = next((f for f in self.fields if f in batch), None)
+        if field is None:
+            raise KeyError(f"the batch has no image field ({', '.join(self.fields)}); its fields are {sorted(batch)}")
+        if self.label not in batch:
+            raise KeyError(f"the batch has no label field {self.label!r}; its fields are {sorted(batch)}")
+        encoded = batch[field]
         size = self.crop.size
         out = torch.empty((len(encoded), 3, size, size), dtype=torch.uint8)
         for row, (data, seed) in enumerate(zip(encoded, ctx.sample_seeds.tolist(), strict=True)):
@@ -177,9 +194,12 @@ class DecodeCropBatch:
                 out[row] = self._one(bytes(data), np.random.default_rng(seed))
             except Exception as err:
                 key = batch["__key__"][row] if "__key__" in batch else row
-                raise ValueError(f"row {row} (key {key!r}), field {self.field!r}: {type(err).__name__}: {err}") from err
-        rest = {k: v for k, v in batch.items() if k not in (self.field, self.label)}
-        return {**rest, "image": out, "label": batch[self.label]}
+                raise ValueError(f"row {row} (key {key!r}), field {field!r}: {type(err).__name__}: {err}") from err
+        rest = {k: v for k, v in batch.items() if k not in (field, self.label)}
+        label = batch[self.label]  # a field no decoder reads (.label) is collated as a list of bytes
+        if not isinstance(label, torch.Tensor):
+            label = torch.tensor([int(v) for v in label], dtype=torch.int64)
+        return {**rest, "image": out, "label": label}
 
     def _one(self, data: bytes, rng: np.random.Generator) -> Any:
         """One image, cropped and resized: a CHW ``uint8`` tensor."""
@@ -222,12 +242,21 @@ def image_shards(
     crop: int,
     batch_path: bool,
     sharding: Mapping[str, Any],
+    image_fields: Sequence[str] = IMAGE_FIELDS,
+    label_field: str = "cls",
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
-    """``data=images``: JPEG tar shards (generated when ``urls`` is empty), cropped to ``crop`` with a
-    flip: decoded per sample in the workers then :class:`RandomResizedCrop`, or with ``batch_path``
-    kept as bytes and decoded into the batch by :class:`DecodeCropBatch`."""
+    """``data=images``: image tar shards (JPEG ones generated when ``urls`` is empty), cropped to ``crop``
+    with a flip: decoded per sample in the workers then :class:`RandomResizedCrop`, or with ``batch_path``
+    kept as bytes and decoded into the batch by :class:`DecodeCropBatch`. A sample's image is its first
+    field of ``image_fields``, its class label the field ``label_field``."""
+    unknown = [f for f in image_fields if f not in IMAGE_FIELDS]
+    if unknown or not image_fields:
+        raise ValueError(
+            f"data.image_fields={list(image_fields)}: {', '.join(map(repr, unknown)) or 'none'} is no image "
+            f"extension the reader decodes; give one or more of {', '.join(IMAGE_FIELDS)}"
+        )
     if not urls:
         name = f"images-{num_items}x{samples_per_item}-s{image_size}-c{classes}"
         where = generated(options["cache_dir"], name, partial(_write, num_items, samples_per_item, image_size, classes))
@@ -235,11 +264,12 @@ def image_shards(
     reader = TarReader(
         list(urls),
         decode=True if batch_path else "rgb8",
-        fields=[*IMAGE_FIELDS, "cls"],
+        fields=[*image_fields, label_field],
         storage_options=dict(storage_options),
         cache_dir=cache_root(options["cache_dir"]),
     )
     if batch_path:
-        per_batch = DecodeCropBatch(crop)
+        per_batch = DecodeCropBatch(crop, field=image_fields, label=label_field)
         return datamodule(options, sharding, reader=reader, batch_transform=per_batch, audit_dir=audit_dir)
-    return datamodule(options, sharding, reader=reader, transform=RandomResizedCrop(crop), audit_dir=audit_dir)
+    per_sample = RandomResizedCrop(crop, fields=image_fields, label=label_field)
+    return datamodule(options, sharding, reader=reader, transform=per_sample, audit_dir=audit_dir)

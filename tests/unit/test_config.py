@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, InstantiationException
 from omegaconf import DictConfig
@@ -77,6 +78,45 @@ def test_every_data_option_builds_its_datamodule(tmp_path: Path, option: str) ->
         assert dm.source.length() == cfg.data.rows
     else:
         assert sum(i.num_samples for i in dm.make_reader().items()) > 0  # generated, then listed
+
+
+@pytest.mark.needs("PIL", "simplejpeg")
+@pytest.mark.parametrize("batch_path", [False, True])
+def test_the_images_data_reads_the_image_and_label_fields_it_is_given(tmp_path: Path, batch_path: bool) -> None:
+    """Shards of PNG images with their class in a ``label`` field train with ``data.image_fields=[png]
+    data.label_field=label``, per sample or on the batch path; a field the reader does not decode is named."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    labels = {}
+    for s in range(2):
+        with tarfile.open(tmp_path / f"part-{s}.tar", "w") as tar:
+            for i in range(5):
+                key, label = f"s{s}i{i}", (s * 5 + i) % 3
+                png = io.BytesIO()
+                Image.fromarray(np.full((12, 16, 3), 40 * i, dtype=np.uint8)).save(png, format="PNG")
+                for ext, data in (("png", png.getvalue()), ("label", str(label).encode()), ("txt", b"x")):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                labels[key] = label
+    images = ["recipe=images", f"data.urls=[{tmp_path}/part-*.tar]", "data.crop=8", "data.classes=3"]
+    loading = ["data.num_workers=0", "data.batch_size=4", "data.seed=1", f"data.batch_path={str(batch_path).lower()}"]
+    cfg = make(tmp_path, *images, *loading, "data.image_fields=[png]", "data.label_field=label")
+    check_config(cfg)
+    dm = build_datamodule(cfg)
+    dm.setup("fit")
+    served = []
+    for batch in dm.train_dataloader():
+        assert batch["image"].shape[1:] == (3, 8, 8) and batch["label"].dtype == torch.int64
+        served += [int(label) for label, pad in zip(batch["label"], batch["is_padding"], strict=True) if not pad]
+    dm.teardown("fit")
+    assert sorted(served) == sorted(labels.values())
+    with pytest.raises(InstantiationException, match=r"'jxl' is no image extension the reader decodes"):
+        build_datamodule(make(tmp_path, *images, "data.image_fields=[png,jxl]"))
 
 
 @pytest.mark.parametrize("option", GROUPS["sharding"])
