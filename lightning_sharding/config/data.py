@@ -131,11 +131,14 @@ class TokensData(DataOptions):
 @dataclass
 class TokenStreamOptions:
     """One token stream of ``data=pretrain``: Megatron files (``prefixes``: prefixes or globs of
-    ``.idx`` files), or with none ``documents`` generated documents of 8 to ``longest`` tokens in
-    ``files`` files; ``tokens``: its tokens per epoch (none: one pass)."""
+    ``.idx`` files), Parquet files of token lists (``prefixes``: ``.parquet`` files or globs, as
+    Hugging Face ``datasets`` writes a tokenized set; ``column``: its column of token ids), or with
+    none ``documents`` generated documents of 8 to ``longest`` tokens in ``files`` files;
+    ``tokens``: its tokens per epoch (none: one pass)."""
 
     name: str = MISSING
     prefixes: list[str] | None = None
+    column: str = "input_ids"  # .parquet prefixes: the column of token id lists
     tokens: int | None = None
     files: int = 2
     documents: int = 1000

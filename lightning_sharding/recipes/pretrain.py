@@ -1,7 +1,9 @@
 """Recipe ``pretrain``: token streams of documents of varied lengths, mixed by tokens and packed
 into sequences (strategy ``shard``).
 
-Each stream is Megatron indexed files (``prefix.bin`` + ``prefix.idx``); a stream with none given
+Each stream is Megatron indexed files (``prefix.bin`` + ``prefix.idx``), or Parquet files of token
+lists (``.parquet`` files or globs: a tokenized Hugging Face data set, its ``column`` of token ids, read
+by :class:`~lightning_sharding.tokens.ParquetTokens`); a stream with none given
 gets a corpus of ``documents`` documents of 8 to ``longest`` tokens, generated once: each
 document a noisy counter from a random start (token ``t + 1`` is usually ``t + 1 mod vocab``), so
 a small model learns it and the loss falls.
@@ -9,7 +11,7 @@ a small model learns it and the loss falls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import numpy as np
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.mixture import Stream
 from lightning_sharding.recipes.data import datamodule, generated
-from lightning_sharding.tokens import IndexedTokens, Packing, write_indexed
+from lightning_sharding.tokens import DocumentReader, IndexedTokens, Packing, ParquetTokens, write_indexed
 
 
 def write_documents(directory: Path, files: int, documents: int, longest: int, vocab_size: int, seed: int = 0) -> None:
@@ -42,6 +44,21 @@ def _write(files: int, documents: int, longest: int, vocab_size: int, seed: int,
     write_documents(directory, files, documents, longest, vocab_size, seed=seed)
 
 
+def stream_documents(name: str, paths: Sequence[str], column: str = "input_ids") -> DocumentReader:
+    """A stream's documents: :class:`ParquetTokens` (the token lists of ``column``) for ``.parquet``
+    files or globs, else :class:`IndexedTokens` of Megatron prefixes or ``.idx`` globs."""
+    parquet = [p for p in paths if str(p).endswith(".parquet")]
+    if not parquet:
+        return IndexedTokens(list(paths))
+    if len(parquet) < len(paths):
+        others = [p for p in paths if p not in parquet]
+        raise ValueError(
+            f"data.streams {name!r}: prefixes {others} are not .parquet files while {parquet} are: a stream reads "
+            "one format (Megatron prefixes or .parquet files); give the others a stream of their own"
+        )
+    return ParquetTokens(list(parquet), column=column)
+
+
 def packed_documents(
     *,
     streams: list[Mapping[str, Any]],
@@ -55,7 +72,7 @@ def packed_documents(
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
-    """``data=pretrain``: token streams of Megatron files (each generated when its ``prefixes``
+    """``data=pretrain``: token streams of Megatron or Parquet files (each generated when its ``prefixes``
     are empty), each at its share in tokens (one pass without one), packed into ``seq_len``."""
     if not streams:
         raise ValueError("data.streams is empty: give one or more {name, prefixes or documents, tokens}")
@@ -68,7 +85,8 @@ def packed_documents(
             where = generated(options["cache_dir"], name, partial(_write, files, documents, longest, vocab_size, k))
             prefixes = [str(where / "part-*.idx")]
         share = {"tokens": stream["tokens"]} if stream.get("tokens") else {"repeat": 1.0}
-        mixed.append(Stream(stream["name"], IndexedTokens(list(prefixes)), **share))
+        reader = stream_documents(stream["name"], list(prefixes), stream.get("column", "input_ids"))
+        mixed.append(Stream(stream["name"], reader, **share))
     packing = Packing(
         seq_len=seq_len,
         mode=mode,  # type: ignore[arg-type]  # checked by Packing

@@ -119,6 +119,29 @@ def test_the_images_data_reads_the_image_and_label_fields_it_is_given(tmp_path: 
         build_datamodule(make(tmp_path, *images, "data.image_fields=[png,jxl]"))
 
 
+@pytest.mark.needs("pyarrow")
+def test_the_pretrain_data_reads_parquet_token_lists(tmp_path: Path) -> None:
+    """A stream's ``.parquet`` prefixes are read by ParquetTokens, from the column the stream names:
+    every token of the files is in the epoch's packed sequences once; a stream of two formats is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [list(range(t, t + n)) for t, n in ((1, 5), (6, 9), (15, 2), (17, 7), (24, 3))]
+    table = pa.table({"tokens": pa.array(rows, type=pa.list_(pa.int32())), "text": ["a", "b", "c", "d", "e"]})
+    pq.write_table(table, tmp_path / "train.parquet", row_group_size=2)
+    stream = f"data.streams=[{{name: web, prefixes: ['{tmp_path}/*.parquet'], column: tokens}}]"
+    packing = ["data.seq_len=8", "data.batch_size=2", "data.num_workers=0", "data.seed=1"]
+    dm = build_datamodule(make(tmp_path, "recipe=pretrain", stream, *packing))
+    dm.setup("fit")
+    served = [t for batch in dm.train_dataloader() for t in batch["input_ids"][batch["input_ids"] != 0].tolist()]
+    dm.teardown("fit")
+    assert sorted(served) == list(range(1, 27))
+    (tmp_path / "web.idx").write_bytes(b"")
+    both = f"data.streams=[{{name: web, prefixes: ['{tmp_path}/train.parquet', '{tmp_path}/web']}}]"
+    with pytest.raises(InstantiationException, match=r"data.streams 'web': prefixes \[.*web'\] are not \.parquet"):
+        build_datamodule(make(tmp_path, "recipe=pretrain", both))
+
+
 @pytest.mark.parametrize("option", GROUPS["sharding"])
 def test_every_sharding_option_reaches_the_datamodule(tmp_path: Path, option: str) -> None:
     cfg = make(tmp_path, f"sharding={option}", f"data={PARTNER.get(option, 'synthetic')}")
