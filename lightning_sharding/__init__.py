@@ -11,14 +11,9 @@ modules, without paying for importing Lightning.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
-import warnings
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from lightning_sharding import _deprecated
 from lightning_sharding._version import __version__
 
 _EXPORTS = {
@@ -29,7 +24,7 @@ _EXPORTS = {
     "DocumentReader": "tokens",
     "EpochOrder": "core.order",
     "EpochPlan": "core.plan",
-    "EpochReport": "lightning.summary",
+    "EpochReport": "loading.summary",
     "FileReader": "readers",
     "IndexedTokens": "tokens",
     "Item": "core.manifest",
@@ -51,7 +46,7 @@ _EXPORTS = {
     "RankPlan": "core.plan",
     "Reader": "readers",
     "ReleaseProcessGroup": "lightning.release",
-    "ReplicaMismatchError": "lightning.keeper",
+    "ReplicaMismatchError": "loading.keeper",
     "SampleContext": "core.world",
     "SampleError": "strategies",
     "Source": "readers.sources",
@@ -60,7 +55,7 @@ _EXPORTS = {
     "Stream": "mixture",
     "ShardContext": "core.world",
     "ShardedDataModule": "lightning.datamodule",
-    "ShardedData": "lightning.loop",
+    "ShardedData": "loading.loop",
     "ShardedLoader": "strategies.shard",
     "ShardingCallback": "lightning.callbacks",
     "MixtureController": "lightning.controller",
@@ -143,10 +138,10 @@ if TYPE_CHECKING:
         log_stream_loss,
     )
     from lightning_sharding.lightning.datamodule import ShardedDataModule
-    from lightning_sharding.lightning.keeper import ReplicaMismatchError
-    from lightning_sharding.lightning.loop import ShardedData
     from lightning_sharding.lightning.release import ReleaseProcessGroup
-    from lightning_sharding.lightning.summary import EpochReport
+    from lightning_sharding.loading.keeper import ReplicaMismatchError
+    from lightning_sharding.loading.loop import ShardedData
+    from lightning_sharding.loading.summary import EpochReport
     from lightning_sharding.mixture import Phase, Stream
     from lightning_sharding.readers import (
         FileReader,
@@ -187,68 +182,5 @@ def __dir__() -> list[str]:
     return __all__
 
 
-# Modules that moved into folders in 0.2 (issue 33): their old paths still import, for one release,
-# as the new module itself, with a DeprecationWarning naming the new path. (``lightning_sharding.mixture``
-# is now the mixture package, which exports what the old module did.)
-_MOVED = {
-    "manifest": "core.manifest",
-    "order": "core.order",
-    "plan": "core.plan",
-    "rangeset": "core.rangeset",
-    "ledger": "core.ledger",
-    "world": "core.world",
-    "options": "strategies.options",
-    "streams": "mixture.streams",
-    "interleave": "mixture.interleave",
-    "composition": "mixture.composition",
-    "mixture_change": "mixture.change",
-    "lookahead": "mixture.order",
-    "datamodule": "lightning.datamodule",
-    "callbacks": "lightning.callbacks",
-    "keeper": "lightning.keeper",
-    "accounting": "lightning.accounting",
-    "progress_bar": "lightning.progress_bar",
-    "summary": "lightning.summary",
-    "release": "lightning.release",
-    "restart": "lightning.datamodule",
-    "audit": "lightning.audit",
-    "dali": "lightning.dali",
-    "_distributed": "distributed.collectives",
-    "agreement": "distributed.agreement",
-    "segments": "strategies._shared_memory",
-    "processes": "strategies._helper_deaths",
-    "dispatcher": "strategies._dispatch_process",
-    "storage": "readers.storage",
-    "sources": "readers.sources",
-    "plots": "cli.plots",
-    "datasets": "recipes.synthetic_files",
-}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports ``lightning_sharding.<old>`` as the module it moved to, warning once per import."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        """A spec for a moved module's old path; ``None`` for every other name."""
-        prefix, _, old = fullname.partition(".")
-        if prefix != __name__ or old not in _MOVED:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        """The new module itself, so classes and functions are the same objects under both paths."""
-        new = f"{__name__}.{_MOVED[spec.name.partition('.')[2]]}"
-        warnings.warn(
-            f"{spec.name} moved to {new} in lightning_sharding 0.2; import it from there "
-            "(the old path goes away in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module(new)
-
-    def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the new module is already loaded."""
-
-
-if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
+# Old module paths still import, for one release, with a DeprecationWarning naming the new path.
+_deprecated.install()

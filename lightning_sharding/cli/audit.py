@@ -2,7 +2,7 @@
 
 One module per subcommand, like ``plan`` and ``inspect``: its arguments, the table it prints and
 its exit status. The trail's format, what training writes and what the audit reads, belongs to
-:mod:`lightning_sharding.lightning.audit` alone, which knows nothing of the command line.
+:mod:`lightning_sharding.loading.audit` alone, which knows nothing of the command line.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_sharding.lightning.audit import audit, format_audit
+from lightning_sharding.loading.audit import audit, format_audit
 
 
 def register(subparsers: Any) -> None:

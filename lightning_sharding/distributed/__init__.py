@@ -1,2 +1,1 @@
-"""Talking across ranks without Lightning: object gathers over ``torch.distributed`` and the one
-agreement every rank checks at setup."""
+"""Talking across ranks without Lightning: object gathers and broadcasts over ``torch.distributed``."""

@@ -1,2 +1,2 @@
-"""The Lightning glue: the DataModule, the callbacks, and the accounting that ties the ledger to
-the optimizer steps the weights hold."""
+"""The Lightning glue: the DataModule and the callbacks, an adapter that drives the loading engine
+(``lightning_sharding.loading``) from the Trainer's hooks."""

@@ -2,7 +2,7 @@
 
 - A batch's samples join the ledger once its training step has run, and become checkpointable once
   an optimizer step has applied their gradients (gradient accumulation). Both are read from the
-  trainer's progress whenever the ledger is read (:mod:`lightning_sharding.lightning.accounting`), so a
+  trainer's progress whenever the ledger is read (:mod:`lightning_sharding.loading.accounting`), so a
   checkpoint saved from any hook or callback position holds exactly what its weights hold.
 - Lightning writes only global rank 0's checkpoint, but every rank runs the save hooks: the ledgers
   of all ranks are gathered there, and every rank restores the union on load.
@@ -26,12 +26,12 @@ from typing_extensions import override
 from lightning_sharding.core.ledger import CHECKPOINT_KEY
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
-from lightning_sharding.lightning.accounting import StepAccounting, TrainerProgress
-from lightning_sharding.lightning.audit import AuditWriter, run_header
-from lightning_sharding.lightning.keeper import LedgerKeeper
 from lightning_sharding.lightning.progress_bar import show_train_total
 from lightning_sharding.lightning.release import ReleaseProcessGroup
-from lightning_sharding.lightning.summary import EpochReport, format_summary
+from lightning_sharding.loading.accounting import StepAccounting, TrainerProgress
+from lightning_sharding.loading.audit import AuditWriter, run_header
+from lightning_sharding.loading.keeper import LedgerKeeper
+from lightning_sharding.loading.summary import EpochReport, format_summary
 from lightning_sharding.mixture import ControlledMixture, change_of, mixture_of
 from lightning_sharding.strategies import Provenance
 

@@ -1,8 +1,10 @@
-"""``ShardedDataModule``: the LightningDataModule users subclass or configure.
+"""``ShardedDataModule``: the LightningDataModule users subclass or configure, an adapter over the engine.
 
-It takes the topology from the trainer at ``setup()``, owns the manifest and the ledger, builds
-the sharded loaders (on a restart, for the epoch Lightning's loops are about to run:
-:func:`epoch_lightning_runs_next`), and adds the
+The loading itself (the arguments, the listing, the plan, the ledger, the loaders) is the
+Lightning-free :class:`~lightning_sharding.loading.engine.LoadingEngine`. This module drives it from
+the Trainer's hooks: it takes the topology from the trainer at ``setup()``, builds the train loader
+for the epoch Lightning's loops are about to run (on a restart: :func:`epoch_lightning_runs_next`),
+and adds the
 :class:`~lightning_sharding.lightning.callbacks.ShardingCallback` that keeps the ledger in step with
 training and in the checkpoint.
 """
@@ -10,34 +12,46 @@ training and in the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import lightning.pytorch as pl
-import numpy as np
 from lightning.pytorch.callbacks import Checkpoint
-from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.plan import EvenBatches
-from lightning_sharding.core.world import DataParallel, World, check_data_parallel
-from lightning_sharding.distributed.agreement import agree
-from lightning_sharding.distributed.collectives import broadcast_object
+from lightning_sharding.core.world import DataParallel, World
 from lightning_sharding.lightning.callbacks import ShardingCallback
 from lightning_sharding.lightning.controller import controllers_of
-from lightning_sharding.lightning.keeper import LedgerKeeper
-from lightning_sharding.mixture import Phase, Stream, reader_of
+from lightning_sharding.loading.engine import LoadingEngine
+from lightning_sharding.loading.keeper import LedgerKeeper
+from lightning_sharding.mixture import Phase, Stream
 from lightning_sharding.readers.base import Reader
-from lightning_sharding.readers.shared_index import collective
 from lightning_sharding.readers.sources import Source
-from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
-from lightning_sharding.strategies._shared_memory import sweep_dead
-from lightning_sharding.strategies._start import worker_context
-from lightning_sharding.strategies.base import strategies_where
+from lightning_sharding.strategies import Strategy, TrainLoader
 from lightning_sharding.strategies.options import BatchTransform, LoaderOptions, OnError, OptionAttribute, Transform
-from lightning_sharding.tokens import PackedReader, Packing
+from lightning_sharding.tokens import Packing
+
+T = TypeVar("T")
+
+
+class _EngineAttribute(Generic[T]):
+    """``dm.<name>`` is ``dm.engine.<attribute>``: one home for the state, two ways in."""
+
+    def __init__(self, attribute: str, *, writable: bool = True) -> None:
+        self.attribute = attribute
+        self.writable = writable
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> T:
+        if obj is None:
+            return self  # type: ignore[return-value]  # the class's attribute: the descriptor itself
+        return getattr(obj._engine, self.attribute)  # type: ignore[no-any-return]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if not self.writable:
+            raise AttributeError(f"{type(obj).__name__}.{self.attribute} is read-only")
+        setattr(obj._engine, self.attribute, value)
 
 
 class ShardedDataModule(pl.LightningDataModule):
@@ -145,223 +159,126 @@ class ShardedDataModule(pl.LightningDataModule):
         schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
-        name = type(self).__name__
-        if not isinstance(strategy, Strategy) and strategy not in strategy_names():
-            raise ValueError(
-                f"`{name}(strategy={strategy!r})` is not a strategy; choose one of {list(strategy_names())}"
-            )
-        self.strategy: Strategy = get_strategy(strategy)
-        if (self.strategy.takes == "source") != (source is not None):
-            raise ValueError(
-                f"`{name}(strategy={self.strategy.name!r})`: `source=` goes with "
-                f"{strategies_where(lambda s: s.takes == 'source')} and only with it"
-            )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"`{name}(seed={seed!r})` must be a non-negative integer or None")
-        self.options = LoaderOptions(
+        self._engine = LoadingEngine.from_arguments(
+            type(self).__name__,
+            reader,
             batch_size=batch_size,
             num_workers=num_workers,
+            seed=seed,
             shuffle=shuffle,
             even_batches=even_batches,
-            transform=transform,
-            batch_transform=batch_transform,
-            collate_fn=collate_fn or default_collate,
-            padding_key=padding_key,
-            on_error=on_error,
-            prefetch_items=prefetch_items,
             persistent_workers=persistent_workers,
             prefetch_factor=prefetch_factor,
             pin_memory=pin_memory,
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
             transport=transport,
-        ).check(name)
-        if not self.strategy.shuffles:  # e.g. a source, read in its own order
-            self.options = self.options.replace(shuffle=False)
-        self.strategy.check(self.options, owner=name)
-        if packing is not None and streams is not None:  # every stream packed the same way
-            streams = [packed_stream(s, packing, self.strategy, self.options, name) for s in streams]
-        self._reader = reader_of(reader, streams, samples_per_epoch, name, batch_composition, batch_size, schedule)
-        if packing is not None and streams is None:
-            self._reader = packed(self._reader, packing, self.strategy, self.options, name)
-        self._val_reader = val_reader
-        self._test_reader = test_reader
-        self.source = source
-        self.seed = seed  # drawn at setup when None
-        self._seed_given = seed
-        self.allow_data_change = allow_data_change
-        self.allow_mixture_change = allow_mixture_change
-        self.data_root_map = dict(data_root_map or {})
-        self.audit_dir = audit_dir
-        if data_parallel is not None and not callable(data_parallel):
-            check_data_parallel(data_parallel, None, f"`{name}(data_parallel={data_parallel!r})`")
-        self.data_parallel = data_parallel
-        self.world = World()
-        self.manifest: Manifest | None = None
-        self.ledger_keeper: LedgerKeeper | None = None  # the ledger and the manifest it plans by
-        self._train_data: Reader | Source | None = None
+            transform=transform,
+            batch_transform=batch_transform,
+            collate_fn=collate_fn,
+            val_reader=val_reader,
+            test_reader=test_reader,
+            padding_key=padding_key,
+            allow_data_change=allow_data_change,
+            allow_mixture_change=allow_mixture_change,
+            data_root_map=data_root_map,
+            audit_dir=audit_dir,
+            on_error=on_error,
+            strategy=strategy,
+            prefetch_items=prefetch_items,
+            source=source,
+            data_parallel=data_parallel,
+            streams=streams,
+            samples_per_epoch=samples_per_epoch,
+            batch_composition=batch_composition,
+            packing=packing,
+            schedule=schedule,
+        )
 
     @property
-    def manifest(self) -> Manifest | None:
-        """The training manifest (after ``setup("fit")``), as the ledger plans by it now: a mixture
-        changed on resume or a MixtureController's decisions change its epochs' orders."""
-        keeper = getattr(self, "ledger_keeper", None)
-        return keeper.manifest if keeper is not None else self._manifest
+    def engine(self) -> LoadingEngine:
+        """The Lightning-free loading engine this DataModule drives from the Trainer's hooks."""
+        return self._engine
 
-    @manifest.setter
-    def manifest(self, value: Manifest | None) -> None:
-        self._manifest = value
-
-    @property
-    def ledger(self) -> Ledger | None:
-        """The training ledger (after ``setup("fit")``)."""
-        return self.ledger_keeper.ledger if self.ledger_keeper is not None else None
-
-    @property
-    def train_loader(self) -> TrainLoader | None:
-        """The train loader built last."""
-        return self.ledger_keeper.train_loader if self.ledger_keeper is not None else None
+    # What users and callbacks read (and the batch-size finder and ShardedData's resume set) lives on the engine.
+    options: _EngineAttribute[LoaderOptions] = _EngineAttribute("options")
+    strategy: _EngineAttribute[Strategy] = _EngineAttribute("strategy")
+    seed: _EngineAttribute[int | None] = _EngineAttribute("seed")
+    world: _EngineAttribute[World] = _EngineAttribute("world")
+    source: _EngineAttribute[Source | None] = _EngineAttribute("source")
+    data_parallel: _EngineAttribute[Any] = _EngineAttribute("data_parallel")
+    allow_data_change: _EngineAttribute[bool] = _EngineAttribute("allow_data_change")
+    allow_mixture_change: _EngineAttribute[bool] = _EngineAttribute("allow_mixture_change")
+    data_root_map: _EngineAttribute[dict[str, str]] = _EngineAttribute("root_map")
+    audit_dir: _EngineAttribute[str | None] = _EngineAttribute("audit_dir")
+    ledger_keeper: _EngineAttribute[LedgerKeeper | None] = _EngineAttribute("keeper")
+    manifest: _EngineAttribute[Manifest | None] = _EngineAttribute("manifest", writable=False)
+    ledger: _EngineAttribute[Ledger | None] = _EngineAttribute("ledger", writable=False)
+    train_loader: _EngineAttribute[TrainLoader | None] = _EngineAttribute("train_loader", writable=False)
 
     def make_reader(self) -> Reader:
         """The training reader; override it to build the reader from your own arguments."""
-        if self._reader is None:
+        if self._engine.reader is None:
             raise TypeError(f"{type(self).__name__} has no reader: pass `reader=...` or override `make_reader()`")
-        return self._reader
+        return self._engine.reader
 
     @override
     def setup(self, stage: str) -> None:
         """Read the topology; to fit, build the reader, manifest (agreed by all ranks), ledger, callback."""
-        if self.trainer is not None:
-            self.world = World.from_trainer(self.trainer, self.data_parallel)
+        trainer = self.trainer
+        world = World.from_trainer(trainer, self.data_parallel) if trainer is not None else self.world
+        self.world = world
         if stage != "fit":
             return
-        # What a run killed by SIGKILL left in /dev/shm (batch slots, shared arrays) goes at every fit,
-        # with or without workers: a pool sweeps only when it is made, and a resume may make none.
-        sweep_dead()
         data = self.source if self.source is not None else self.make_reader()
-        self.strategy.check(self.options, data, owner=type(self).__name__)
-        self._train_data = data
-        if self.options.num_workers > 0 and "multiprocessing_context" not in self.strategy.fixed_options:
-            # The forkserver (the default start method) imports while the ranks list, plan and restore.
-            options = self.options
-            used = (self.strategy, data, options.transform, options.batch_transform, options.collate_fn)
-            worker_context(options.multiprocessing_context, *used)
-        with collective(self.world):  # the leaders list and index, the other ranks receive the items
-            self.manifest = self.strategy.manifest(data, self.options.batch_size)
-        seed = self._shared_seed()
-        self.world = agree(self.world, self.manifest, seed, self.options)
-        ledger = Ledger(seed=seed, total=self.manifest.total, manifest=self.manifest.summary())
-        keep: dict[str, Any] = dict(seed_given=self._seed_given, audit_dir=self.audit_dir)
-        keep.update(allow_data_change=self.allow_data_change, allow_mixture_change=self.allow_mixture_change)
-        keep.update(root_map=self.data_root_map)
-        self.ledger_keeper = LedgerKeeper(ledger, self.manifest, self.world, self.options, **keep)
-        if self.trainer is not None:
-            _ensure_callback(self.trainer)
-            controllers = controllers_of(self.trainer)
+        broadcast = (lambda seed: trainer.strategy.broadcast(seed, src=0)) if trainer is not None else None
+        self._engine.setup(data, world, broadcast)
+        if trainer is not None:
+            _ensure_callback(trainer)
+            controllers = controllers_of(trainer)
             if len(controllers) > 1:
                 raise ValueError(f"the trainer has {len(controllers)} MixtureControllers; give it one")
             if controllers:  # the mixture's epochs under online control, from any decisions to replay
-                if not self.strategy.replans:
-                    raise ValueError(
-                        f"a MixtureController replans the epoch mid-pass, which strategy={self.strategy.name!r} "
-                        f"cannot: use {strategies_where(lambda s: s.replans)}"
-                    )
-                self.ledger_keeper.start_control(controllers[0].replay)
-
-    def _shared_seed(self) -> int:
-        if self.seed is not None:
-            return self.seed
-        seed = int(np.random.SeedSequence().generate_state(1, dtype=np.uint32)[0])
-        if self.trainer is not None and self.world.world_size > 1:
-            seed = int(self.trainer.strategy.broadcast(seed, src=0))
-        elif self.world.world_size > 1:  # a loop of its own (ShardedData): torch.distributed's default group
-            seed = int(broadcast_object(seed, self.world.world_size))
-        self.seed = seed
-        return seed
+                self._engine.start_control(controllers[0].replay)
 
     @override
     def train_dataloader(self) -> TrainLoader:
         """This rank's training loader; it yields the same number of batches on every rank."""
-        keeper = self.ledger_keeper
-        if keeper is None or self._train_data is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.train_dataloader() was called before setup('fit'). "
-                "If your subclass overrides setup(), call super().setup(stage) in it."
-            )
-        if self.trainer is not None:
-            keeper.start_epoch(epoch_lightning_runs_next(self.trainer))
-        self.seed = keeper.ledger.seed  # a restored checkpoint's seed
-        keeper.options = self.options  # the batch-size finder may have changed them
-        self.strategy.release(keeper.train_loader)
-        keeper.train_loader = self.strategy.build(
-            self._train_data, keeper.manifest, keeper.ledger, self.world, self.options, track=True
-        )
-        return keeper.train_loader
+        epoch = epoch_lightning_runs_next(self.trainer) if self.trainer is not None else None
+        return self._engine.build_train_loader(epoch)
 
     @override
     def teardown(self, stage: str) -> None:
         """Release what the train loader holds outside Python: shared memory, helper processes."""
-        if stage == "fit" and self.train_loader is not None:
-            self.train_loader.close()
+        if stage == "fit":
+            self._engine.close()
 
     # Exposed as properties so that Lightning sees an evaluation loader only when a reader was given
     # (it checks whether the method is overridden); a subclass may still define its own method.
     @property
     def val_dataloader(self) -> Callable[[], Any]:
         """The validation loader: sharded like training, never shuffled, padding flagged."""
-        if self._val_reader is None:
+        if self._engine.val_reader is None:
             return super().val_dataloader
-        return lambda: self._eval_loader(self._val_reader)
+        return lambda: self._eval_loader(self._engine.val_reader)
 
     @property
     def test_dataloader(self) -> Callable[[], Any]:
         """The test loader: sharded like training, never shuffled, padding flagged."""
-        if self._test_reader is None:
+        if self._engine.test_reader is None:
             return super().test_dataloader
-        return lambda: self._eval_loader(self._test_reader)
+        return lambda: self._eval_loader(self._engine.test_reader)
 
     def _eval_loader(self, reader: Reader | None) -> Iterable[Any]:
         assert reader is not None
-        if self.trainer is not None:
-            self.world = World.from_trainer(self.trainer, self.data_parallel)
-        with collective(self.world):
-            manifest = Manifest.from_items(reader.items())
-        seed = self.ledger.seed if self.ledger is not None else self.seed or 0
-        ledger = Ledger(seed=seed, total=manifest.total, manifest=manifest.summary())
-        # Evaluation always pads (flagged): dropping would silently skip samples of every evaluation.
-        return self.strategy.build_eval(reader, manifest, ledger, self.world, self.options)
+        world = World.from_trainer(self.trainer, self.data_parallel) if self.trainer is not None else self.world
+        loader: Iterable[Any] = self._engine.eval_loader(reader, world)
+        return loader
 
 
 # Every loader option is an attribute too: ``dm.batch_size`` reads ``dm.options``; setting it checks again.
 for _name in LoaderOptions.names():
     setattr(ShardedDataModule, _name, OptionAttribute(_name))
-
-
-def packed_stream(stream: Stream, packing: Packing, strategy: Strategy, options: LoaderOptions, owner: str) -> Stream:
-    """``stream`` with its reader packed by ``packing``."""
-    return replace(stream, reader=packed(stream.reader, packing, strategy, options, owner))
-
-
-def packed(
-    reader: Reader | None,
-    packing: Packing,
-    strategy: Strategy,
-    options: LoaderOptions,
-    owner: str,
-) -> PackedReader:
-    """``reader``'s documents packed by ``packing``; what cannot go with packing is refused, named."""
-    if options.transform is not None or options.collate_fn is not default_collate:
-        raise ValueError(
-            f"`{owner}(packing=...)` builds whole batches of sequences: transform= and collate_fn= do not "
-            "apply; use batch_transform= to change a batch"
-        )
-    if options.on_error != "raise":
-        raise ValueError(f"`{owner}(packing=..., on_error={options.on_error!r})`: packed batches are never skipped")
-    if reader is None:
-        raise TypeError(f"`{owner}(packing=...)` packs the documents of reader=...: give one")
-    packed_reader = PackedReader(reader, packing)  # type: ignore[arg-type]  # refused there unless a DocumentReader
-    strategy.check_data(packed_reader, owner)  # a strategy that does not read packed sequences refuses it
-    return packed_reader
 
 
 def _ensure_callback(trainer: pl.Trainer) -> None:

@@ -39,7 +39,17 @@ BASE_PRELOAD: tuple[str, ...] = ("torch", "lightning_sharding.strategies._worker
 # The packages of a training script's imports that the server preloads: heavy, and known to start no
 # thread and touch no device when imported.
 SAFE_TO_PRELOAD = frozenset(
-    ("torch", "lightning", "pytorch_lightning", "lightning_sharding", "numpy", "hydra", "omegaconf", "pyarrow")
+    (
+        "torch",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+        "lightning_sharding",
+        "numpy",
+        "hydra",
+        "omegaconf",
+        "pyarrow",
+    )
 )
 
 _started_by: int | None = None  # the pid of the process whose loader started the forkserver

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_sharding import ShardedDataModule, SyntheticReader
-from lightning_sharding.lightning.audit import audit
+from lightning_sharding.loading.audit import audit
 from lightning_sharding.train import Regressor
 from tests.harness import (
     FIRST_2X2,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from lightning_sharding.lightning.audit import audit
+from lightning_sharding.loading.audit import audit
 from tests.harness import (
     Checks,
     Data,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_sharding.lightning.audit import audit
+from lightning_sharding.loading.audit import audit
 from tests.harness import (
     FIRST_2X2,
     Checks,

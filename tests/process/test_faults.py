@@ -2,7 +2,7 @@
 
 Every kill is a real SIGKILL of real processes (Lightning's ddp_fork ranks, DataLoader workers from
 the package's forkserver, dispatch processes); every exactly-once claim is checked by the audit trail over all
-segments of a run (``lightning_sharding.lightning.audit``) and, independently, by the sample ids the training
+segments of a run (``lightning_sharding.loading.audit``) and, independently, by the sample ids the training
 steps recorded. Kill points are drawn from a seed that is printed and put in every assertion
 message; set ``LSH_FAULT_SEED`` to replay one, and ``LSH_FAULT_KILLS`` for more kills per run.
 """
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
-from lightning_sharding.lightning.audit import audit, format_audit
+from lightning_sharding.loading.audit import audit, format_audit
 from lightning_sharding.recipes.synthetic_files import write_regression
 from lightning_sharding.strategies._helper_deaths import HelperProcessError
 from lightning_sharding.strategies.options import LoaderOptions

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_sharding.lightning.audit import audit, format_audit
+from lightning_sharding.loading.audit import audit, format_audit
 from tests.harness import (
     FIRST_MIXTURE_2X2,
     MIXTURE,

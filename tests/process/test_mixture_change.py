@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_sharding.lightning.audit import audit, format_audit
+from lightning_sharding.loading.audit import audit, format_audit
 from tests.harness import (
     FIRST_MIXTURE_2X2,
     MIXTURE,

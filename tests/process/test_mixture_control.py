@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_sharding.lightning.audit import audit, format_audit
+from lightning_sharding.loading.audit import audit, format_audit
 from tests.harness import (
     Checks,
     Data,

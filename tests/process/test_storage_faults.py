@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_sharding import SampleError, ShardedDataModule, ShardingCallback
 from lightning_sharding.core.order import EpochOrder
 from lightning_sharding.core.rangeset import RangeSet
-from lightning_sharding.lightning.audit import audit
+from lightning_sharding.loading.audit import audit
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.storage import RetryPolicy
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression

@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from lightning_sharding.lightning.audit import audit
+from lightning_sharding.loading.audit import audit
 from lightning_sharding.train import CONF_DIR, run
 from tests.harness import ROOT, free_port
 

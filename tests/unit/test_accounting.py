@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lightning_sharding.core.ledger import Ledger
-from lightning_sharding.lightning.accounting import StepAccounting, TrainerProgress
+from lightning_sharding.loading.accounting import StepAccounting, TrainerProgress
 from lightning_sharding.strategies import Provenance
 
 

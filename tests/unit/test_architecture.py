@@ -112,7 +112,7 @@ def test_strategy_rules_live_only_in_the_strategies() -> None:
 @pytest.mark.timeout(60)
 def test_what_workers_import_imports_no_lightning() -> None:
     code = (
-        "import sys, lightning_sharding.strategies as s, lightning_sharding.lightning.keeper;"
+        "import sys, lightning_sharding.strategies as s, lightning_sharding.loading.keeper;"
         "import lightning_sharding.strategies.options;"
         "assert len(s.strategy_names()) >= 4;"  # loads every built-in strategy module
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
@@ -129,6 +129,22 @@ ORDER_TYPES = (
 )
 # Where each order type is defined: the only place that may test for it.
 ORDER_HOMES = ("lightning_sharding.core.order", "lightning_sharding.mixture.", "lightning_sharding.tokens.")
+# The layers, lowest first: a module imports only modules of its own layer or of those below it, and
+# nothing below the Lightning glue imports Lightning (the loading engine serves Fabric and torchrun loops).
+LAYERS = {"core": 0, "distributed": 1, "readers": 2, "tokens": 3, "mixture": 4, "strategies": 5, "loading": 6}
+LAYERS |= {"lightning": 7}
+TOP = 8  # the entry points (config, recipes, cli, train) and the package root, which re-exports lazily
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a module of the package (``None``: not the package's)."""
+    parts = module.split(".")
+    if parts[0] != "lightning_sharding":
+        return None
+    return LAYERS.get(parts[1], TOP) if len(parts) > 1 else TOP
+
+
 # The features: kinds of order, each a package whose modules only it imports (the rest import the package).
 FEATURES = ("mixture", "tokens")
 
@@ -155,9 +171,11 @@ def layering_violations(found: dict[str, Path]) -> list[str]:
             elif inside == "core" and top != "lightning_sharding":
                 if top not in CORE_MAY_IMPORT and top not in sys.stdlib_module_names:
                     out.append(f"{name} (core) imports {module}: the core is pure (stdlib and numpy)")
-            glue = top in ("lightning", "pytorch_lightning") or module.startswith("lightning_sharding.lightning")
-            if inside == "strategies" and glue:
-                out.append(f"{name} (strategies) imports {module}: workers must not import Lightning")
+            below, above = LAYERS.get(inside, TOP), layer_of(module)
+            if top in LIGHTNING and below < LAYERS["lightning"]:
+                out.append(f"{name} ({inside}) imports {module}: below the Lightning glue, nothing imports Lightning")
+            elif above is not None and above > below and inside != "core":  # the core has its own rule
+                out.append(f"{name} ({inside}) imports {module}: a layer imports only its own and those below it")
             for feature in FEATURES:
                 if inside != feature and module.startswith(f"lightning_sharding.{feature}."):
                     out.append(f"{name} imports {module}: outside {feature}/, import from lightning_sharding.{feature}")
@@ -178,7 +196,11 @@ def test_the_layering_check_finds_a_planted_violation_of_each_rule(tmp_path: Pat
         "core/plan.py": "from lightning_sharding.mixture import Mixture\n",
         "core/ledger.py": "def f():\n    from lightning_sharding.strategies.shard import PlanSampler\n",
         "strategies/shard.py": "import lightning.pytorch as pl\n",
-        "strategies/broadcast.py": "from lightning_sharding.lightning.keeper import LedgerKeeper\n",
+        "strategies/broadcast.py": "from lightning_sharding.loading.keeper import LedgerKeeper\n",
+        "distributed/collectives.py": "from lightning_sharding.strategies.options import LoaderOptions\n",
+        "loading/engine.py": "def f():\n    from lightning.pytorch.callbacks import Checkpoint\n",
+        "loading/loop.py": "from lightning_sharding.lightning.datamodule import ShardedDataModule\n",
+        "readers/tar.py": "import lightning_fabric\n",
         "cli/plan.py": "from lightning_sharding.mixture.order import MixtureOrder\n",
         "lightning/datamodule.py": "from lightning_sharding.tokens.packing import Packing\n",
         "tokens/reader.py": "from lightning_sharding.tokens.batch import packed_batch\nisinstance(o, PackedOrder)\n",
@@ -196,21 +218,33 @@ def test_the_layering_check_finds_a_planted_violation_of_each_rule(tmp_path: Pat
     for culprit in ["core.order (core) imports torch", "core.plan (core) imports lightning_sharding.mixture"]:
         assert any(culprit in v for v in violations), culprit
     assert any("core.ledger (core) imports lightning_sharding.strategies.shard" in v for v in violations)
-    assert any("strategies.shard (strategies) imports lightning.pytorch" in v for v in violations)
-    assert any("strategies.broadcast (strategies) imports lightning_sharding.lightning.keeper" in v for v in violations)
+    assert any(
+        "strategies.shard (strategies) imports lightning.pytorch: below the Lightning glue" in v for v in violations
+    )
+    upward = "a layer imports only its own and those below it"
+    for culprit in [
+        "strategies.broadcast (strategies) imports lightning_sharding.loading.keeper",
+        "distributed.collectives (distributed) imports lightning_sharding.strategies.options",
+        "loading.loop (loading) imports lightning_sharding.lightning.datamodule",
+    ]:
+        assert any(v.startswith(f"lightning_sharding.{culprit}: {upward}") for v in violations), culprit
+    assert any("loading.engine (loading) imports lightning.pytorch.callbacks: below the" in v for v in violations)
+    assert any("readers.tar (readers) imports lightning_fabric: below the Lightning glue" in v for v in violations)
     assert any("cli.plan imports lightning_sharding.mixture.order" in v for v in violations)
     assert any("lightning.datamodule imports lightning_sharding.tokens.packing" in v for v in violations)
     assert any("lightning.keeper:1 tests an order's type" in v for v in violations)
     # What the rules allow: mixture/ reaching inside itself, the core importing the core, numpy, stdlib.
     assert not any(m in v for m in ("mixture.change", "core.manifest", "tokens.reader") for v in violations), violations
-    assert len(violations) == 8, violations
+    assert len(violations) == 12, violations
 
 
 def test_the_top_level_holds_only_folders_the_root_the_entry_and_the_version() -> None:
     loose = sorted(
         p.name
         for p in PACKAGE.iterdir()
-        if p.is_file() and p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py", "_version.py", "train.py")
+        if p.is_file()
+        and p.suffix == ".py"
+        and p.name not in ("__init__.py", "__main__.py", "_version.py", "_deprecated.py", "train.py")
     )
     assert loose == [], f"modules at the package's top level, not in a folder: {loose}"
 

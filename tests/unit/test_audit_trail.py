@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_sharding.lightning.audit import AuditWriter, audit, format_audit
+from lightning_sharding.loading.audit import AuditWriter, audit, format_audit
 
 # Two runs of 2 data-parallel ranks, 12 samples an epoch, as release 0.8 wrote them: the first run
 # was killed after its checkpoint at step 1 and trained step 2 too, which the second run trains again.

@@ -210,7 +210,7 @@ def test_a_resume_after_a_blocked_epoch_that_dropped_a_batch_warns_only_when_sam
 
     from lightning_sharding.core.ledger import Ledger
     from lightning_sharding.core.world import World
-    from lightning_sharding.lightning.keeper import LedgerKeeper
+    from lightning_sharding.loading.keeper import LedgerKeeper
     from lightning_sharding.strategies.options import LoaderOptions
 
     manifest = mixture("stratified").manifest()  # 64 samples in 8 blocks of 8
@@ -228,7 +228,7 @@ def test_a_resume_after_a_blocked_epoch_that_dropped_a_batch_warns_only_when_sam
 def test_resuming_a_blocked_mixture_with_another_batch_size_says_which_batch_size_to_use() -> None:
     from lightning_sharding.core.ledger import CheckpointMismatchError, Ledger
     from lightning_sharding.core.world import World
-    from lightning_sharding.lightning.keeper import LedgerKeeper
+    from lightning_sharding.loading.keeper import LedgerKeeper
     from lightning_sharding.strategies.options import LoaderOptions
 
     saved = mixture("per_stream").manifest(8)

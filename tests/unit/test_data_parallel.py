@@ -10,9 +10,9 @@ import pytest
 
 from lightning_sharding import ShardedDataModule, SyntheticReader, World
 from lightning_sharding.core.rangeset import RangeSet
-from lightning_sharding.distributed.agreement import check_views
-from lightning_sharding.lightning.keeper import ReplicaMismatchError, one_ledger_per_replica
-from lightning_sharding.lightning.summary import format_summary
+from lightning_sharding.loading.agreement import check_views
+from lightning_sharding.loading.keeper import ReplicaMismatchError, one_ledger_per_replica
+from lightning_sharding.loading.summary import format_summary
 from lightning_sharding.recipes.models import Regressor
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import cpu_trainer

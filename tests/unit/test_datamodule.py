@@ -191,3 +191,25 @@ def test_gathering_ledgers_without_a_process_group_is_an_error() -> None:
     assert gather_objects("x", 1) == ["x"]
     with pytest.raises(RuntimeError, match="gather the data ledgers of 2 ranks"):
         gather_objects("x", 2)
+
+
+def test_the_datamodule_takes_the_engines_arguments_with_the_same_defaults() -> None:
+    # LoadingEngine.from_arguments is the one definition; the DataModule repeats its signature for type
+    # checkers, IDEs and LightningCLI, and must not drift from it (names, order, defaults, types).
+    import inspect
+
+    from lightning_sharding.loading.engine import LoadingEngine
+
+    engine = dict(inspect.signature(LoadingEngine.from_arguments).parameters)
+    engine.pop("owner")
+    module = dict(inspect.signature(ShardedDataModule.__init__).parameters)
+    module.pop("self")
+    assert list(module) == list(engine)
+    for name, parameter in engine.items():
+        theirs = module[name]
+        assert (theirs.default, theirs.kind) == (parameter.default, parameter.kind), name
+        same_type = theirs.annotation == parameter.annotation
+        lightning_callable = (
+            name == "data_parallel" and theirs.annotation.replace("pl.Trainer", "Any") == parameter.annotation
+        )
+        assert same_type or lightning_callable, (name, theirs.annotation, parameter.annotation)

@@ -22,7 +22,7 @@ from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
-from lightning_sharding.lightning.keeper import LedgerKeeper, moved_prefixes
+from lightning_sharding.loading.keeper import LedgerKeeper, moved_prefixes
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import cpu_trainer

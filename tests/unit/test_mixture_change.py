@@ -18,7 +18,7 @@ from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
-from lightning_sharding.lightning.keeper import LedgerKeeper
+from lightning_sharding.loading.keeper import LedgerKeeper
 from lightning_sharding.mixture import MixtureReader, Stream, change_of, mixture_of
 from lightning_sharding.strategies.options import LoaderOptions
 

@@ -49,6 +49,10 @@ def test_old_module_paths_import_as_the_moved_module_with_a_deprecation_warning(
         ("lightning_sharding.datamodule", "lightning_sharding.lightning.datamodule"),
         ("lightning_sharding.segments", "lightning_sharding.strategies._shared_memory"),
         ("lightning_sharding.mixture_change", "lightning_sharding.mixture.change"),
+        ("lightning_sharding.keeper", "lightning_sharding.loading.keeper"),
+        ("lightning_sharding.lightning.keeper", "lightning_sharding.loading.keeper"),
+        ("lightning_sharding.lightning.loop", "lightning_sharding.loading.loop"),
+        ("lightning_sharding.distributed.agreement", "lightning_sharding.loading.agreement"),
     ]:
         sys.modules.pop(old, None)
         with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):

@@ -22,7 +22,7 @@ import torch
 
 from lightning_sharding import ShardedData, SyntheticReader, TarReader
 from lightning_sharding.core.private import make_dirs
-from lightning_sharding.lightning.audit import AuditWriter
+from lightning_sharding.loading.audit import AuditWriter
 from lightning_sharding.readers import NpyWindows
 from lightning_sharding.readers.cache import ShardCache
 from lightning_sharding.strategies import _shared_memory as shared_memory

@@ -158,7 +158,7 @@ def test_the_datamodule_takes_a_schedule_only_for_a_mixed_mixture_of_streams() -
             streams=make_streams(STREAMS), batch_size=8, batch_composition="stratified", schedule=SCHEDULE
         )
     data = ShardedDataModule(streams=make_streams(STREAMS), samples_per_epoch=150, schedule=SCHEDULE)
-    assert data._reader.manifest().epochs.draws == (65, 61, 24)  # type: ignore[union-attr]
+    assert data.engine.reader.manifest().epochs.draws == (65, 61, 24)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(("world", "workers"), [(1, 0), (1, 2), (2, 2), (3, 1), (4, 3)])

@@ -144,7 +144,7 @@ def test_the_ranks_of_a_replica_get_the_same_batches_and_resume_on_other_replica
     replica; it resumes as 4 ranks in 1 replica of 4, then the epoch is whole: every sample once."""
     if name == "dali":
         require("nvidia.dali")  # a skip without the extra; a failure in CI, which installs every extra
-    from lightning_sharding.lightning.keeper import one_ledger_per_replica
+    from lightning_sharding.loading.keeper import one_ledger_per_replica
 
     strategy = get_strategy(name)
     data, options = data_for(strategy, tmp_path)
@@ -191,7 +191,7 @@ STREAM_SIZES = {"web": [13, 9, 11], "code": [7, 12], "books": [5]}
 def ordered_data(kind: str, tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
     """The data, the manifest whose epochs follow ``kind`` of order, and the ledger state to start from."""
     from lightning_sharding.core.world import World as OneWorld
-    from lightning_sharding.lightning.keeper import LedgerKeeper
+    from lightning_sharding.loading.keeper import LedgerKeeper
     from lightning_sharding.mixture import MixtureReader, Stream
 
     def reader(shares: dict[str, dict[str, Any]], per_epoch: int, composition: str) -> MixtureReader:

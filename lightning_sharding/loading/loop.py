@@ -1,7 +1,8 @@
 """``ShardedData``: the same exactly-once loading for a training loop of your own, without the ``Trainer``.
 
 For Lightning Fabric and for plain PyTorch under ``torchrun``. It takes the same arguments as
-:class:`~lightning_sharding.ShardedDataModule` (it builds one inside and drives it), the optimizer(s)
+:class:`~lightning_sharding.ShardedDataModule` and drives the same
+:class:`~lightning_sharding.loading.engine.LoadingEngine`, without importing Lightning; and the optimizer(s)
 whose steps apply the batches, and the topology: from Fabric (``world=fabric``) or from
 ``torch.distributed`` (the default).
 
@@ -33,9 +34,9 @@ import torch.distributed as dist
 from lightning_sharding.core.ledger import LOOP_STATE_KEY, Ledger, loop_state_entry
 from lightning_sharding.core.world import DataParallel, World, check_data_parallel
 from lightning_sharding.distributed.collectives import cpu_group
-from lightning_sharding.lightning.accounting import StepAccounting, TrainerProgress
-from lightning_sharding.lightning.datamodule import ShardedDataModule
-from lightning_sharding.lightning.keeper import LedgerKeeper
+from lightning_sharding.loading.accounting import StepAccounting, TrainerProgress
+from lightning_sharding.loading.engine import LoadingEngine
+from lightning_sharding.loading.keeper import LedgerKeeper
 from lightning_sharding.strategies.base import TrainLoader
 
 _TRAINER_ONLY = ("audit_dir",)  # written by the Trainer's callback
@@ -90,9 +91,11 @@ class ShardedData:
             )
         if gather_timeout <= 0:
             raise ValueError(f"ShardedData(gather_timeout={gather_timeout!r}) must be a positive number of seconds")
-        self._module = ShardedDataModule(reader, data_parallel=data_parallel, **options)
-        self._module.world = world_of(world, data_parallel)
-        self._module.setup("fit")  # collective: every rank lists the data and agrees on the plan
+        self._engine = LoadingEngine.from_arguments("ShardedData", reader, data_parallel=data_parallel, **options)
+        data = self._engine.source if self._engine.source is not None else self._engine.reader
+        if data is None:
+            raise TypeError("ShardedData has no data: pass a reader (or `streams=`, or `source=` with its strategy)")
+        self._engine.setup(data, world_of(world, data_parallel))  # collective: every rank lists and agrees
         self._group = cpu_group(self.world.world_size)  # for the state's gather, never mixed with training's
         self.keeper.group = self._group
         self.gather_timeout = float(gather_timeout)
@@ -106,14 +109,14 @@ class ShardedData:
     @property
     def keeper(self) -> LedgerKeeper:
         """The ledger and the manifest it plans by."""
-        keeper = self._module.ledger_keeper
+        keeper = self._engine.keeper
         assert keeper is not None  # set up in __init__
         return keeper
 
     @property
     def world(self) -> World:
         """This rank's place in the job."""
-        return self._module.world
+        return self._engine.world
 
     @property
     def epoch(self) -> int:
@@ -165,7 +168,7 @@ class ShardedData:
         self.keeper.start_epoch(epoch)
         loader = self.keeper.train_loader
         if loader is None:
-            loader = self._module.train_dataloader()
+            loader = self._engine.build_train_loader()
         loader.set_epoch(epoch)
         return self._batches(loader)
 
@@ -214,9 +217,7 @@ class ShardedData:
         self.keeper.restore(dict(ledger), None, "the loaded state")
         self._steps = int(ledger.get("global_step") or 0)
         self._accounting.start_run(self._steps)
-        self._module.seed = self.keeper.ledger.seed
-        self._module.strategy.release(self.keeper.train_loader)  # built on the ledger just replaced
-        self.keeper.train_loader = None
+        self._engine.forget_train_loader()  # built on the ledger just replaced
 
     def _wait_for_every_rank(self, call: str) -> None:
         """A rank that calls :meth:`state_dict` alone would wait forever in the gather: fail, naming the others."""
@@ -239,7 +240,7 @@ class ShardedData:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._module.teardown("fit")
+        self._engine.close()
 
 
 def world_of(world: Any, data_parallel: DataParallel | None) -> World:

@@ -39,7 +39,7 @@ from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture import mixture_of
 
 if TYPE_CHECKING:
-    from lightning_sharding.lightning.keeper import LedgerKeeper
+    from lightning_sharding.loading.keeper import LedgerKeeper
 
 AUDIT_VERSION = 1
 # The header line's ``kind``, and its key for the run's id: on disk a run has always been a "segment".

@@ -1,0 +1,90 @@
+"""What the last releases renamed, still working for one release with a ``DeprecationWarning`` that names
+the new spelling: module paths that moved (``lightning_sharding.keeper`` -> ``lightning_sharding.loading.keeper``).
+The CHANGELOG lists each; the next release removes them."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from types import ModuleType
+from typing import Any
+
+_PACKAGE = "lightning_sharding"
+
+# Old path under the package -> (new path, the release that moved it).
+MOVED: dict[str, tuple[str, str]] = {
+    "manifest": ("core.manifest", "0.2"),
+    "order": ("core.order", "0.2"),
+    "plan": ("core.plan", "0.2"),
+    "rangeset": ("core.rangeset", "0.2"),
+    "ledger": ("core.ledger", "0.2"),
+    "world": ("core.world", "0.2"),
+    "options": ("strategies.options", "0.2"),
+    "streams": ("mixture.streams", "0.2"),
+    "interleave": ("mixture.interleave", "0.2"),
+    "composition": ("mixture.composition", "0.2"),
+    "mixture_change": ("mixture.change", "0.2"),
+    "lookahead": ("mixture.order", "0.2"),
+    "datamodule": ("lightning.datamodule", "0.2"),
+    "callbacks": ("lightning.callbacks", "0.2"),
+    "keeper": ("loading.keeper", "0.2"),
+    "accounting": ("loading.accounting", "0.2"),
+    "progress_bar": ("lightning.progress_bar", "0.2"),
+    "summary": ("loading.summary", "0.2"),
+    "release": ("lightning.release", "0.2"),
+    "restart": ("lightning.datamodule", "0.2"),
+    "audit": ("loading.audit", "0.2"),
+    "dali": ("lightning.dali", "0.2"),
+    "_distributed": ("distributed.collectives", "0.2"),
+    "agreement": ("loading.agreement", "0.2"),
+    "segments": ("strategies._shared_memory", "0.2"),
+    "processes": ("strategies._helper_deaths", "0.2"),
+    "dispatcher": ("strategies._dispatch_process", "0.2"),
+    "storage": ("readers.storage", "0.2"),
+    "sources": ("readers.sources", "0.2"),
+    "plots": ("cli.plots", "0.2"),
+    "datasets": ("recipes.synthetic_files", "0.2"),
+    # 0.3: the Lightning-free loading engine (issue 52)
+    "lightning.keeper": ("loading.keeper", "0.3"),
+    "lightning.accounting": ("loading.accounting", "0.3"),
+    "lightning.audit": ("loading.audit", "0.3"),
+    "lightning.summary": ("loading.summary", "0.3"),
+    "lightning.loop": ("loading.loop", "0.3"),
+    "distributed.agreement": ("loading.agreement", "0.3"),
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``lightning_sharding.<old>`` as the module it moved to, warning once per import."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        """A spec for a moved module's old path; ``None`` for every other name."""
+        prefix, _, old = fullname.partition(".")
+        if prefix != _PACKAGE or old not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        """The new module itself, so classes and functions are the same objects under both paths."""
+        new, release = MOVED[spec.name.partition(".")[2]]
+        new = f"{_PACKAGE}.{new}"
+        warnings.warn(
+            f"{spec.name} moved to {new} in lightning_sharding {release}; import it from there "
+            "(the old path goes away in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the new module is already loaded."""
+
+
+def install() -> None:
+    """Let the old paths import (once per process)."""
+    if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+        sys.meta_path.append(_MovedModules())
