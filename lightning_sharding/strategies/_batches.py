@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,9 @@ from lightning_sharding.strategies.options import LoaderOptions
 
 # The key of a mixture batch's stream rows (dict batches).
 STREAM_KEY = "stream"
+# Under on_error="skip", a worker names its first SKIPS_NAMED skipped samples in a warning each, then
+# says its count at 100, 1000, ... skipped (the epoch summary counts them all).
+SKIPS_NAMED = 10
 
 
 class PlannedBatches(Dataset[Delivery]):
@@ -34,7 +38,9 @@ class PlannedBatches(Dataset[Delivery]):
     Runs inside workers and returns a :class:`Delivery`. A sample
     that fails to read or transform raises :class:`SampleError` naming the item and the sample;
     with ``on_error="skip"`` it is left out and counted, and a good sample of the same batch takes
-    its place flagged as padding, so the batch keeps its size and the accounting stays exact.
+    its place flagged as padding, so the batch keeps its size and the accounting stays exact. A
+    warning names each skipped sample and why, the first :data:`SKIPS_NAMED` of each worker (then
+    the worker's count, at 100, 1000, ...).
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class PlannedBatches(Dataset[Delivery]):
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
         self._order: Order | None = None
         self._change: Any = None  # the last change of the epochs a task brought (a mixture decision)
+        self._skipped = 0  # samples this process skipped under on_error="skip"
         # A mixture's stream of each item (stream after stream), for SampleContext.stream and the
         # batch's "stream" rows; None outside a mixture.
         mixture = mixture_of(self.manifest)
@@ -142,8 +149,8 @@ class PlannedBatches(Dataset[Delivery]):
             except SampleError:
                 raise
             except Exception as err:  # noqa: BLE001 - a collate failure: name the sample that does not fit
-                for i, failure in self._misfits(samples, err, task, item_ids, indices, ctx):
-                    samples[i] = Failed(str(failure))
+                for i, failed in self._misfits(samples, err, task, item_ids, indices, ctx):
+                    samples[i] = failed
 
     def _tell_ahead(self, task: BatchTask, item_ids: npt.NDArray[np.int64]) -> None:
         """Tell the reader this batch's items, then those the epoch order lays out after its last
@@ -162,7 +169,7 @@ class PlannedBatches(Dataset[Delivery]):
         item_ids: npt.NDArray[np.int64],
         indices: npt.NDArray[np.int64],
         ctx: ShardContext,
-    ) -> list[tuple[int, SampleError]]:
+    ) -> list[tuple[int, Failed]]:
         """The samples whose shapes or dtypes differ from the rest of the batch, which ``collate_fn``
         could not stack (``err``); raises unless ``on_error="skip"`` or when none differs."""
         shapes = [None if isinstance(s, Failed) else structure(s) for s in samples]
@@ -180,16 +187,14 @@ class PlannedBatches(Dataset[Delivery]):
             ) from err
         out = []
         for i in odd:
-            failure = SampleError(
+            failed = Failed(
                 f"sample {int(indices[i])} of item {self.items[int(item_ids[i])].key!r} (epoch {task.epoch}, "
                 f"position {int(task.positions[i])}, rank {ctx.rank}, worker {ctx.worker_id}) does not fit in a "
-                f"batch with the others: {difference(shapes[i], common)} ({type(err).__name__}: {err}). "
-                f"Fix or remove the data, or pass {option('on_error', 'skip')} to skip bad samples "
-                "(counted and reported)."
+                f"batch with the others: {difference(shapes[i], common)} ({type(err).__name__}: {err})."
             )
             if self.on_error == "raise":
-                raise failure from err
-            out.append((i, failure))
+                raise failed.error() from err
+            out.append((i, failed))
         return out
 
     def _read_columns(
@@ -229,15 +234,13 @@ class PlannedBatches(Dataset[Delivery]):
                     f"failed beyond the retry budget: {err}. No sample of this batch counts as consumed; once "
                     "the storage is back, resume from the last checkpoint (or raise the reader's retry=RetryPolicy)."
                 ) from (err if err is raised else None)
-            failure = SampleError(
+            failed = Failed(
                 f"cannot read sample {index} of item {item.key!r} (epoch {ctx.epoch}, position {position}, "
-                f"rank {ctx.rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}. "
-                f"Fix or remove the data, or pass {option('on_error', 'skip')} to skip bad samples "
-                "(counted and reported)."
+                f"rank {ctx.rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}."
             )
             if self.on_error == "raise":
-                raise failure from (err if err is raised else None)
-            return Failed(str(failure))
+                raise failed.error() from (err if err is raised else None)
+            return failed
 
     def _transform(self, sample: Any, sctx: SampleContext) -> Any:
         if isinstance(sample, Failed):
@@ -327,7 +330,32 @@ class PlannedBatches(Dataset[Delivery]):
         positions = task.positions[order]
         num_padding = len(order) - len(keep_real)
         skipped = task.positions[np.flatnonzero(real_bad)]
+        self._warn_skipped([samples[i] for i in np.flatnonzero(real_bad).tolist()], ctx)
         return self._deliver(self.collate_fn([samples[i] for i in order]), task, positions, num_padding, ctx, skipped)
+
+    def _warn_skipped(self, failures: list[Failed], ctx: ShardContext) -> None:
+        """Name each skipped sample and why in a warning, the first :data:`SKIPS_NAMED` of this worker;
+        after those, say how many it skipped at 100, 1000, ... (a data set of bad samples floods nothing)."""
+        where = f"rank {ctx.rank}, worker {ctx.worker_id}"
+        for failed in failures:
+            self._skipped += 1
+            count = self._skipped
+            if count <= SKIPS_NAMED:
+                last = (
+                    f" ({where} names its first {SKIPS_NAMED} skipped samples; after them it gives their count at "
+                    "100, 1000, ..., and the epoch summary's skipped column counts them all)"
+                    if count == SKIPS_NAMED
+                    else ""
+                )
+                warnings.warn(
+                    f"skipped a bad sample ({option('on_error', 'skip')}): {failed.message}{last}", stacklevel=2
+                )
+            elif str(count) == "1" + "0" * (len(str(count)) - 1):  # 100, 1000, ...
+                warnings.warn(
+                    f"{where} has skipped {count} bad samples ({option('on_error', 'skip')}; the first {SKIPS_NAMED} "
+                    "named above, the epoch summary's skipped column counts them all)",
+                    stacklevel=2,
+                )
 
 
 def join_columns(parts: list[Any], n: int) -> Any:

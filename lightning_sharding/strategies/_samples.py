@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_sharding.core.spelling import option
+
 
 class SampleError(RuntimeError):
     """A sample that could not be read or transformed; the message names the item and the sample."""
@@ -16,9 +18,16 @@ class SampleError(RuntimeError):
 
 @dataclass(frozen=True)
 class Failed:
-    """Stands in a sample that failed under ``on_error="skip"``."""
+    """Stands in a sample that failed under ``on_error="skip"``; ``message`` says which and why."""
 
     message: str
+
+    def error(self) -> SampleError:
+        """The error to raise under ``on_error="raise"``: the failure, and what to do about it."""
+        return SampleError(
+            f"{self.message} Fix or remove the data, or pass {option('on_error', 'skip')} to skip bad samples "
+            "(counted and reported)."
+        )
 
 
 def structure(sample: Any) -> Any:

@@ -226,7 +226,8 @@ def test_on_error_skip_counts_bad_samples_keeps_batches_full_and_serves_the_rest
     urls = write_regression(str(tmp_path), "tar", [30, 30])
     for key in ("sample00000004", "sample00000005", "sample00000047"):
         corrupt_tar_member(urls[int(key[-2:]) // 30], key)
-    delivered = serve_epoch(TarReader(urls, cache_dir=tmp_path / "c"), world_size=2, on_error="skip")
+    with pytest.warns(UserWarning, match="skipped a bad sample"):  # each named: the test below
+        delivered = serve_epoch(TarReader(urls, cache_dir=tmp_path / "c"), world_size=2, on_error="skip")
     assert sorted(ids_served(delivered)) == sorted(set(range(60)) - {4, 5, 47})
     skipped = np.concatenate([p.skipped for _, p in delivered])
     consumed = np.concatenate([p.consumed_positions for _, p in delivered])
@@ -237,6 +238,25 @@ def test_on_error_skip_counts_bad_samples_keeps_batches_full_and_serves_the_rest
         assert int(batch["is_padding"].sum()) == provenance.num_padding
     sizes = [len(b["id"]) for b, _ in delivered]
     assert sizes.count(8) >= len(sizes) - 2  # only each rank's last batch may be short
+
+
+def test_on_error_skip_names_each_skipped_sample_in_a_warning_then_counts_them(tmp_path: Path) -> None:
+    """Every sample but the first of each batch of 8 is corrupt: 105 skipped. The first 10 get a
+    warning each naming the file, the sample and the error; then one warning counts 100."""
+    urls = write_regression(str(tmp_path), "tar", [120])
+    bad = [i for i in range(120) if i % 8]
+    for i in bad:
+        corrupt_tar_member(urls[0], f"sample{i:08d}")
+    with pytest.warns(UserWarning) as caught:
+        delivered = serve_epoch(TarReader(urls, cache_dir=tmp_path / "c"), shuffle=False, on_error="skip")
+    assert sum(len(p.skipped) for _, p in delivered) == len(bad)
+    messages = [str(w.message) for w in caught if "skipped" in str(w.message)]
+    assert len(messages) == 11, messages
+    for i, message in zip(bad, messages[:10], strict=False):
+        assert message.startswith(f"skipped a bad sample (on_error='skip'): cannot read sample {i} of item {urls[0]!r}")
+        assert f"(key 'sample{i:08d}')" in message and "ValueError" in message and "Fix or remove" not in message
+    assert "rank 0, worker 0 names its first 10 skipped samples" in messages[9]
+    assert messages[10].startswith("rank 0, worker 0 has skipped 100 bad samples (on_error='skip'")
 
 
 def test_transient_errors_are_retried_and_permanent_ones_are_not() -> None:
