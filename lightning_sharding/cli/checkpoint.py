@@ -86,10 +86,13 @@ def _percent(part: int, whole: int) -> str:
 def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
     """The ``inspect`` report of a checkpoint holding a valid data ledger."""
     from lightning_sharding.core.ledger import Ledger
+    from lightning_sharding.mixture.streams import shown_key
 
     state = ckpt[CHECKPOINT_KEY]
     ledger = Ledger.from_state_dict(state)
     manifest = ledger.manifest
+    streams = [str(s.get("name")) for s in manifest.get("streams") or []]
+    first, last = (shown_key(str(manifest.get(k, "?")), streams) for k in ("first_key", "last_key"))
     consumed = len(ledger.consumed)
     remaining = ledger.total - consumed
     ranges = np.asarray(state["consumed"])
@@ -109,7 +112,7 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
             f"ledger       version {state['version']}, seed {ledger.seed}, epoch {ledger.epoch}",
             f"data         fingerprint {ledger.fingerprint[:16]}, {manifest.get('num_items', '?')} items, "
             f"{manifest.get('total', ledger.total)} samples, "
-            f"first {manifest.get('first_key', '?')}, last {manifest.get('last_key', '?')}",
+            f"first {first}, last {last}",
             f"consumed     {consumed} of {ledger.total} samples ({_percent(consumed, ledger.total)})",
             f"remaining    {remaining} samples ({_percent(remaining, ledger.total)})",
             f"writer       {topology}",
@@ -239,15 +242,20 @@ def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir
     (moved or not), a 0.1 checkpoint that matches by path, or every difference, item by item."""
     from lightning_sharding.cli.plan import _compose, _manifest
     from lightning_sharding.core.ledger import Ledger
+    from lightning_sharding.mixture import mixture_of
+    from lightning_sharding.mixture.streams import shown_key
 
     restored = Ledger.from_state_dict(state)
     batch_size = (state.get("writer") or {}).get("batch_size")
     manifest = _manifest(_compose(overrides, config_dir, config_name), batch_size)
     saved = restored.manifest
-    where = f"data         {_plural(len(manifest.items), 'item')} at {manifest.root or manifest.items[0].key}"
+    spec = mixture_of(manifest)
+    names = spec.names if spec is not None else ()
+    at = shown_key(manifest.root or manifest.items[0].key, names)
+    where = f"data         {_plural(len(manifest.items), 'item')} at {at}"
     if restored.fingerprint == manifest.fingerprint:
         old = saved.get("root", "")
-        moved = f"; it moved from {old}" if old and manifest.root and old != manifest.root else ""
+        moved = f"; it moved from {shown_key(old, names)}" if old and manifest.root and old != manifest.root else ""
         lines = [where, f"same data    the same items, sample counts and contents{moved}: it resumes"]
         tokens = getattr(manifest.order(restored.seed, restored.epoch), "tokens", None)
         if tokens is not None:  # packed sequences: the tokens their positions hold

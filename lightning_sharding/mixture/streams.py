@@ -25,6 +25,17 @@ from lightning_sharding.mixture.schedule import Phase, phase_draws, phases_of, s
 from lightning_sharding.readers.base import Columns, Reader
 
 
+def shown_key(key: str, names: Sequence[str]) -> str:
+    """A mixture item's key as a person reads it: its stream's name, a colon, then the key its reader
+    gave it (``web:/data/web/part-0.idx``), where the item's key (``web//data/web/part-0.idx``, the
+    ``"<stream>/"`` prefix on an absolute path) stays as checkpoints keep it. A key of none of the
+    streams ``names`` is shown as it is."""
+    for name in sorted(names, key=len, reverse=True):
+        if key.startswith(f"{name}/"):
+            return f"{name}:{key[len(name) + 1 :]}"
+    return key
+
+
 @dataclass(frozen=True)
 class Stream:
     """A named reader and its share of the mixture: one of ``weight`` (relative share of what the

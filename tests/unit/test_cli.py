@@ -626,3 +626,30 @@ def test_plan_names_data_files_it_cannot_read(
     code, out, err = run(capsys, "plan", *(d.format(tmp=tmp_path) for d in data))
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1
     assert named.format(tmp=tmp_path) in err
+
+
+def test_inspect_shows_a_mixtures_keys_as_stream_and_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A mixture's item keys are ``"<stream>/"`` and its reader's key (``web//abs/path`` for a local
+    file): inspect shows ``web:/abs/path``, in the ledger's first and last keys and in --data's."""
+    from lightning_sharding.core.ledger import Ledger
+    from lightning_sharding.mixture.streams import MixtureReader, Stream
+    from lightning_sharding.readers import NpyReader
+    from lightning_sharding.recipes.synthetic_files import write_regression
+
+    web, code = (
+        write_regression(str(tmp_path / name), "npy", sizes) for name, sizes in (("web", [9, 9]), ("code", [6]))
+    )
+    reader = MixtureReader([Stream("web", NpyReader(web)), Stream("code", NpyReader(code))])
+    manifest = reader.manifest()
+    assert manifest.items[0].key == f"web/{web[0]}" and web[0].startswith("/")  # hence "web//..."
+    state = Ledger(seed=0, total=manifest.total, manifest=manifest.summary()).state_dict()
+    torch.save({"lightning_sharding": {**state, "consumed": torch.from_numpy(state["consumed"])}}, tmp_path / "m.ckpt")
+    streams = [
+        f"{{name: {n}, format: npy, urls: ['{u[0].rsplit('/', 1)[0]}/*.npy']}}"
+        for n, u in (("web", web), ("code", code))
+    ]
+    data = ["data=mixture", f"data.streams=[{', '.join(streams)}]", "data.samples_per_epoch=null"]
+    code_, out, err = run(capsys, "inspect", str(tmp_path / "m.ckpt"), "--data", *data, f"data.cache_dir={tmp_path}")
+    assert code_ == 0, err
+    assert f"first web:{web[0]}, last code:{code[0]}" in out
+    assert f"data         3 items at web:{tmp_path}/\nsame data" in out and "//" not in out  # the streams' root
