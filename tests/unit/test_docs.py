@@ -204,3 +204,26 @@ def test_every_option_the_troubleshooting_page_advises_is_settable_where_the_mes
     for path in PACKAGE.rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             assert not literal.search(line), f"{path.relative_to(ROOT)}:{number} spells advice for Python only: {line}"
+
+
+@pytest.mark.needs("pymdownx")
+def test_the_sites_stylesheet_wraps_text_blocks_and_no_code() -> None:
+    """docs/stylesheets/extra.css wraps the lines of a ```text block (a message, an output), which run
+    past a 1280 px page, by the class that mkdocs.yml's pymdownx.highlight gives text blocks and no
+    code block; it is the one stylesheet mkdocs.yml adds."""
+    import markdown
+    import yaml
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert config["extra_css"] == ["stylesheets/extra.css"]
+    css = (DOCS / "stylesheets" / "extra.css").read_text()
+    wrapped = re.search(r"\.([\w-]+) pre > code \{[^}]*white-space: pre-wrap", css)
+    assert wrapped is not None, "extra.css wraps no block"
+    extensions = [e for e in config["markdown_extensions"] if "highlight" in str(e) or "superfences" in str(e)]
+    names = [next(iter(e)) if isinstance(e, dict) else e for e in extensions]
+    options = {next(iter(e)): next(iter(e.values())) for e in extensions if isinstance(e, dict)}
+    page = markdown.Markdown(extensions=names, extension_configs=options)
+    for lang in ("text", "python", "console", "bash", "yaml"):
+        page.reset()
+        html = page.convert(f"```{lang}\nx = 1\n```")
+        assert (f'class="{wrapped.group(1)} highlight"' in html) == (lang == "text"), html
