@@ -36,7 +36,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from lightning_sharding import Ledger, Manifest, World
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
 from lightning_sharding.readers.windows import NpyWindows
 from lightning_sharding.strategies._shared_memory import SHM_DIR
 from lightning_sharding.strategies.broadcast import BroadcastLoader

@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
+from lightning_sharding import SyntheticReader
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
 from lightning_sharding.lightning.dali import DaliStrategy
 from lightning_sharding.strategies.options import LoaderOptions
+from lightning_sharding.strategies.shard import ShardedLoader
 
 
 def epoch_rate(loader: object) -> tuple[float, int]:

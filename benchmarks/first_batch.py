@@ -59,7 +59,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import peers  # noqa: E402
-from lightning_sharding import Ledger, Manifest, TarReader, World  # noqa: E402
+from lightning_sharding import TarReader  # noqa: E402
+from lightning_sharding.core.ledger import Ledger  # noqa: E402
+from lightning_sharding.core.manifest import Manifest  # noqa: E402
+from lightning_sharding.core.world import World  # noqa: E402
 from lightning_sharding.readers.data_index import write_data_index  # noqa: E402
 from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
 from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402

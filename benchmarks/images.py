@@ -52,7 +52,10 @@ import torch  # noqa: E402
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.decode import photos  # noqa: E402
-from lightning_sharding import Ledger, Manifest, TarReader, World  # noqa: E402
+from lightning_sharding import TarReader  # noqa: E402
+from lightning_sharding.core.ledger import Ledger  # noqa: E402
+from lightning_sharding.core.manifest import Manifest  # noqa: E402
+from lightning_sharding.core.world import World  # noqa: E402
 from lightning_sharding.recipes.images import DecodeCropBatch, RandomResizedCrop, resize_crop  # noqa: E402
 from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
 from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402

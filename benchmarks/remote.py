@@ -31,7 +31,9 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from lightning_sharding import Ledger, Manifest, World  # noqa: E402
+from lightning_sharding.core.ledger import Ledger  # noqa: E402
+from lightning_sharding.core.manifest import Manifest  # noqa: E402
+from lightning_sharding.core.world import World  # noqa: E402
 from lightning_sharding.readers import TarReader  # noqa: E402
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression  # noqa: E402
 from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402

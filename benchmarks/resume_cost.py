@@ -18,7 +18,10 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_sharding import Ledger, Manifest, SyntheticReader, World
+from lightning_sharding import SyntheticReader
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import PlanSampler, ShardedLoader
 

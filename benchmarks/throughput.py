@@ -21,11 +21,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_sharding import Ledger, Manifest, ShardedLoader, World
-from lightning_sharding.core.world import SampleContext
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import SampleContext, World
 from lightning_sharding.readers import NpyReader
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
 from lightning_sharding.strategies.options import LoaderOptions
+from lightning_sharding.strategies.shard import ShardedLoader
 
 DIM, BATCH, FILES = 64, 256, 16
 BATCH_ROW_BYTES = 8 + 4 * DIM + 4  # one sample of a batch: id (int64), x and y (float32)

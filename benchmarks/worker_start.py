@@ -37,7 +37,10 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
     import lightning.pytorch  # noqa: F401 - a training script's top level, as users write it
-    from lightning_sharding import Ledger, Manifest, SyntheticReader, World
+    from lightning_sharding import SyntheticReader
+    from lightning_sharding.core.ledger import Ledger
+    from lightning_sharding.core.manifest import Manifest
+    from lightning_sharding.core.world import World
     from lightning_sharding.strategies.options import LoaderOptions
     from lightning_sharding.strategies.shard import ShardedLoader
 

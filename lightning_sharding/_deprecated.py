@@ -1,5 +1,6 @@
 """What the last releases renamed, still working for one release with a ``DeprecationWarning`` that names
-the new spelling: module paths that moved (``lightning_sharding.keeper`` -> ``lightning_sharding.loading.keeper``).
+the new spelling: module paths that moved (``lightning_sharding.keeper`` -> ``lightning_sharding.loading.keeper``)
+and names the package root no longer exports (``lightning_sharding.Ledger`` -> ``lightning_sharding.core.ledger``).
 The CHANGELOG lists each; the next release removes them."""
 
 from __future__ import annotations
@@ -56,6 +57,51 @@ MOVED: dict[str, tuple[str, str]] = {
     "lightning.loop": ("loading.loop", "0.3"),
     "distributed.agreement": ("loading.agreement", "0.3"),
 }
+
+
+# Names the root exported in 0.2 and no longer does (issue 52): their homes. They still import from
+# the root for one release, with a DeprecationWarning naming the home.
+ROOT_NAMES: dict[str, str] = {
+    "BatchTask": "core.plan",
+    "DispatchLoader": "strategies.dispatch",
+    "DocumentReader": "tokens",
+    "EpochOrder": "core.order",
+    "EpochPlan": "core.plan",
+    "EpochReport": "loading.summary",
+    "ExcessLossWeights": "lightning.controller",
+    "FileReader": "readers",
+    "Ledger": "core.ledger",
+    "LoaderOptions": "strategies.options",
+    "Manifest": "core.manifest",
+    "Order": "core.order",
+    "PackedReader": "tokens",
+    "RangeSet": "core.rangeset",
+    "RankPlan": "core.plan",
+    "ReplicaMismatchError": "loading.keeper",
+    "ShardContext": "core.world",
+    "ShardedLoader": "strategies.shard",
+    "Source": "readers.sources",
+    "Strategy": "strategies",
+    "StreamStats": "lightning.controller",
+    "WindowedReader": "readers",
+    "World": "core.world",
+    "plan_epoch": "core.plan",
+    "register_strategy": "strategies",
+}
+
+
+def root_name(name: str) -> Any:
+    """``lightning_sharding.<name>`` for a name the root no longer exports, warned; else an AttributeError."""
+    home = ROOT_NAMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {_PACKAGE!r} has no attribute {name!r}")
+    warnings.warn(
+        f"lightning_sharding.{name} is no longer exported from the package root (0.3): import it from "
+        f"{_PACKAGE}.{home} (the root's name goes away in the next release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return getattr(importlib.import_module(f"{_PACKAGE}.{home}"), name)
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

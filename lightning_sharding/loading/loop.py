@@ -59,7 +59,7 @@ class ShardedData:
         reader: the training data, as for :class:`~lightning_sharding.ShardedDataModule`.
         optimizer: the optimizer (or a list of them) whose ``step()`` applies the batches.
         world: a Fabric object (its ``global_rank``, ``world_size``, ``local_rank``, ``node_rank``
-            and strategy), a :class:`~lightning_sharding.World`, or ``None``: ``torch.distributed``'s
+            and strategy), a :class:`~lightning_sharding.core.world.World`, or ``None``: ``torch.distributed``'s
             rank and world size (``LOCAL_RANK`` and ``GROUP_RANK``, which ``torchrun`` sets, give the
             local and node rank).
         data_parallel: ``(rank, size)`` of this rank's model replica, when several ranks make one.

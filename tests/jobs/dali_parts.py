@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding import Item, SampleContext, ShardContext, SyntheticReader
+from lightning_sharding import SampleContext, SyntheticReader
+from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.world import ShardContext
 
 
 class RecordingReader(SyntheticReader):

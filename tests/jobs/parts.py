@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_sharding import Item, ShardingCallback, SyntheticReader
+from lightning_sharding import ShardingCallback, SyntheticReader
+from lightning_sharding.core.manifest import Item
 from lightning_sharding.lightning.progress_bar import train_total
 
 

@@ -9,7 +9,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_sharding import Item, Reader, ShardContext
+from lightning_sharding import Reader
+from lightning_sharding.core.manifest import Item
+from lightning_sharding.core.world import ShardContext
 
 MARKER = "as imported"
 LOCK = threading.Lock()

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_sharding import Item, SyntheticReader
+from lightning_sharding import SyntheticReader
+from lightning_sharding.core.manifest import Item
 from lightning_sharding.mixture import MixtureReader, Stream
 
 

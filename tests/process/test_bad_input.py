@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_sharding import CheckpointMismatchError, SampleError, ShardedDataModule, ShardingCallback, World
+from lightning_sharding import CheckpointMismatchError, SampleError, ShardedDataModule, ShardingCallback
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
 from lightning_sharding.readers import FILE_READERS, NpyReader, SyntheticReader, TarReader
 from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.readers.storage import RetryPolicy

@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_sharding import Ledger, Manifest, World
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
 from lightning_sharding.strategies._shared_memory import SHM_DIR
 from lightning_sharding.strategies.broadcast import BroadcastLoader
 from lightning_sharding.strategies.options import LoaderOptions

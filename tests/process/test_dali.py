@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_sharding import EpochOrder, Ledger, Manifest, RangeSet, SyntheticReader, World, plan_epoch
+from lightning_sharding import SyntheticReader
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.order import EpochOrder
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import World
 from lightning_sharding.lightning.dali import DaliStrategy, merge_layout
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import Job, Loading, Topology, Training, assert_exactly_once, check_resume

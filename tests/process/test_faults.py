@@ -26,11 +26,15 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World
+from lightning_sharding import SyntheticReader
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
 from lightning_sharding.loading.audit import audit, format_audit
 from lightning_sharding.recipes.synthetic_files import write_regression
 from lightning_sharding.strategies._helper_deaths import HelperProcessError
 from lightning_sharding.strategies.options import LoaderOptions
+from lightning_sharding.strategies.shard import ShardedLoader
 from tests.harness import (
     ROOT,
     START_IDS,

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_sharding import Item, Ledger, Manifest, Reader, ShardContext, SyntheticReader, World
+from lightning_sharding import Reader, SyntheticReader
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.world import ShardContext, World
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
 

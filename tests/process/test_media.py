@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_sharding import Ledger, Manifest, TarReader, World
-from lightning_sharding.core.world import BatchContext, ShardContext
+from lightning_sharding import TarReader
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import BatchContext, ShardContext, World
 from lightning_sharding.readers.decoding import IMAGE_SPECS, AudioDecoder, ImageDecoder, VideoDecoder, decoders
 from lightning_sharding.recipes.images import DecodeCropBatch, RandomResizedCrop, striped_image, write_image_shards
 from lightning_sharding.strategies.options import LoaderOptions

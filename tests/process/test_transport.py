@@ -18,10 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_sharding import Ledger, Manifest, ShardedLoader, SyntheticReader, World, segments
+from lightning_sharding import SyntheticReader, segments
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
 from lightning_sharding.readers.synthetic import regression_arrays
 from lightning_sharding.strategies._slots import SlotBatch
 from lightning_sharding.strategies.options import LoaderOptions
+from lightning_sharding.strategies.shard import ShardedLoader
 from tests.harness import (
     START_IDS,
     START_METHODS,

@@ -28,7 +28,11 @@ SCRIPT = textwrap.dedent(
 
     import numpy  # noqa: F401 - a heavy package known to be safe: the server preloads it
 
-    from lightning_sharding import Ledger, Manifest, World
+    from lightning_sharding.core.ledger import Ledger
+
+    from lightning_sharding.core.manifest import Manifest
+
+    from lightning_sharding.core.world import World
     from lightning_sharding.strategies.options import LoaderOptions
     from lightning_sharding.strategies.shard import ShardedLoader
     from tests.jobs import start_probe
@@ -113,7 +117,10 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> Non
     script.write_text(
         textwrap.dedent(
             """
-            from lightning_sharding import Ledger, Manifest, SyntheticReader, World
+            from lightning_sharding import SyntheticReader
+            from lightning_sharding.core.ledger import Ledger
+            from lightning_sharding.core.manifest import Manifest
+            from lightning_sharding.core.world import World
             from lightning_sharding.strategies.options import LoaderOptions
             from lightning_sharding.strategies.shard import ShardedLoader
 

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from lightning_sharding import ShardedDataModule, SyntheticReader, World
+from lightning_sharding import ShardedDataModule, SyntheticReader
 from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import World
 from lightning_sharding.loading.agreement import check_views
 from lightning_sharding.loading.keeper import ReplicaMismatchError, one_ledger_per_replica
 from lightning_sharding.loading.summary import format_summary

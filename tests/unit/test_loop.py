@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_sharding import RangeSet, ShardedData, SyntheticReader
+from lightning_sharding import ShardedData, SyntheticReader
 from lightning_sharding.core.ledger import CheckpointMismatchError
+from lightning_sharding.core.rangeset import RangeSet
 
 SIZES = [10, 7, 9]
 

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_sharding import Ledger, SyntheticReader, World
+from lightning_sharding import SyntheticReader
+from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import World
 from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.strategies import EpochSampler, Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies.options import LoaderOptions

@@ -238,7 +238,8 @@ class Marked(SyntheticReader):
 
 @pytest.mark.parametrize("composition", ["mixed", "stratified"])
 def test_every_sample_knows_its_stream_in_its_context_and_its_batch(composition: str) -> None:
-    from lightning_sharding import Ledger, World
+    from lightning_sharding.core.ledger import Ledger
+    from lightning_sharding.core.world import World
     from lightning_sharding.strategies import get_strategy
     from lightning_sharding.strategies.options import LoaderOptions
 

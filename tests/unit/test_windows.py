@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_sharding.strategies._shared_memory as shared_memory
-from lightning_sharding import ShardContext
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.world import ShardContext
 from lightning_sharding.readers.windows import NpyWindows, WindowedReader
 from tests.jobs.windows_data import write_months
 

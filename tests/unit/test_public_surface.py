@@ -1,0 +1,56 @@
+"""The package root exports what a user writes in an example, in one sorted ``__all__``; every other
+name lives in its module, and what 0.2 exported from the root still imports from there for one
+release, with a DeprecationWarning naming its home (lightning_sharding/_deprecated.py)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import lightning_sharding
+from lightning_sharding._deprecated import ROOT_NAMES
+from tests.harness import ROOT
+
+
+def test_the_root_exports_one_sorted_list_of_at_most_25_names() -> None:
+    names = lightning_sharding.__all__
+    assert names == sorted(names)
+    assert len([n for n in names if n != "__version__"]) <= 25, names
+    assert len(set(names)) == len(names)
+    # Written out as one literal list, which type checkers and the docs' tools read without running it.
+    tree = ast.parse((ROOT / "lightning_sharding" / "__init__.py").read_text())
+    assigned = [n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__all__"]
+    assert len(assigned) == 1 and isinstance(assigned[0].value, ast.List)
+    assert [ast.literal_eval(e) for e in assigned[0].value.elts] == names
+    assert sorted(dir(lightning_sharding)) == sorted(names)
+
+
+def test_every_exported_name_imports_without_a_warning() -> None:
+    code = (
+        "import warnings; warnings.simplefilter('error', DeprecationWarning);"
+        "import lightning_sharding as ls; [getattr(ls, n) for n in ls.__all__]; print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", sorted(ROOT_NAMES))
+def test_a_name_the_root_no_longer_exports_still_imports_with_a_warning_naming_its_home(name: str) -> None:
+    home = f"lightning_sharding.{ROOT_NAMES[name]}"
+    assert name not in lightning_sharding.__all__
+    lightning_sharding.__dict__.pop(name, None)
+    with pytest.warns(DeprecationWarning, match=rf"lightning_sharding\.{name} .* import it from {home}"):
+        value = getattr(lightning_sharding, name)
+    assert value is getattr(importlib.import_module(home), name)
+
+
+def test_an_unknown_name_is_an_attribute_error_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
+            lightning_sharding.NoSuchName  # noqa: B018
