@@ -86,7 +86,7 @@ def _percent(part: int, whole: int) -> str:
 def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
     """The ``inspect`` report of a checkpoint holding a valid data ledger."""
     from lightning_sharding.core.ledger import Ledger
-    from lightning_sharding.mixture.streams import shown_key
+    from lightning_sharding.mixture import shown_key
 
     state = ckpt[CHECKPOINT_KEY]
     ledger = Ledger.from_state_dict(state)
@@ -242,8 +242,7 @@ def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir
     (moved or not), a 0.1 checkpoint that matches by path, or every difference, item by item."""
     from lightning_sharding.cli.plan import _compose, _manifest
     from lightning_sharding.core.ledger import Ledger
-    from lightning_sharding.mixture import mixture_of
-    from lightning_sharding.mixture.streams import shown_key
+    from lightning_sharding.mixture import mixture_of, shown_key
 
     restored = Ledger.from_state_dict(state)
     batch_size = (state.get("writer") or {}).get("batch_size")

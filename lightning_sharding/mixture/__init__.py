@@ -39,6 +39,7 @@ _EXPORTS = {
     "Phase": "schedule",
     "plan_draws": "order",
     "reader_of": "streams",
+    "shown_key": "streams",
 }
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "Phase",
     "plan_draws",
     "reader_of",
+    "shown_key",
 ]
 
 if TYPE_CHECKING:
@@ -96,7 +98,7 @@ if TYPE_CHECKING:
         plan_draws,
     )
     from lightning_sharding.mixture.schedule import Phase
-    from lightning_sharding.mixture.streams import MixtureReader, Stream, reader_of
+    from lightning_sharding.mixture.streams import MixtureReader, Stream, reader_of, shown_key
 
 
 def __getattr__(name: str) -> Any:

@@ -632,7 +632,7 @@ def test_inspect_shows_a_mixtures_keys_as_stream_and_path(capsys: pytest.Capture
     """A mixture's item keys are ``"<stream>/"`` and its reader's key (``web//abs/path`` for a local
     file): inspect shows ``web:/abs/path``, in the ledger's first and last keys and in --data's."""
     from lightning_sharding.core.ledger import Ledger
-    from lightning_sharding.mixture.streams import MixtureReader, Stream
+    from lightning_sharding.mixture import MixtureReader, Stream
     from lightning_sharding.readers import NpyReader
     from lightning_sharding.recipes.synthetic_files import write_regression
 
