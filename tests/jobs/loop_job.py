@@ -15,6 +15,13 @@ preempted job. Rank 0 writes the weights at every epoch's end to ``w-<segment>-e
 ``rank0_alone``: rank 0 calls ``data.state_dict()`` alone after the first step (a save that forgot
 to gather). ``reenter_after``: the first pass of the segment is left after that many batches, and
 the loop asks for the same epoch again (it serves the rest; every rank's ledger alike).
+
+``docs``: save and resume as docs/how-to/own-loop.md's examples do, with that page's
+``checkpoints.py`` as written there: every ``save_every`` optimizer steps into a new directory
+``<out>/ckpt/step-<steps>``, by ``fabric_save`` (``save: "fabric"``) or ``dcp_save`` (``"dcp"``),
+and a start resumes from the newest complete one (``resume_from`` is not used).
+``kill_in_save``: ``{"step": S, "rank": r, "moment": m}`` SIGKILLs the job's process group from rank
+``r`` inside the save of step ``S``, at moment ``m`` (see :func:`kill_inside_saves`).
 """
 
 from __future__ import annotations
@@ -58,19 +65,40 @@ def main(config_path: str) -> None:
     options: dict[str, Any] = dict(batch_size=8, num_workers=cfg["workers"], seed=1234, transport="torch")
     data = ShardedData(**source, **options, optimizer=optimizer, world=fabric, gather_timeout=cfg["gather_timeout"])
     resume = cfg["resume_from"]
-    if resume:
+    docs = cfg.get("docs", False)
+    steps = 0  # optimizer steps over the whole run (under ``docs``)
+    if docs:
+        checkpoints = docs_checkpoints()
+        root = out / "ckpt"
+        state = {"model": module, "optimizer": optimizer, "data": data}
+        saving: dict[str, int] = {}  # the step being saved, for kill_inside_saves
+        if cfg.get("kill_in_save"):
+            kill_inside_saves(cfg["kill_in_save"], rank, saving)
+        if cfg["save"] == "fabric":
+            steps = checkpoints.fabric_resume(fabric, root, state)
+        else:
+            steps = checkpoints.dcp_resume(root, module, data)
+    elif resume:
         _load(resume, module, optimizer, data, fabric)
     batches = 0
     accumulate = cfg["accumulate"]
 
     def step() -> None:
+        nonlocal steps
         optimizer.step()
         optimizer.zero_grad()
+        steps += 1
         if cfg["rank0_alone"] and rank == 0:
             data.state_dict()  # the other ranks never call it
+        if docs and steps % cfg["save_every"] == 0:
+            saving["step"] = steps
+            if cfg["save"] == "fabric":
+                checkpoints.fabric_save(fabric, root, state, steps)
+            else:
+                checkpoints.dcp_save(root, module, data, steps)
 
     def after_batch() -> None:
-        if batches % cfg["save_every"] == 0:  # with accumulation, also inside a window
+        if not docs and batches % cfg["save_every"] == 0:  # with accumulation, also inside a window
             _save(out / f"ckpt-{segment}-{batches:03d}", cfg["save"], module, optimizer, data, fabric, rank)
         if batches == cfg["die_after"]:
             if world_size > 1:
@@ -123,6 +151,81 @@ def counting_model(num_ids: int, world_size: int) -> Any:
             return fit - self.w[ids].sum() * world_size  # DDP averages over the ranks: 1 per applied sample
 
     return Counting()
+
+
+def docs_checkpoints() -> Any:
+    """The module ``checkpoints.py`` that docs/how-to/own-loop.md's examples import, as the page writes it."""
+    import types
+
+    from tests.doc_blocks import ROOT, blocks
+
+    block = next(b for b in blocks(ROOT / "docs" / "how-to" / "own-loop.md") if b.title == "checkpoints.py")
+    module = types.ModuleType("checkpoints")
+    exec(compile(block.text, block.where, "exec"), module.__dict__)
+    return module
+
+
+def kill_inside_saves(kill: dict[str, Any], rank: int, saving: dict[str, int]) -> None:
+    """SIGKILL the job's process group from rank ``kill["rank"]`` inside the save of step ``kill["step"]``
+    (``saving["step"]`` is the step being saved), at ``kill["moment"]``:
+
+    - ``"dcp parts"``: DCP's writer has written this rank's part; no ``.metadata`` yet.
+    - ``"dcp metadata"``: every part and ``.metadata.tmp`` are written; the coordinator (rank 0) is about
+      to rename it to ``.metadata``.
+    - ``"fabric write"``: half of ``fabric.save``'s file is at its path, as a move that copies leaves it
+      (fsspec moves its temporary file from ``/tmp``: a copy when that is another file system).
+    - ``"fabric written"``: rank 0 has written the whole file; ``fabric.save``'s closing barrier not passed.
+
+    Under torchrun a rank has a process group of its own: torchrun stops the other ranks."""
+    import io
+
+    import torch
+    import torch.distributed.checkpoint.filesystem as dcp_files
+    from lightning.fabric.plugins.io import torch_io
+
+    def due() -> bool:
+        return rank == kill["rank"] and saving.get("step") == kill["step"]
+
+    def die() -> None:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    moment = kill["moment"]
+    if moment == "dcp parts":
+        write_data = dcp_files.FileSystemWriter.write_data
+
+        def write_parts(self: Any, *args: Any, **kwargs: Any) -> Any:
+            written = write_data(self, *args, **kwargs)
+            if due():
+                written.wait()
+                die()
+            return written
+
+        dcp_files.FileSystemWriter.write_data = write_parts
+    elif moment == "dcp metadata":
+        rename = dcp_files.FileSystem.rename
+
+        def rename_metadata(self: Any, path: Any, new_path: Any) -> None:
+            if due() and Path(new_path).name == ".metadata":
+                die()
+            rename(self, path, new_path)
+
+        dcp_files.FileSystem.rename = rename_metadata
+    elif moment in ("fabric write", "fabric written"):
+        atomic_save = torch_io._atomic_save
+
+        def save_file(checkpoint: dict[str, Any], filepath: Any) -> None:
+            if due() and moment == "fabric write":
+                buffer = io.BytesIO()
+                torch.save(checkpoint, buffer)
+                Path(filepath).write_bytes(buffer.getvalue()[: buffer.tell() // 2])
+                die()
+            atomic_save(checkpoint, filepath)
+            if due():
+                die()
+
+        torch_io._atomic_save = save_file
+    else:
+        raise ValueError(f"kill_in_save: no moment {moment!r}")
 
 
 def _data(cfg: dict[str, Any]) -> dict[str, Any]:

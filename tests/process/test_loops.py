@@ -47,6 +47,8 @@ def run_loop(out: Path, segment: str, *, expect_death: bool = False, **config: A
         gather_timeout=600,
         rank0_alone=False,
         reenter_after=None,
+        docs=False,
+        kill_in_save=None,
     )
     cfg.update(config, out=str(out), segment=segment)
     path = out / f"config-{segment}.json"
@@ -65,7 +67,8 @@ def checkpoints(out: Path, segment: str) -> list[Path]:
 
 
 def manifest_of(streams: Any, samples_per_epoch: int | None) -> Any:
-    from lightning_sharding import Manifest, SyntheticReader
+    from lightning_sharding import SyntheticReader
+    from lightning_sharding.core.manifest import Manifest
     from lightning_sharding.mixture import MixtureReader
     from tests.jobs.streams_data import make_streams
 
@@ -100,7 +103,7 @@ def read_checkpoint(path: Path, tmp: Path) -> tuple[np.ndarray, dict[str, Any]]:
 
 def assert_ledger_matches_weights(path: Path, manifest: Any, num_ids: int, tmp: Path) -> int:
     """The checkpoint's ledger holds exactly the samples whose gradients its weights hold; its epoch."""
-    from lightning_sharding import RangeSet
+    from lightning_sharding.core.rangeset import RangeSet
 
     w, entry = read_checkpoint(path, tmp)
     epoch = int(entry["epoch"])
@@ -125,6 +128,12 @@ def assert_chain(out: Path, segments: list[str], manifest: Any, num_ids: int, ep
         for path in checkpoints(out, segment):
             mid_epoch.append(assert_ledger_matches_weights(path, manifest, num_ids, out / "converted"))
     assert mid_epoch, "no checkpoint was written"
+    assert_epoch_ends(out, segments, manifest, num_ids, epochs)
+
+
+def assert_epoch_ends(out: Path, segments: list[str], manifest: Any, num_ids: int, epochs: int) -> None:
+    """Each epoch's end weights (from the last segment that ended it) hold every planned sample
+    exactly as often as it was drawn."""
     ends: dict[int, np.ndarray] = {}
     for segment in segments:
         ends.update({int(p.stem.rsplit("epoch", 1)[1]): np.load(p) for p in out.glob(f"w-{segment}-epoch*.npy")})

@@ -73,3 +73,14 @@ def test_every_block_of_the_page_runs_as_written(tmp_path: Path, page: Path) -> 
             scripts += 1
             if scripts == 1:
                 check_main_example(proc)
+
+
+@pytest.mark.timeout(60)
+def test_the_trainer_free_examples_run_where_they_moved() -> None:
+    """The Fabric and DCP loops left the README for the own-loop page: there they still run, killed
+    and resumed (tests/process/test_loop_kills.py kills their pattern inside its saves)."""
+    page = ROOT / "docs" / "how-to" / "own-loop.md"
+    assert page in RUNNING
+    commands = "\n".join(step.text for step in steps(page) if step.action == "shell")
+    assert "python fabric_loop.py 12\npython fabric_loop.py" in commands
+    assert "dcp_loop.py 12\ntorchrun --standalone --nproc-per-node 1 dcp_loop.py" in commands
