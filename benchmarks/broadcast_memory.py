@@ -135,9 +135,8 @@ def run_broadcast(paths: list[str], depth: int) -> tuple[PeakMemory, int, float]
         manifest.items,
         ledger,
         world=World(),
-        options=LoaderOptions(
-            batch_size=BATCH, num_workers=WORKERS, prefetch_items=depth, multiprocessing_context="spawn"
-        ),
+        options=LoaderOptions(batch_size=BATCH, num_workers=WORKERS, multiprocessing_context="spawn"),
+        prefetch_items=depth,
     )
     return iterate(loader)
 

@@ -95,7 +95,7 @@ def make_datamodule(strategy: str, root: Path) -> Any:
         num_workers=WORKERS,
         persistent_workers=True,
         multiprocessing_context="spawn",
-        strategy=strategy,
+        sharding=strategy,
         seed=7,
     )
     if strategy == "shard":

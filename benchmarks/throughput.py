@@ -132,8 +132,9 @@ def epoch_rate(loader: Iterable[Any], workers: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _npy_loader(pattern: str, workers: int, batch: int, **options: Any) -> Iterable[Any]:
-    """Our loader over the ``.npy`` rows, one rank, spawned workers, with ``options``."""
+def _npy_loader(pattern: str, workers: int, batch: int, transport: str = "pool", **options: Any) -> Iterable[Any]:
+    """Our loader over the ``.npy`` rows, one rank, spawned workers, with ``options`` (and the shard
+    strategy's ``transport``)."""
     reader = NpyReader(pattern)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
@@ -141,7 +142,7 @@ def _npy_loader(pattern: str, workers: int, batch: int, **options: Any) -> Itera
     opts = LoaderOptions(
         batch_size=batch, num_workers=workers, multiprocessing_context=spawn, padding_key=None, **options
     )
-    return ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=opts)
+    return ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=opts, transport=transport)  # type: ignore[arg-type]
 
 
 def ours(pattern: str, workers: int, work: Work, batch: int = BATCH) -> Iterable[Any]:

@@ -49,17 +49,17 @@ MOVED: dict[str, tuple[str, str]] = {
     "sources": ("readers.sources", "0.2"),
     "plots": ("cli.plots", "0.2"),
     "datasets": ("recipes.synthetic_files", "0.2"),
-    # 0.3: the Lightning-free loading engine (issue 52)
-    "lightning.keeper": ("loading.keeper", "0.3"),
-    "lightning.accounting": ("loading.accounting", "0.3"),
-    "lightning.audit": ("loading.audit", "0.3"),
-    "lightning.summary": ("loading.summary", "0.3"),
-    "lightning.loop": ("loading.loop", "0.3"),
-    "distributed.agreement": ("loading.agreement", "0.3"),
+    # the Lightning-free loading engine (issue 52)
+    "lightning.keeper": ("loading.keeper", "0.2"),
+    "lightning.accounting": ("loading.accounting", "0.2"),
+    "lightning.audit": ("loading.audit", "0.2"),
+    "lightning.summary": ("loading.summary", "0.2"),
+    "lightning.loop": ("loading.loop", "0.2"),
+    "distributed.agreement": ("loading.agreement", "0.2"),
 }
 
 
-# Names the root exported in 0.2 and no longer does (issue 52): their homes. They still import from
+# Names the root exported before and no longer does (issue 52): their homes. They still import from
 # the root for one release, with a DeprecationWarning naming the home.
 ROOT_NAMES: dict[str, str] = {
     "BatchTask": "core.plan",
@@ -96,7 +96,7 @@ def root_name(name: str) -> Any:
     if home is None:
         raise AttributeError(f"module {_PACKAGE!r} has no attribute {name!r}")
     warnings.warn(
-        f"lightning_sharding.{name} is no longer exported from the package root (0.3): import it from "
+        f"lightning_sharding.{name} is no longer exported from the package root: import it from "
         f"{_PACKAGE}.{home} (the root's name goes away in the next release)",
         DeprecationWarning,
         stacklevel=3,

@@ -69,7 +69,7 @@ def _check_data(cfg: DictConfig, dm: ShardedDataModule) -> None:
         dm.strategy.check_data(dm.source if reader is None else reader, type(dm).__name__)
     except TypeError as err:
         raise ConfigError(
-            f"sharding.strategy={dm.strategy.name!r} cannot read what data._target_={cfg.data._target_} built "
+            f"sharding={dm.strategy.name} cannot read what data._target_={cfg.data._target_} built "
             f"({err}): choose the sharding option that fits the data, or data that fits the strategy"
         ) from err
     if dm.source is not None:

@@ -127,17 +127,18 @@ class Data:
 
 @dataclass(frozen=True)
 class Loading:
-    """How the DataModule loads the data: strategy, batches, order, and the workers' options."""
+    """How the DataModule loads the data: the strategy (and its settings), batches, order, and the
+    workers' options."""
 
     loader: str = "dataloader"  # "dataloader": ShardedDataModule; "dali": DaliDataModule (CPU pipeline)
-    strategy: str = "shard"
+    sharding: str = "shard"
     batch_size: int = 8
     seed: int | None = 1234
     even_batches: str = "pad"
     on_error: str = "raise"
     persistent_workers: bool = False
-    prefetch_items: int = 1
-    transport: str = "torch"  # how workers hand batches over: "torch" or "pool" (strategies/_slots.py)
+    prefetch_items: int = 1  # a setting of strategy broadcast
+    transport: str = "torch"  # of strategies shard and broadcast: "torch" or "pool" (strategies/_slots.py)
     # How DataLoader workers (and a dispatch process) start: None is the package's default, a forkserver
     # with the modules preloaded (strategies/_start.py); "spawn" where a test stands for spawn.
     start_method: str | None = None

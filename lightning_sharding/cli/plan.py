@@ -87,7 +87,11 @@ def register(sub: Any) -> None:
         "--config-name", default="train", metavar="NAME", help="the recipe in --config-dir (default: train)"
     )
     plan.add_argument(
-        "--strategy", metavar="NAME", help="a registered sharding strategy, e.g. shard (default: sharding.strategy)"
+        "--sharding",
+        "--strategy",  # its name in 0.1
+        dest="strategy",
+        metavar="NAME",
+        help="a registered sharding strategy, e.g. shard (default: the config's sharding=)",
     )
     plan.add_argument("--plot", metavar="FILE.png", help="also draw the assignment into this image")
     plan.set_defaults(func=_plan)
@@ -211,7 +215,7 @@ def _plan(args: argparse.Namespace) -> int:
     except ConfigError as err:
         raise CliError(str(err)) from None
     data = _data_settings(cfg)
-    strategy = _strategy(args.strategy or str(cfg.sharding.strategy))
+    strategy = _strategy(args.strategy or str(cfg.sharding.name))
     batch_size = args.batch_size if args.batch_size is not None else data.batch_size
     seed = args.seed if args.seed is not None else data.seed
     even_batches = args.even_batches or data.even_batches
@@ -279,7 +283,7 @@ def _strategy(name: str) -> Any:
 
     if name not in strategy_names():
         raise CliError(
-            f"strategy {name!r} (from --strategy or sharding.strategy) is not a strategy; "
+            f"strategy {name!r} (from --sharding or the config's sharding=) is not a strategy; "
             f"choose one of {', '.join(strategy_names())}"
         )
     return get_strategy(name)

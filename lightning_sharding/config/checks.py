@@ -39,9 +39,9 @@ def check_config(cfg: DictConfig) -> None:
     from lightning_sharding.strategies import get_strategy, strategy_names  # imports torch: not at import time
 
     check_keys(cfg)
-    name = cfg.sharding.strategy
+    name = cfg.sharding.name
     if name not in strategy_names():
-        raise ConfigError(f"sharding.strategy={name!r} is not a strategy; choose sharding={'|'.join(strategy_names())}")
+        raise ConfigError(f"sharding.name={name!r} is not a strategy; choose sharding={'|'.join(strategy_names())}")
     strategy = get_strategy(name)
     data = cfg.data
     feeds = getattr(OmegaConf.get_type(cfg, "data"), "feeds", None)  # None: an untyped data config of your own
@@ -49,29 +49,29 @@ def check_config(cfg: DictConfig) -> None:
         readers = _options(lambda s: s.takes == "source")
         raise ConfigError(
             f"{_choice(cfg, 'data')} builds a non-replicable source, which only {readers} reads, "
-            f"but sharding.strategy={name!r}: add {readers}"
+            f"but sharding={name}: add {readers}"
         )
     if strategy.takes == "source" and feeds in ("reader", "windows"):
         raise ConfigError(
-            f"sharding.strategy={name!r} needs a data option that builds a source (data=sqlite, or a Source of "
+            f"sharding={name} needs a data option that builds a source (data=sqlite, or a Source of "
             f"your own), but {_choice(cfg, 'data')} builds a reader: use sharding=shard (or broadcast for windows)"
         )
     if strategy.takes == "windows" and feeds in ("reader", "source"):
         raise ConfigError(
-            f"sharding.strategy={name!r} needs a reader that can window (data=months, a WindowedReader), "
+            f"sharding={name} needs a reader that can window (data=months, a WindowedReader), "
             f"but {_choice(cfg, 'data')} reads single samples: use sharding=shard, or a windowed data option"
         )
     if data.on_error == "skip" and not strategy.skips_errors:
         skippers = _names(lambda s: s.skips_errors)
         raise ConfigError(
-            f"data.on_error='skip' works with {' or '.join(f'sharding.strategy={n!r}' for n in skippers)} only, "
+            f"data.on_error='skip' works with {' or '.join(f'sharding={n}' for n in skippers)} only, "
             f"not {name!r}: set data.on_error=raise or use {_options(lambda s: s.skips_errors)}"
         )
     allowed = strategy.even_batch_policies
     if data.even_batches not in allowed:
         elsewhere = _options(lambda s: data.even_batches in s.even_batch_policies)
         raise ConfigError(
-            f"data.even_batches={data.even_batches!r} is not available with sharding.strategy={name!r}; "
+            f"data.even_batches={data.even_batches!r} is not available with sharding={name}; "
             f"choose one of {list(allowed)}" + (f" ({data.even_batches} needs {elsewhere})" if elsewhere else "")
         )
     if data.batch_size < 1:

@@ -33,7 +33,6 @@ class DataOptions:
     persistent_workers: bool = True
     multiprocessing_context: str | None = None  # null: forkserver, modules preloaded (Linux) | spawn | fork
     on_error: str = "raise"  # raise | skip (sharding=shard only)
-    transport: str = "pool"  # pool | torch: how workers hand batches over (sharding=shard)
     cache_dir: str | None = None  # file indexes and generated data; none: ~/.cache/lightning_sharding
     # {old prefix: new prefix}: a checkpoint of lightning_sharding 0.1 (which knew items by path) resumes
     # on data that moved; later checkpoints know items by name and content and need none.

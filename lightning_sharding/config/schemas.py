@@ -7,9 +7,12 @@ key. The ``data`` schemas are in :mod:`lightning_sharding.config.data`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
@@ -25,31 +28,50 @@ from lightning_sharding.config.data import (
     TokensData,
 )
 
+if TYPE_CHECKING:
+    from lightning_sharding.strategies import Strategy
+
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the packaged Hydra config directory
 
 # -- sharding: one option per strategy ---------------------------------------------------------------
 
 
-@dataclass
-class ShardSharding:
-    """``shard``: ranks take runs of items, each worker reads its own items."""
+def sharding_schema(strategy: type[Strategy]) -> type:
+    """The schema of ``sharding=<strategy.name>``, generated from the strategy's constructor: ``name``,
+    then each of its settings with the constructor's default, typed as a config can hold it (a
+    ``Literal`` as ``str``, a function as its dotted path). One definition: the class's signature."""
+    hints = typing.get_type_hints(strategy.__init__)
+    fields: list[tuple[str, Any, Any]] = [("name", str, field(default=strategy.name))]
+    for parameter in inspect.signature(strategy).parameters.values():
+        if parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+            continue
+        fields.append((parameter.name, _config_type(hints[parameter.name]), field(default=parameter.default)))
+    doc = (strategy.__doc__ or "").strip().splitlines()[0]
+    schema = make_dataclass(f"{strategy.__name__.removesuffix('Strategy')}Sharding", fields)
+    schema.__doc__ = f"``sharding={strategy.name}``: {doc} (generated from {strategy.__name__})"
+    schema.__module__ = __name__
+    return schema
 
-    strategy: str = "shard"
+
+def _config_type(hint: Any) -> Any:
+    """``hint`` as OmegaConf types it: ``Literal[...]`` -> ``str``, ``X | None`` -> ``Optional[X]``,
+    a union with ``str`` (a function or its dotted path) -> ``str``."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return type(typing.get_args(hint)[0])
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        inner: Any = str if str in args or len(args) > 1 else _config_type(args[0])
+        return typing.Optional[inner] if type(None) in typing.get_args(hint) else inner  # noqa: UP045 - a runtime type
+    return hint if hint in (int, float, str, bool) else Any
 
 
-@dataclass
-class BroadcastSharding:
-    """``broadcast``: each rank loads an item once into shared memory; workers crop windows from it."""
+def _sharding_schemas() -> dict[str, type]:
+    """``<name>_schema`` of each built-in strategy."""
+    from lightning_sharding.strategies import BroadcastStrategy, DaliStrategy, DispatchStrategy, ShardStrategy
 
-    strategy: str = "broadcast"
-    prefetch_items: int = 1  # items each rank loads ahead of the current one
-
-
-@dataclass
-class DispatchSharding:
-    """``dispatch``: one process per rank reads the source and deals batches to the workers."""
-
-    strategy: str = "dispatch"
+    built_in = (ShardStrategy, BroadcastStrategy, DispatchStrategy, DaliStrategy)
+    return {f"{cls.name}_schema": sharding_schema(cls) for cls in built_in}
 
 
 # -- trainer, model, callbacks, logger ---------------------------------------------------------------
@@ -202,11 +224,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "sqlite_schema": SqliteData,
         "mixture_schema": MixtureData,
     },
-    "sharding": {
-        "shard_schema": ShardSharding,
-        "broadcast_schema": BroadcastSharding,
-        "dispatch_schema": DispatchSharding,
-    },
+    "sharding": _sharding_schemas(),
     "trainer": {"trainer_schema": TrainerConfig},
     "model": {
         "regressor_schema": RegressorModel,

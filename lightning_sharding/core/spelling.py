@@ -13,7 +13,7 @@ from typing import Any
 
 ENV = "LIGHTNING_SHARDING_OPTIONS_FROM"
 # ShardedDataModule arguments whose Hydra key is not data.<the same name>.
-HYDRA_KEYS = {"data_root_map": "data.root_map"}
+HYDRA_KEYS = {"sharding": "sharding"}
 
 
 def from_the_command_line() -> bool:

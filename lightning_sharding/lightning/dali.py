@@ -1,4 +1,4 @@
-"""NVIDIA DALI: ``DaliDataModule``, a :class:`~lightning_sharding.ShardedDataModule` with ``strategy="dali"``.
+"""NVIDIA DALI: ``DaliDataModule``, a :class:`~lightning_sharding.ShardedDataModule` with ``sharding="dali"``.
 
 The loader itself lives in :mod:`lightning_sharding.strategies.dali` (its worker side imports no
 Lightning); this module keeps the names users import.
@@ -20,7 +20,7 @@ __all__ = ["DaliDataModule", "DaliLoader", "DaliStrategy", "Graph", "PipelineOpt
 
 
 class DaliDataModule(ShardedDataModule):
-    """``ShardedDataModule(strategy=DaliStrategy(graph, ...))``: the loaders are DALI pipelines.
+    """``ShardedDataModule(sharding=DaliStrategy(graph, ...))``: the loaders are DALI pipelines.
 
     ``num_workers`` is the pipeline's ``py_num_workers``. Exactly-once, mid-epoch resume and rescale
     work as for ``ShardedDataModule``; DALI assembles batches, so ``collate_fn`` and the DataLoader
@@ -36,4 +36,4 @@ class DaliDataModule(ShardedDataModule):
 
     def __init__(self, reader: Reader | None = None, *, graph: Graph | None = None, **kwargs: Any) -> None:
         pipeline = {key: kwargs.pop(key) for key in PIPELINE_KEYS if key in kwargs}
-        super().__init__(reader, strategy=DaliStrategy(graph, **pipeline), **kwargs)
+        super().__init__(reader, sharding=DaliStrategy(graph, **pipeline), **kwargs)

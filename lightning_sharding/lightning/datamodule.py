@@ -12,7 +12,7 @@ training and in the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
@@ -79,8 +79,6 @@ class ShardedDataModule(pl.LightningDataModule):
         multiprocessing_context: how workers start: ``None`` (the default) is, on Linux, a forkserver
             with torch, the package and the reader's modules imported once (``"fork"`` in a notebook,
             ``"spawn"`` on macOS); or ``"forkserver"``, ``"spawn"``, ``"fork"``. docs/performance.md.
-        transport: how workers hand batches to training: ``"pool"`` (reusable shared-memory slots,
-            one copy per batch) or ``"torch"`` (PyTorch's own path); see the README's "Performance".
         transform, batch_transform: ``transform(sample, SampleContext) -> sample`` per sample and
             ``batch_transform(batch, BatchContext) -> batch`` per batch (vectorised), run in the worker.
         collate_fn: turns a list of samples into a batch (PyTorch's default collate).
@@ -89,7 +87,7 @@ class ShardedDataModule(pl.LightningDataModule):
         allow_data_change: resume when the data changed (the epoch restarts, warned) instead of failing.
         allow_mixture_change: resume a checkpoint of other shares or streams: what it consumed
             stays consumed, the rest of its epoch is drawn at the new shares.
-        data_root_map: ``{old prefix: new prefix}`` for a checkpoint of lightning_sharding 0.1, which
+        root_map: ``{old prefix: new prefix}`` for a checkpoint of lightning_sharding 0.1, which
             knew items by path, resumed on data that moved (later checkpoints know items by their
             name under the data's root and their content, and resume on moved data without it).
         audit_dir: when set, every rank writes the positions its completed steps consumed there,
@@ -97,12 +95,13 @@ class ShardedDataModule(pl.LightningDataModule):
         on_error: ``"raise"`` stops at the first sample that cannot be read or transformed, naming
             it; ``"skip"`` leaves it out, counted (in the summary), and pads its place in the batch
             (flagged). Storage outages are never skipped.
-        strategy: ``"shard"`` (each worker reads its own items), ``"broadcast"`` (a rank loads an
-            item once into shared memory, its workers crop windows from it; needs a ``WindowedReader``)
-            or ``"dispatch"`` (one process per rank reads the non-replicable ``source`` and deals
-            batches to the workers; see :mod:`lightning_sharding.strategies.dispatch`).
-        prefetch_items: with ``broadcast``, how many items each rank loads ahead of the current one.
-        source: the :class:`~lightning_sharding.readers.sources.Source` of ``strategy="dispatch"``; a
+        sharding: how each rank reads its share, a strategy by name (with its default settings) or
+            object: ``"shard"`` or ``ShardStrategy(transport=...)`` (each worker reads its own items),
+            ``"broadcast"`` or ``BroadcastStrategy(prefetch_items=...)`` (a rank loads an item once into
+            shared memory, its workers crop windows from it; needs a ``WindowedReader``), ``"dispatch"``
+            (one process per rank reads the non-replicable ``source`` and deals batches to the
+            workers), or ``DaliStrategy(graph, ...)``; see :mod:`lightning_sharding.strategies`.
+        source: the :class:`~lightning_sharding.readers.sources.Source` of ``sharding="dispatch"``; a
             source of unknown length needs ``even_batches="sync"``.
         streams, samples_per_epoch, batch_composition: a mixture of readers at chosen shares instead
             of ``reader`` (see :class:`~lightning_sharding.mixture.streams.Stream`), the samples of an epoch, and
@@ -120,6 +119,9 @@ class ShardedDataModule(pl.LightningDataModule):
             packed into sequences of ``seq_len`` tokens; the ledger counts sequences and a batch holds
             ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, ``cu_seqlens`` and
             ``max_seqlen`` (see :mod:`lightning_sharding.tokens.batch`). Strategy ``shard``.
+        **renamed: the spellings of 0.1 for one release, with a ``DeprecationWarning`` naming the new
+            one: ``strategy=`` (now ``sharding=``), ``data_root_map=`` (``root_map=``), ``transport=``
+            and ``prefetch_items=`` (settings of the strategy: ``sharding=ShardStrategy(transport=...)``).
     """
 
     def __init__(
@@ -136,7 +138,6 @@ class ShardedDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
         multiprocessing_context: str | None = None,
         timeout: float = 0,
-        transport: Literal["pool", "torch"] = "pool",
         transform: Transform | None = None,
         batch_transform: BatchTransform | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -145,11 +146,10 @@ class ShardedDataModule(pl.LightningDataModule):
         padding_key: str | None = "is_padding",
         allow_data_change: bool = False,
         allow_mixture_change: bool = False,
-        data_root_map: Mapping[str, str] | None = None,
+        root_map: Mapping[str, str] | None = None,
         audit_dir: str | None = None,
         on_error: OnError = "raise",
-        strategy: str | Strategy = "shard",
-        prefetch_items: int = 1,
+        sharding: str | Strategy = "shard",
         source: Source | None = None,
         data_parallel: DataParallel | Callable[[pl.Trainer], DataParallel] | None = None,
         streams: Sequence[Stream] | None = None,
@@ -157,6 +157,7 @@ class ShardedDataModule(pl.LightningDataModule):
         batch_composition: str = "mixed",
         packing: Packing | None = None,
         schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
+        **renamed: Any,
     ) -> None:
         super().__init__()
         self._engine = LoadingEngine.from_arguments(
@@ -172,7 +173,6 @@ class ShardedDataModule(pl.LightningDataModule):
             pin_memory=pin_memory,
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
-            transport=transport,
             transform=transform,
             batch_transform=batch_transform,
             collate_fn=collate_fn,
@@ -181,11 +181,10 @@ class ShardedDataModule(pl.LightningDataModule):
             padding_key=padding_key,
             allow_data_change=allow_data_change,
             allow_mixture_change=allow_mixture_change,
-            data_root_map=data_root_map,
+            root_map=root_map,
             audit_dir=audit_dir,
             on_error=on_error,
-            strategy=strategy,
-            prefetch_items=prefetch_items,
+            sharding=sharding,
             source=source,
             data_parallel=data_parallel,
             streams=streams,
@@ -193,6 +192,7 @@ class ShardedDataModule(pl.LightningDataModule):
             batch_composition=batch_composition,
             packing=packing,
             schedule=schedule,
+            **renamed,
         )
 
     @property
@@ -209,7 +209,8 @@ class ShardedDataModule(pl.LightningDataModule):
     data_parallel: _EngineAttribute[Any] = _EngineAttribute("data_parallel")
     allow_data_change: _EngineAttribute[bool] = _EngineAttribute("allow_data_change")
     allow_mixture_change: _EngineAttribute[bool] = _EngineAttribute("allow_mixture_change")
-    data_root_map: _EngineAttribute[dict[str, str]] = _EngineAttribute("root_map")
+    root_map: _EngineAttribute[dict[str, str]] = _EngineAttribute("root_map")
+    data_root_map: _EngineAttribute[dict[str, str]] = _EngineAttribute("root_map")  # its name in 0.1
     audit_dir: _EngineAttribute[str | None] = _EngineAttribute("audit_dir")
     ledger_keeper: _EngineAttribute[LedgerKeeper | None] = _EngineAttribute("keeper")
     manifest: _EngineAttribute[Manifest | None] = _EngineAttribute("manifest", writable=False)

@@ -10,9 +10,10 @@ Fabric: :class:`~lightning_sharding.ShardedDataModule` from the Trainer's hooks,
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from torch.utils.data import default_collate
@@ -31,7 +32,7 @@ from lightning_sharding.readers.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies._shared_memory import sweep_dead
 from lightning_sharding.strategies._start import worker_context
-from lightning_sharding.strategies.base import strategies_where
+from lightning_sharding.strategies.base import strategies_taking, strategies_where
 from lightning_sharding.strategies.options import BatchTransform, LoaderOptions, OnError, Transform
 from lightning_sharding.tokens import PackedReader, Packing
 
@@ -98,7 +99,6 @@ class LoadingEngine:
         pin_memory: bool = False,
         multiprocessing_context: str | None = None,
         timeout: float = 0,
-        transport: Literal["pool", "torch"] = "pool",
         transform: Transform | None = None,
         batch_transform: BatchTransform | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -107,11 +107,10 @@ class LoadingEngine:
         padding_key: str | None = "is_padding",
         allow_data_change: bool = False,
         allow_mixture_change: bool = False,
-        data_root_map: Mapping[str, str] | None = None,
+        root_map: Mapping[str, str] | None = None,
         audit_dir: str | None = None,
         on_error: OnError = "raise",
-        strategy: str | Strategy = "shard",
-        prefetch_items: int = 1,
+        sharding: str | Strategy = "shard",
         source: Source | None = None,
         data_parallel: DataParallel | Callable[[Any], DataParallel] | None = None,
         streams: Sequence[Stream] | None = None,
@@ -119,20 +118,19 @@ class LoadingEngine:
         batch_composition: str = "mixed",
         packing: Packing | None = None,
         schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
+        **renamed: Any,
     ) -> LoadingEngine:
         """The engine of these arguments, checked; each refusal names ``owner`` and the argument.
 
         These are the one definition of the arguments and their defaults; ``ShardedDataModule``'s
         signature repeats them for type checkers and documents them, and a test holds the two equal.
+        ``renamed`` takes the spellings of 0.1 for one release, warned (:func:`renamed_arguments`).
         """
-        if not isinstance(strategy, Strategy) and strategy not in strategy_names():
-            raise ValueError(
-                f"`{owner}(strategy={strategy!r})` is not a strategy; choose one of {list(strategy_names())}"
-            )
-        chosen = get_strategy(strategy)
+        sharding, root_map = renamed_arguments(owner, renamed, sharding, root_map)
+        chosen = strategy_of(owner, sharding, renamed)
         if (chosen.takes == "source") != (source is not None):
             raise ValueError(
-                f"`{owner}(strategy={chosen.name!r})`: `source=` goes with "
+                f"`{owner}(sharding={chosen.name!r})`: `source=` goes with "
                 f"{strategies_where(lambda s: s.takes == 'source')} and only with it"
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -147,13 +145,11 @@ class LoadingEngine:
             collate_fn=collate_fn or default_collate,
             padding_key=padding_key,
             on_error=on_error,
-            prefetch_items=prefetch_items,
             persistent_workers=persistent_workers,
             prefetch_factor=prefetch_factor,
             pin_memory=pin_memory,
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
-            transport=transport,
         ).check(owner)
         if not chosen.shuffles:  # e.g. a source, read in its own order
             options = options.replace(shuffle=False)
@@ -175,7 +171,7 @@ class LoadingEngine:
             data_parallel=data_parallel,
             allow_data_change=allow_data_change,
             allow_mixture_change=allow_mixture_change,
-            root_map=data_root_map or {},
+            root_map=root_map or {},
             audit_dir=audit_dir,
             val_reader=val_reader,
             test_reader=test_reader,
@@ -283,6 +279,66 @@ class LoadingEngine:
         """Release what the train loader holds outside Python: shared memory, helper processes."""
         if self.train_loader is not None:
             self.train_loader.close()
+
+
+# Arguments of 0.1 that 0.2 renamed (still taken for one release, warned): old name -> new name.
+RENAMED = {"strategy": "sharding", "data_root_map": "root_map"}
+# Arguments of 0.1 that became settings of the strategies that use them (ShardStrategy(transport=...)).
+STRATEGY_SETTINGS = ("transport", "prefetch_items")
+
+
+def renamed_arguments(
+    owner: str, renamed: dict[str, Any], sharding: str | Strategy, root_map: Mapping[str, str] | None
+) -> tuple[str | Strategy, Mapping[str, str] | None]:
+    """``sharding`` and ``root_map`` as given under their names of 0.1 (warned once each); refuses an
+    argument no release had, and the same argument under both names."""
+    unknown = [key for key in renamed if key not in RENAMED and key not in STRATEGY_SETTINGS]
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    given: dict[str, Any] = {"sharding": sharding, "root_map": root_map}
+    defaults = {"sharding": "shard", "root_map": None}
+    for old, new in RENAMED.items():
+        if old not in renamed:
+            continue
+        if given[new] != defaults[new]:
+            raise TypeError(f"`{owner}({old}=..., {new}=...)`: {old}= is the old name of {new}=; give {new}= alone")
+        warnings.warn(
+            f"`{owner}({old}=...)` is `{owner}({new}=...)` since lightning_sharding 0.2; the old name goes away "
+            "in the next release",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        given[new] = renamed.pop(old)
+    return given["sharding"], given["root_map"]
+
+
+def strategy_of(owner: str, sharding: str | Strategy, settings: dict[str, Any]) -> Strategy:
+    """The strategy ``sharding`` names (or is), with the strategy ``settings`` 0.1 took as arguments
+    of ``owner`` (warned); a setting the strategy does not take is refused, naming those that do."""
+    if not isinstance(sharding, Strategy) and sharding not in strategy_names():
+        raise ValueError(f"`{owner}(sharding={sharding!r})` is not a strategy; choose one of {list(strategy_names())}")
+    if not settings:
+        return get_strategy(sharding)
+    spelled = ", ".join(f"{key}={value!r}" for key, value in settings.items())
+    for key in settings:
+        takers = strategies_taking(key)
+        name = sharding.name if isinstance(sharding, Strategy) else sharding
+        if all(cls.name != name for cls in takers):
+            where = " or ".join(f"{cls.__name__}({key}=...)" for cls in takers)
+            raise ValueError(f"`{owner}({key}=...)` is a setting of {where}, not of strategy {name!r}")
+    if isinstance(sharding, Strategy):
+        raise ValueError(
+            f"`{owner}({spelled})` with sharding={sharding!r}: give the setting to the strategy, "
+            f"{type(sharding).__name__}({spelled})"
+        )
+    chosen = get_strategy(sharding, **settings)
+    warnings.warn(
+        f"`{owner}({spelled})` is a setting of the strategy since lightning_sharding 0.2: pass "
+        f"`sharding={chosen!r}` (the old spelling goes away in the next release)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return chosen
 
 
 def packed_stream(stream: Stream, packing: Packing, strategy: Strategy, options: LoaderOptions, owner: str) -> Stream:

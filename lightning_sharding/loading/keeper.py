@@ -321,7 +321,7 @@ class LedgerKeeper:
             how = ""
         elif self.root_map and restored.fingerprint == self.manifest.fingerprint_by_path(self.root_map):
             moves = ", ".join(f"{old} -> {new}" for old, new in self.root_map.items())
-            how = f"the data moved: {moves} (data_root_map; the same paths under it, counts and fingerprints)"
+            how = f"the data moved: {moves} (root_map; the same paths under it, counts and fingerprints)"
         else:
             return False
         if how and self.world.rank == 0:
@@ -355,7 +355,7 @@ class LedgerKeeper:
         ):
             old, new = moved_prefixes(str(saved.get("first_key")), self.manifest.items[0].key)
             return (
-                f"If the data only moved, give its old and new roots: `{option('data_root_map', {old: new})}`; "
+                f"If the data only moved, give its old and new roots: `{option('root_map', {old: new})}`; "
                 f"if it changed, {fresh}."
             )
         return f"Resume with the data it was written for, or {fresh}."

@@ -14,6 +14,7 @@ from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.sources import Source
 from lightning_sharding.readers.storage import scheme_of
+from lightning_sharding.strategies import get_strategy
 from lightning_sharding.strategies.options import BatchTransform, Transform
 
 # The loader options of config.DataOptions that go to ShardedDataModule unchanged.
@@ -25,7 +26,6 @@ _PASSED = (
     "even_batches",
     "multiprocessing_context",
     "on_error",
-    "transport",
     "allow_data_change",
 )
 
@@ -74,10 +74,13 @@ def datamodule(
 ) -> ShardedDataModule:
     """A :class:`ShardedDataModule` over ``reader`` (or ``source``, or ``data``'s ``streams=``) with
     the config's loader options."""
+    settings = dict(sharding)  # the strategy's name and its own settings (config/schemas.py)
+    strategy = get_strategy(settings.pop("name"), **settings)
     kwargs = {key: options[key] for key in _PASSED}
     kwargs["persistent_workers"] = bool(options["persistent_workers"]) and options["num_workers"] > 0
-    kwargs["data_root_map"] = dict(options.get("root_map") or {})
-    strategy = dict(sharding)
+    for fixed in strategy.fixed_options:  # DataLoader options a strategy runs without (dali's own workers)
+        kwargs.pop(fixed, None)
+    kwargs["root_map"] = dict(options.get("root_map") or {})
     return ShardedDataModule(
         reader,
         source=source,
@@ -86,7 +89,7 @@ def datamodule(
         audit_dir=audit_dir,
         **data,
         **kwargs,
-        **strategy,
+        sharding=strategy,
     )
 
 

@@ -16,6 +16,9 @@ for training (padding flagged) and keeps its :class:`Provenance` until the train
 it is accounted in the ledger.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery, Provenance
 from lightning_sharding.strategies._samples import SampleError
 from lightning_sharding.strategies.base import (
@@ -28,7 +31,19 @@ from lightning_sharding.strategies.base import (
     strategy_names,
 )
 
+# The built-in strategies, by class, imported when first asked for (a worker imports only its own).
+_BUILT_IN_CLASSES = {
+    "ShardStrategy": "shard",
+    "BroadcastStrategy": "broadcast",
+    "DispatchStrategy": "dispatch",
+    "DaliStrategy": "dali",
+}
+
 __all__ = [
+    "BroadcastStrategy",
+    "DaliStrategy",
+    "DispatchStrategy",
+    "ShardStrategy",
     "DeliveredLog",
     "Delivery",
     "EpochOutline",
@@ -41,3 +56,17 @@ __all__ = [
     "register_strategy",
     "strategy_names",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _BUILT_IN_CLASSES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+if TYPE_CHECKING:
+    from lightning_sharding.strategies.broadcast import BroadcastStrategy
+    from lightning_sharding.strategies.dali import DaliStrategy
+    from lightning_sharding.strategies.dispatch import DispatchStrategy
+    from lightning_sharding.strategies.shard import ShardStrategy

@@ -13,6 +13,7 @@ Strategies are looked up by name in a registry that users may add to with
 from __future__ import annotations
 
 import importlib
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Generic, Literal, Protocol, runtime_checkable
@@ -119,12 +120,12 @@ class TrainLoader(ABC, Generic[SamplerT]):
     def decision_point(self) -> tuple[int, int]:
         """``(position, batches)``: where a mixture decision made now takes effect (see the ``shard``
         strategy's loader, the one that replans mid-pass)."""
-        raise ValueError(f"{type(self).__name__} cannot change a mixture's shares mid-epoch; use strategy='shard'")
+        raise ValueError(f"{type(self).__name__} cannot change a mixture's shares mid-epoch; use sharding='shard'")
 
     def switch_order(self, manifest: Any, *, now: bool) -> None:
         """Serve by ``manifest``'s order: ``now``, the rest of this epoch from the next batch on; else
         from the next epoch."""
-        raise ValueError(f"{type(self).__name__} cannot change a mixture's shares mid-epoch; use strategy='shard'")
+        raise ValueError(f"{type(self).__name__} cannot change a mixture's shares mid-epoch; use sharding='shard'")
 
     def close(self) -> None:  # noqa: B027 - a no-op unless a strategy needs it
         """Release processes and memory now (teardown, a dead worker)."""
@@ -149,6 +150,10 @@ class Strategy(ABC):
     that :attr:`~lightning_sharding.readers.base.Reader.reads_sequences`), ``replans`` (whether its
     loader plans the rest of a pass again when a mixture decision changes the order), ``fixed_options`` (loader
     options that do not apply) and the reasons said when an option or ``on_error="skip"`` is refused.
+
+    What only this strategy uses is a setting of its own, an argument of its constructor
+    (``ShardStrategy(transport="torch")``), returned by :meth:`settings`; a name picks the strategy with
+    its defaults (``sharding="shard"``).
     """
 
     name: ClassVar[str]
@@ -174,7 +179,11 @@ class Strategy(ABC):
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.settings().items())})"
+
+    def settings(self) -> dict[str, Any]:
+        """This strategy's own settings, by the names its constructor takes them under."""
+        return {}
 
     def check(self, options: LoaderOptions, data: object = None, owner: str = "ShardedDataModule") -> None:
         """Raise a ValueError or TypeError naming ``owner``'s argument at fault: a policy or option this
@@ -273,7 +282,7 @@ S = TypeVar("S", bound=type[Strategy])
 
 
 def register_strategy(cls: S) -> S:
-    """Class decorator: make ``cls`` available as ``strategy=cls.name``; a name is registered once."""
+    """Class decorator: make ``cls`` available as ``sharding=cls.name``; a name is registered once."""
     name = cls.__dict__.get("name")  # its own: a subclass that inherits a name would replace its parent
     if not isinstance(name, str) or not name:
         raise TypeError(f"{cls.__name__} needs a class attribute `name` of its own (a non-empty string)")
@@ -289,8 +298,13 @@ def register_strategy(cls: S) -> S:
 
 
 def strategies_where(which: Callable[[type[Strategy]], bool]) -> str:
-    """``strategy='shard'`` (or several, joined by "or") for the registered strategies ``which`` picks."""
-    return " or ".join(f"strategy={name!r}" for name, cls in _registry().items() if which(cls)) or "no strategy"
+    """``sharding='shard'`` (or several, joined by "or") for the registered strategies ``which`` picks."""
+    return " or ".join(f"sharding={name!r}" for name, cls in _registry().items() if which(cls)) or "no strategy"
+
+
+def strategies_taking(setting: str) -> list[type[Strategy]]:
+    """The registered strategies whose constructor takes ``setting``."""
+    return [cls for cls in _registry().values() if setting in inspect.signature(cls).parameters]
 
 
 def strategy_names() -> tuple[str, ...]:
@@ -298,11 +312,11 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(_registry())
 
 
-def get_strategy(strategy: str | Strategy, **options: Any) -> Strategy:
-    """The strategy of that name, built with ``options`` (an instance is returned as it is)."""
+def get_strategy(strategy: str | Strategy, **settings: Any) -> Strategy:
+    """The strategy of that name, built with its ``settings`` (an instance is returned as it is)."""
     if isinstance(strategy, Strategy):
         return strategy
     cls = _registry().get(strategy)
     if cls is None:
-        raise ValueError(f"strategy={strategy!r} is not a strategy; choose one of {list(_registry())}")
-    return cls(**options)
+        raise ValueError(f"sharding={strategy!r} is not a strategy; choose one of {list(_registry())}")
+    return cls(**settings)

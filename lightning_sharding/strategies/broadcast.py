@@ -35,7 +35,7 @@ from lightning_sharding.strategies._shared_items import SharedItems
 from lightning_sharding.strategies._shared_memory import SharedArray
 from lightning_sharding.strategies.base import Strategy, register_strategy
 from lightning_sharding.strategies.options import LoaderOptions
-from lightning_sharding.strategies.shard import LoaderRequest, PlanSampler, ShardedLoader
+from lightning_sharding.strategies.shard import LoaderRequest, PlanSampler, ShardedLoader, Transport, check_transport
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -52,7 +52,13 @@ class BroadcastSampler(PlanSampler):
     """The rank's plan with interleaved workers; attaches each batch's shared arrays from :class:`SharedItems`."""
 
     def __init__(
-        self, ledger: Ledger, reader: WindowedReader, items: Sequence[Item], world: World, options: LoaderOptions
+        self,
+        ledger: Ledger,
+        reader: WindowedReader,
+        items: Sequence[Item],
+        world: World,
+        options: LoaderOptions,
+        prefetch_items: int = 1,
     ) -> None:
         super().__init__(
             ledger,
@@ -64,7 +70,7 @@ class BroadcastSampler(PlanSampler):
         )
         self.reader = reader
         self.shuffle = options.shuffle
-        self.depth = options.prefetch_items
+        self.depth = prefetch_items
         self.counts = np.array([it.num_samples for it in items], dtype=np.int64)
         self.pool: SharedItems | None = None
 
@@ -192,7 +198,7 @@ class BroadcastLoader(ShardedLoader):
     @classmethod
     def _parts(cls, request: LoaderRequest) -> tuple[Any, Any]:
         """Checked windows, cropped by workers from the shared arrays the sampler attaches to each task."""
-        reader, manifest, ledger, world, options, _ = request
+        reader, manifest, ledger, world, options, _, prefetch_items = request
         items = manifest.items
         BroadcastStrategy().check(options, reader, owner="BroadcastLoader")
         assert isinstance(reader, WindowedReader)
@@ -206,7 +212,7 @@ class BroadcastLoader(ShardedLoader):
                 "or split the data into more items."
             )
         dataset = BroadcastBatches(reader, items, seed=ledger.seed, world=world, options=options)
-        return dataset, BroadcastSampler(ledger, reader, items, world, options)
+        return dataset, BroadcastSampler(ledger, reader, items, world, options, prefetch_items)
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()
@@ -228,7 +234,13 @@ class BroadcastLoader(ShardedLoader):
 
 @register_strategy
 class BroadcastStrategy(Strategy):
-    """Each rank loads an item once into shared memory; its workers crop disjoint windows from it."""
+    """Each rank loads an item once into shared memory; its workers crop disjoint windows from it.
+
+    Args:
+        prefetch_items: how many items each rank loads ahead of the current one (0: none).
+        transport: how DataLoader workers hand batches over, as for
+            :class:`~lightning_sharding.strategies.shard.ShardStrategy`.
+    """
 
     name = "broadcast"
     takes = "windows"
@@ -237,8 +249,28 @@ class BroadcastStrategy(Strategy):
         "a window is cut from an item already loaded, so an unreadable item fails when it is loaded, naming it"
     )
 
+    def __init__(self, *, prefetch_items: int = 1, transport: Transport = "pool") -> None:
+        if isinstance(prefetch_items, bool) or not isinstance(prefetch_items, int) or prefetch_items < 0:
+            raise ValueError(f"`BroadcastStrategy(prefetch_items={prefetch_items!r})` must be an integer >= 0")
+        check_transport(transport, type(self).__name__)
+        self.prefetch_items = prefetch_items
+        self.transport: Transport = transport
+
+    @override
+    def settings(self) -> dict[str, Any]:
+        return {"prefetch_items": self.prefetch_items, "transport": self.transport}
+
     @override
     def build(
         self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
     ) -> BroadcastLoader:
-        return BroadcastLoader.build(data, manifest.items, ledger, world=world, options=options, track=track)
+        return BroadcastLoader.build(
+            data,
+            manifest.items,
+            ledger,
+            world=world,
+            options=options,
+            track=track,
+            prefetch_items=self.prefetch_items,
+            transport=self.transport,
+        )

@@ -9,8 +9,9 @@ gets the merged fields (a DataNode per sample field) and returns the named outpu
 from __future__ import annotations
 
 import gc
+import importlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
@@ -55,6 +56,18 @@ class PipelineOptions:
             raise ValueError(
                 f"`num_threads={self.num_threads}, prefetch_queue_depth={self.prefetch_queue_depth}` must be >= 1"
             )
+
+
+def graph_at(path: str) -> Graph:
+    """The graph function at the dotted ``path`` (``"package.module.function"``), named if it is not one."""
+    module, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"DaliStrategy(graph={path!r}): cannot import it ({err}); give module.function") from None
+    if not callable(found):
+        raise ValueError(f"DaliStrategy(graph={path!r}) is not a function: give the dotted path of one")
+    return found  # type: ignore[no-any-return]
 
 
 class DaliLoader(TrainLoader[PlanSampler]):
@@ -196,9 +209,10 @@ class DaliStrategy(Strategy):
 
     Args:
         graph: ``graph(fields: dict[str, DataNode]) -> dict[str, DataNode]``, DALI operators run
-            after the sources (decoding, augmentation), in the training process.
-        **pipeline: ``num_threads``, ``device_id``, ``prefetch_queue_depth``, ``py_start_method``
-            (see :class:`PipelineOptions`), passed to DALI's ``Pipeline``.
+            after the sources (decoding, augmentation), in the training process; or its dotted path
+            (``"my_package.augment.graph"``), as a Hydra config gives it.
+        num_threads, device_id, prefetch_queue_depth, py_start_method: passed to DALI's ``Pipeline``
+            (see :class:`PipelineOptions`).
     """
 
     name = "dali"
@@ -214,15 +228,32 @@ class DaliStrategy(Strategy):
     fixed_reason = (
         "DALI assembles batches and runs its own workers; set its pipeline with "
         "DaliDataModule(prefetch_queue_depth=..., py_start_method=...) "
-        "or strategy=DaliStrategy(prefetch_queue_depth=..., py_start_method=...)"
+        "or sharding=DaliStrategy(prefetch_queue_depth=..., py_start_method=...)"
     )
     no_skip_reason = "a DALI pipeline cannot fill the place of a skipped sample"
 
-    def __init__(self, graph: Graph | None = None, **pipeline: Any) -> None:
-        try:
-            self.pipeline = PipelineOptions(**pipeline, graph=graph)
-        except TypeError as err:
-            raise TypeError(f"DaliStrategy: {err}; the pipeline options are those of PipelineOptions") from err
+    def __init__(
+        self,
+        graph: Graph | str | None = None,
+        *,
+        num_threads: int = 1,
+        device_id: int | None = None,
+        prefetch_queue_depth: int = 2,
+        py_start_method: str = "spawn",
+    ) -> None:
+        if isinstance(graph, str):
+            graph = graph_at(graph)
+        self.pipeline = PipelineOptions(
+            num_threads=num_threads,
+            device_id=device_id,
+            prefetch_queue_depth=prefetch_queue_depth,
+            py_start_method=py_start_method,
+            graph=graph,
+        )
+
+    @override
+    def settings(self) -> dict[str, Any]:
+        return {f.name: getattr(self.pipeline, f.name) for f in fields(self.pipeline)}
 
     @override
     def check(self, options: LoaderOptions, data: object = None, owner: str = "ShardedDataModule") -> None:

@@ -20,7 +20,6 @@ from lightning_sharding.strategies._start import check_start_method
 Transform = Callable[[Any, SampleContext], Any]
 BatchTransform = Callable[[Any, BatchContext], Any]
 OnError = Literal["raise", "skip"]
-TRANSPORTS: tuple[str, ...] = ("pool", "torch")
 ON_ERROR_POLICIES: tuple[str, ...] = ("raise", "skip")
 
 
@@ -44,15 +43,13 @@ class LoaderOptions:
             collated batch (or the columns of a batch-level reader), one row per sample in and out.
         padding_key: the key of the padding flags added to dict batches; ``None`` adds none.
         on_error: ``"raise"`` or ``"skip"`` (strategies whose ``skips_errors`` is true).
-        prefetch_items: with ``broadcast``, how many items each rank loads ahead.
         persistent_workers, prefetch_factor, pin_memory, timeout: passed to the DataLoader.
         multiprocessing_context: how workers start: ``None`` (the default) is ``"forkserver"`` with
             torch, the package and the modules of the reader and the script preloaded
             (``strategies/_start.py``); ``"spawn"`` or ``"fork"``.
-        transport: how DataLoader workers hand batches over: ``"pool"`` (the default: a few reusable
-            shared-memory slots per worker, see ``strategies/_slots.py``) or ``"torch"`` (PyTorch's
-            own path, a new shared-memory file per tensor per batch). Strategies other than ``shard``
-            use PyTorch's path.
+
+    What only one strategy uses is a setting of that strategy (``ShardStrategy(transport=...)``,
+    ``BroadcastStrategy(prefetch_items=...)``), not a loader option.
     """
 
     batch_size: int = 32
@@ -64,13 +61,11 @@ class LoaderOptions:
     batch_transform: BatchTransform | None = None
     padding_key: str | None = "is_padding"
     on_error: OnError = "raise"
-    prefetch_items: int = 1
     persistent_workers: bool = False
     prefetch_factor: int | None = None
     pin_memory: bool = False
     multiprocessing_context: str | None = None
     timeout: float = 0
-    transport: Literal["pool", "torch"] = "pool"
 
     def check(self, owner: str = "LoaderOptions") -> LoaderOptions:
         """Raise a ValueError naming ``owner`` and the first value at fault; ``self`` when all fit."""
@@ -89,13 +84,9 @@ class LoaderOptions:
         for name in ("transform", "batch_transform"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ValueError(f"`{owner}({name}={getattr(self, name)!r})` must be a function (or None)")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"`{owner}(transport={self.transport!r})` must be one of {list(TRANSPORTS)}")
         if self.on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"`{owner}(on_error={self.on_error!r})` must be one of {list(ON_ERROR_POLICIES)}")
         check_start_method(self.multiprocessing_context, owner)
-        if not _count(self.prefetch_items, 0):
-            raise ValueError(f"`{owner}(prefetch_items={self.prefetch_items!r})` must be an integer >= 0")
         return self
 
     @classmethod

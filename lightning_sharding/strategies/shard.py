@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import Self, override
@@ -186,8 +186,18 @@ def handed_out(plan: EpochPlan, batches: int) -> tuple[RangeSet, int]:
     return held, int(rest.starts[0])
 
 
+TRANSPORTS: tuple[str, ...] = ("pool", "torch")
+Transport = Literal["pool", "torch"]
+
+
+def check_transport(transport: Any, owner: str) -> None:
+    """Refuse a transport that is not one, naming ``owner``."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"`{owner}(transport={transport!r})` must be one of {list(TRANSPORTS)}")
+
+
 class LoaderRequest(NamedTuple):
-    """What a loader of one rank is built from."""
+    """What a loader of one rank is built from (``prefetch_items``: the broadcast strategy's setting)."""
 
     reader: Reader
     manifest: Manifest
@@ -195,6 +205,7 @@ class LoaderRequest(NamedTuple):
     world: World
     options: LoaderOptions
     worker_layout: WorkerLayout
+    prefetch_items: int = 1
 
 
 class ShardedLoader(TrainLoader):
@@ -202,9 +213,18 @@ class ShardedLoader(TrainLoader):
 
     ``sampler`` is exposed so that Lightning's ``set_epoch`` reaches the plan. When ``track`` is set,
     the provenance of every delivered batch is kept in ``delivered`` for the ledger, oldest first.
+    ``transport``: how the workers hand batches over (see :class:`ShardStrategy`).
     """
 
-    def __init__(self, dataset: PlannedBatches, sampler: PlanSampler, options: LoaderOptions, *, track: bool) -> None:
+    def __init__(
+        self,
+        dataset: PlannedBatches,
+        sampler: PlanSampler,
+        options: LoaderOptions,
+        *,
+        track: bool,
+        transport: Transport = "pool",
+    ) -> None:
         self.sampler = sampler
         self.delivered = DeliveredLog(padding_key=options.padding_key, track=track)
         self._iterator: Iterator[Any] | None = None
@@ -227,7 +247,7 @@ class ShardedLoader(TrainLoader):
             used = (dataset, dataset.reader, dataset.transform, dataset.batch_transform, dataset.collate_fn)
             context = worker_context(options.multiprocessing_context, *used)
         self._pool: SlotPool | None = None
-        if context is not None and options.transport == "pool":
+        if context is not None and transport == "pool":
             self._pool = SlotPool(workers, options.prefetch_factor, context, options.pin_memory)
             dataset.slot_states = self._pool.states
         self._loader = DataLoader(
@@ -252,14 +272,20 @@ class ShardedLoader(TrainLoader):
         options: LoaderOptions = DEFAULT_OPTIONS,
         track: bool = False,
         worker_layout: WorkerLayout = "runs",
+        transport: Transport = "pool",
+        prefetch_items: int = 1,
     ) -> Self:
         """The loader of ``world.rank`` for ``ledger``'s epoch; use it directly to shard outside Lightning.
 
-        ``worker_layout`` is how the rank's batches go to its workers (see :mod:`lightning_sharding.core.plan`).
+        ``worker_layout`` is how the rank's batches go to its workers (see :mod:`lightning_sharding.core.plan`);
+        ``transport`` and ``prefetch_items`` are the strategies' settings (:class:`ShardStrategy`,
+        :class:`~lightning_sharding.strategies.broadcast.BroadcastStrategy`).
         """
+        check_transport(transport, cls.__name__)
         manifest = items if isinstance(items, Manifest) else Manifest.from_items(items)
-        dataset, sampler = cls._parts(LoaderRequest(reader, manifest, ledger, world, options, worker_layout))
-        return cls(dataset, sampler, options, track=track)
+        request = LoaderRequest(reader, manifest, ledger, world, options, worker_layout, prefetch_items)
+        dataset, sampler = cls._parts(request)
+        return cls(dataset, sampler, options, track=track, transport=transport)
 
     @classmethod
     def _parts(cls, request: LoaderRequest) -> tuple[Any, Any]:
@@ -341,7 +367,13 @@ class ShardedLoader(TrainLoader):
 
 @register_strategy
 class ShardStrategy(Strategy):
-    """Each DataLoader worker reads its own run of the rank's batches; bad samples may be skipped."""
+    """Each DataLoader worker reads its own run of the rank's batches; bad samples may be skipped.
+
+    Args:
+        transport: how DataLoader workers hand batches over: ``"pool"`` (a few reusable shared-memory
+            slots per worker, one copy per batch; see ``strategies/_slots.py``) or ``"torch"``
+            (PyTorch's own path, a new shared-memory file per tensor per batch).
+    """
 
     name = "shard"
     fixed_options = ()  # every option applies, batch_transform too
@@ -351,10 +383,26 @@ class ShardStrategy(Strategy):
     compositions = COMPOSITIONS
     skips_errors = True
 
+    def __init__(self, *, transport: Transport = "pool") -> None:
+        check_transport(transport, type(self).__name__)
+        self.transport: Transport = transport
+
+    @override
+    def settings(self) -> dict[str, Any]:
+        return {"transport": self.transport}
+
     @override
     def build(
         self, data: Any, manifest: Manifest, ledger: Ledger, world: World, options: LoaderOptions, *, track: bool
     ) -> ShardedLoader:
+        layout = self.worker_layout
         return ShardedLoader.build(
-            data, manifest, ledger, world=world, options=options, track=track, worker_layout=self.worker_layout
+            data,
+            manifest,
+            ledger,
+            world=world,
+            options=options,
+            track=track,
+            worker_layout=layout,
+            transport=self.transport,
         )

@@ -42,12 +42,12 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
     spec, loading, topology = cfg["data"], cfg["loading"], cfg["topology"]
     transform = None
     data: dict[str, Any] = {}
-    if loading["strategy"] == "dispatch":
+    if loading["sharding"] == "dispatch":
         from tests.jobs.sources import make_source, row_to_sample
 
         data = dict(source=make_source(spec["source"]))
         transform = row_to_sample
-    elif loading["strategy"] == "broadcast":
+    elif loading["sharding"] == "broadcast":
         months = sorted(str(p) for p in Path(spec["months"]).glob("month-*.npy"))
         data = dict(reader=MonthWindows(months, window=spec["window"], stride=spec["stride"], halo=spec["halo"]))
     elif spec["tokens"]:
@@ -94,14 +94,23 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
             **data,
             persistent_workers=loading["persistent_workers"] and workers > 0,
             multiprocessing_context=loading["start_method"] if workers > 0 else None,
-            strategy=loading["strategy"],
+            sharding=_strategy(loading),
             data_parallel=partial(replica_of, replicas) if topology["data_parallel_override"] else None,
-            prefetch_items=loading["prefetch_items"],
             val_reader=SyntheticReader(sizes=[16, 16]) if cfg["saves"]["val_check_interval"] else None,
             **common,
         )
-        dm.transport = loading["transport"]  # a loader option: set as an attribute, checked again
     return dm
+
+
+def _strategy(loading: dict[str, Any]) -> Any:
+    """The strategy ``loading["sharding"]`` names, with the settings of the harness it takes."""
+    import inspect
+
+    from lightning_sharding.strategies import get_strategy
+
+    taken = inspect.signature(type(get_strategy(loading["sharding"]))).parameters
+    settings = {key: loading[key] for key in ("transport", "prefetch_items") if key in taken}
+    return get_strategy(loading["sharding"], **settings)
 
 
 def _trainer(pl: Any, cfg: dict[str, Any], out: Path, segment: str) -> tuple[Any, Any]:

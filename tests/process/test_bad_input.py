@@ -36,7 +36,7 @@ from lightning_sharding.readers import FILE_READERS, NpyReader, SyntheticReader,
 from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.readers.storage import RetryPolicy
 from lightning_sharding.recipes.synthetic_files import FORMATS, to_regression, write_regression
-from lightning_sharding.strategies.broadcast import BroadcastLoader
+from lightning_sharding.strategies.broadcast import BroadcastLoader, BroadcastStrategy
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.harness import cpu_trainer
 from tests.jobs.parts import RecordingModel
@@ -63,11 +63,11 @@ def good(reader: str, d: Path, sizes: tuple[int, ...] = SIZES, months: tuple[int
     if reader == "synthetic":
         return {"reader": SyntheticReader(sizes=sizes)}
     if reader == "windows":
-        return {"reader": MonthWindows(write_months(d, months), window=4), "strategy": "broadcast"}
+        return {"reader": MonthWindows(write_months(d, months), window=4), "sharding": "broadcast"}
     db = d / "samples.db"
     if not db.exists():
         make_db(db, ROWS)
-    return {"source": SqliteSource(db, ROTATING_QUERY), "strategy": "dispatch", "transform": row_to_sample}
+    return {"source": SqliteSource(db, ROTATING_QUERY), "sharding": "dispatch", "transform": row_to_sample}
 
 
 @dataclass
@@ -237,11 +237,11 @@ def other_data(reader: str, d: Path, on_error: str) -> Result:
 def bad_strategy(reader: str, d: Path, on_error: str) -> Result:
     data = good(reader, d)
     if reader == "synthetic":
-        data["strategy"] = "webdataset"
+        data["sharding"] = "webdataset"
     elif reader == "tar":  # broadcast needs a windowed reader
-        data["strategy"] = "broadcast"
-    else:  # a source without strategy="dispatch"
-        data["strategy"] = "shard"
+        data["sharding"] = "broadcast"
+    else:  # a source without sharding="dispatch"
+        data["sharding"] = "shard"
     return fit(d, data, on_error=on_error)
 
 
@@ -252,7 +252,10 @@ def size(arguments: dict[str, Any]) -> Callable[[str, Path, str], Result]:
         data = good(reader, d)
         if "reader" in arguments:
             data["reader"] = arguments["reader"](d)
-        return fit(d, data, on_error=on_error, **{k: v for k, v in arguments.items() if k != "reader"})
+        options = {k: v for k, v in arguments.items() if k != "reader"}
+        if "sharding" in options:  # a strategy built with a bad setting of its own
+            data["sharding"] = options.pop("sharding")()
+        return fit(d, data, on_error=on_error, **options)
 
     return run
 
@@ -444,7 +447,7 @@ CASES = [
         "unknown-strategy",
         bad_strategy,
         ValueError,
-        r"`ShardedDataModule\(strategy='webdataset'\)` is not a strategy; choose one of "
+        r"`ShardedDataModule\(sharding='webdataset'\)` is not a strategy; choose one of "
         r"\['shard', 'broadcast', 'dispatch', 'dali'\]",
     ),
     Case(
@@ -459,7 +462,7 @@ CASES = [
         "unsuitable-strategy",
         bad_strategy,
         ValueError,
-        r"`ShardedDataModule\(strategy='shard'\)`: `source=` goes with strategy='dispatch' and only with it",
+        r"`ShardedDataModule\(sharding='shard'\)`: `source=` goes with sharding='dispatch' and only with it",
     ),
     # a zero or negative size
     *(
@@ -467,7 +470,13 @@ CASES = [
         for reader in ("synthetic", "windows", "sqlite")
         for name, value in (("batch_size", 0), ("batch_size", -3), ("num_workers", -1))
     ),
-    Case("windows", "size-prefetch_items", size({"prefetch_items": -1}), ValueError, r"prefetch_items=-1"),
+    Case(
+        "windows",
+        "size-prefetch_items",
+        size({"sharding": lambda: BroadcastStrategy(prefetch_items=-1)}),
+        ValueError,
+        r"`BroadcastStrategy\(prefetch_items=-1\)` must be an integer >= 0",
+    ),
     Case(
         "windows",
         "size-window",
@@ -526,7 +535,7 @@ CASES = [
             "skip-refused",
             skip_refused,
             ValueError,
-            rf"`ShardedDataModule\(on_error='skip'\)` works with strategy='shard' only, not '{STRATEGY[reader]}'",
+            rf"`ShardedDataModule\(on_error='skip'\)` works with sharding='shard' only, not '{STRATEGY[reader]}'",
         )
         for reader in ("windows", "sqlite")
     ),

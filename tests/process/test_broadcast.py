@@ -70,11 +70,13 @@ def build(
     ledger = Ledger(seed=11, total=manifest.total, manifest=manifest.summary())
     options.setdefault("batch_size", 6)
     options.setdefault("num_workers", 2)
+    prefetch_items = options.pop("prefetch_items", 1)  # the strategy's setting
     return BroadcastLoader.build(
         reader,
         manifest.items,
         ledger,
         world=World(rank=rank, world_size=world_size),
+        prefetch_items=prefetch_items,
         options=LoaderOptions(**options),
     )
 
@@ -147,7 +149,7 @@ def add_position(sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 def broadcast_job(months: Path, topology: Topology, *, halo: bool = False, **loading: Any) -> Job:
     """A job of strategy broadcast over the month files in ``months`` (window 4, batch 8)."""
-    return Job(topology, Data(months=str(months), halo=halo), Loading(strategy="broadcast", batch_size=8, **loading))
+    return Job(topology, Data(months=str(months), halo=halo), Loading(sharding="broadcast", batch_size=8, **loading))
 
 
 @pytest.mark.processes

@@ -118,7 +118,7 @@ def test_zero_workers_runs_the_same_pipeline_in_process(db: Path) -> None:
     from tests.jobs.parts import RecordingModel
 
     dm = ShardedDataModule(
-        source=SqliteSource(db, ROTATING_QUERY), strategy="dispatch", transform=row_to_sample, batch_size=8
+        source=SqliteSource(db, ROTATING_QUERY), sharding="dispatch", transform=row_to_sample, batch_size=8
     )
     log = db.parent / "seen"
     cpu_trainer(max_epochs=2).fit(RecordingModel(str(log)), datamodule=dm)
@@ -159,7 +159,7 @@ def test_queues_are_bounded_when_workers_are_slower_than_the_source(db: Path) ->
 def dispatch_job(db: Path, topology: Topology, source: dict[str, Any] | None = None, **loading: Any) -> Job:
     """A job of strategy dispatch over the SQLite table ``db`` (or the given ``source``)."""
     data = Data(source=source or {"kind": "sqlite", "path": str(db)})
-    return Job(topology, data, Loading(strategy="dispatch", **loading))
+    return Job(topology, data, Loading(sharding="dispatch", **loading))
 
 
 @pytest.mark.processes
@@ -226,7 +226,7 @@ def test_a_tcp_stream_resumes_at_least_once_from_its_commits(tmp_path: Path) -> 
     server = LogServer(97)
     try:
         source = {"kind": "tcp", "port": server.port}
-        job = Job(Topology(num_workers=1), Data(source=source), Loading(strategy="dispatch", even_batches="sync"))
+        job = Job(Topology(num_workers=1), Data(source=source), Loading(sharding="dispatch", even_batches="sync"))
         seen, segments = check_resume(tmp_path, job, [job], checkpoint_every=3)
     finally:
         server.stop()

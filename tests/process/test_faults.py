@@ -78,13 +78,13 @@ def strategy_job(strategy: str, data: Path) -> tuple[Job, int]:
     checks = Checks(count_weights=True)
     if strategy == "broadcast":
         write_months(data, MONTHS)
-        job = Job(data=Data(months=str(data)), loading=Loading(strategy="broadcast", batch_size=BATCH), checks=checks)
+        job = Job(data=Data(months=str(data)), loading=Loading(sharding="broadcast", batch_size=BATCH), checks=checks)
         return job, sum(n - 3 for n in MONTHS)
     if strategy == "dispatch":
         data.mkdir(parents=True, exist_ok=True)
         source = {"kind": "sqlite", "path": str(make_db(data / "rows.db", ROWS))}
         return Job(
-            data=Data(source=source), loading=Loading(strategy="dispatch", batch_size=BATCH), checks=checks
+            data=Data(source=source), loading=Loading(sharding="dispatch", batch_size=BATCH), checks=checks
         ), ROWS
     return Job(loading=Loading(batch_size=BATCH), checks=checks), sum(Job().data.sizes)
 

@@ -153,7 +153,7 @@ def test_months_under_broadcast_resume_from_a_copy_elsewhere_with_one_month_touc
     write_months(old, lengths)
 
     def job(months: Path, topology: Topology) -> Job:
-        loading = Loading(strategy="broadcast", batch_size=8)
+        loading = Loading(sharding="broadcast", batch_size=8)
         return Job(topology, Data(months=str(months), halo=True), loading, checks=Checks(count_weights=True))
 
     def move(segment: Segment) -> None:

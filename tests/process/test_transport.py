@@ -55,8 +55,8 @@ def loader(samples: int, batch_size: int = 64, **options: Any) -> tuple[ShardedL
     reader = SyntheticReader(4, samples // 4, dim=DIM)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=3, total=manifest.total, manifest=manifest.summary())
-    opts = LoaderOptions(batch_size=batch_size, num_workers=2, transport="pool", **options)
-    built = ShardedLoader.build(reader, manifest, ledger, world=World(), options=opts)
+    opts = LoaderOptions(batch_size=batch_size, num_workers=2, **options)
+    built = ShardedLoader.build(reader, manifest, ledger, world=World(), options=opts, transport="pool")
     carried: list[Any] = []
     pool = built._pool
     assert pool is not None, "transport='pool' with workers makes a pool"

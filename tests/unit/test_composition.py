@@ -174,7 +174,7 @@ def test_the_datamodule_refuses_a_composition_without_streams_or_with_a_strategy
 
     with pytest.raises(ValueError, match=r"batch_composition='stratified'\)` composes batches of a mixture"):
         ShardedDataModule(SyntheticReader(1, 4, 2), batch_composition="stratified")
-    dm = ShardedDataModule(streams=mixture("mixed").streams, batch_composition="per_stream", strategy="shard")
+    dm = ShardedDataModule(streams=mixture("mixed").streams, batch_composition="per_stream", sharding="shard")
     assert dm.make_reader().manifest(8).blocks_at(0) is not None
     from lightning_sharding.strategies import get_strategy
 

@@ -34,7 +34,7 @@ def make(tmp_path: Path, *overrides: str) -> DictConfig:
 
 
 def test_every_group_has_its_options() -> None:
-    assert GROUPS["sharding"] == ["broadcast", "dispatch", "shard"]
+    assert GROUPS["sharding"] == ["broadcast", "dali", "dispatch", "shard"]
     assert GROUPS["trainer"] == ["cpu", "ddp_cpu", "gpu", "multi_node"]
     assert {"climate", "webdataset_s3", "tokens", "stream"} <= set(GROUPS["recipe"])
     assert all(GROUPS[g] for g in GROUPS)
@@ -264,12 +264,12 @@ def test_a_key_appended_with_plus_that_a_schema_or_the_trainer_knows_passes(
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["sharding=broadcast"], ["sharding.strategy='broadcast'", "data=synthetic", "window"]),
-        (["data=files", "sharding=broadcast"], ["sharding.strategy='broadcast'", "data=files"]),
-        (["data=sqlite"], ["data=sqlite", "sharding.strategy='shard'"]),
-        (["sharding=dispatch"], ["sharding.strategy='dispatch'", "data=synthetic"]),
-        (["recipe=climate", "data.on_error=skip"], ["data.on_error='skip'", "sharding.strategy"]),
-        (["data.even_batches=sync"], ["data.even_batches='sync'", "sharding.strategy='shard'"]),
+        (["sharding=broadcast"], ["sharding=broadcast", "data=synthetic", "window"]),
+        (["data=files", "sharding=broadcast"], ["sharding=broadcast", "data=files"]),
+        (["data=sqlite"], ["data=sqlite", "sharding=shard"]),
+        (["sharding=dispatch"], ["sharding=dispatch", "data=synthetic"]),
+        (["recipe=climate", "data.on_error=skip"], ["data.on_error='skip'", "not 'broadcast'"]),
+        (["data.even_batches=sync"], ["data.even_batches='sync'", "sharding=shard"]),
         (["data.num_items=2", "data.samples_per_item=50", "data.batch_size=128"],
          ["data.batch_size=128", "100 samples"]),
         (["trainer=ddp_cpu", "data.num_items=1", "data.samples_per_item=100", "data.batch_size=64"],
@@ -290,7 +290,7 @@ def test_a_reader_of_your_own_that_cannot_window_is_refused_for_broadcast(tmp_pa
     from omegaconf import OmegaConf
 
     cfg.data = OmegaConf.create(OmegaConf.to_container(cfg.data))  # as a YAML without a schema
-    with pytest.raises(ConfigError, match=r"sharding.strategy='broadcast'.*TarReader"):
+    with pytest.raises(ConfigError, match=r"sharding=broadcast cannot read.*TarReader"):
         run(cfg)
 
 

@@ -84,7 +84,7 @@ def test_a_changed_byte_is_refused_naming_the_file_and_what_changed(data: Path, 
     message = str(err.value)
     assert f"{name!r} changed: same size, other content (its digest differs)" in message
     assert "allow_data_change=True" in message and "allow_mixture_change" not in message
-    assert "data_root_map" not in message
+    assert "root_map" not in message
 
 
 def test_a_file_of_another_size_or_an_added_file_is_named(data: Path, tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_a_checkpoint_of_0_1_resumes_on_the_same_paths_and_on_moved_ones_with_a_
     shutil.copytree(data, moved, copy_function=shutil.copy2)  # keeps mtimes, as rsync -t or cp -p
     with pytest.raises(CheckpointMismatchError) as err:
         resume(state, manifest_of(moved, tmp_path))
-    hint = f"data_root_map={{'{tmp_path}/': '{tmp_path}/scratch/'}}"
+    hint = f"root_map={{'{tmp_path}/': '{tmp_path}/scratch/'}}"
     assert hint in str(err.value), str(err.value)
     keeper = resume(state, manifest_of(moved, tmp_path), root_map={f"{tmp_path}/": f"{tmp_path}/scratch/"})
     assert len(keeper.ledger.consumed) == 17

@@ -180,9 +180,9 @@ def test_bad_packing_input_is_refused_by_name(tmp_path: Path) -> None:
     docs = IndexedTokens(str(tmp_path / "v"))
     with pytest.raises(
         ValueError,
-        match=r"packing=\.\.\.\)`: strategy 'broadcast' does not read packed sequences; use strategy='shard'",
+        match=r"packing=\.\.\.\)`: strategy 'broadcast' does not read packed sequences; use sharding='shard'",
     ):
-        ShardedDataModule(docs, packing=Packing(8), strategy="broadcast")
+        ShardedDataModule(docs, packing=Packing(8), sharding="broadcast")
     with pytest.raises(ValueError, match=r"transform= and collate_fn= do not apply; use batch_transform="):
         ShardedDataModule(docs, packing=Packing(8), transform=lambda s, c: s)
 

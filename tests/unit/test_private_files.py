@@ -26,6 +26,7 @@ from lightning_sharding.loading.audit import AuditWriter
 from lightning_sharding.readers import NpyWindows
 from lightning_sharding.readers.cache import ShardCache
 from lightning_sharding.strategies import _shared_memory as shared_memory
+from lightning_sharding.strategies import get_strategy
 from tests.jobs.windows_data import write_months
 
 OTHER_UID = 65534  # nobody
@@ -87,7 +88,12 @@ def test_broadcast_shared_arrays_and_pool_slots_are_the_owners_only_while_worker
     ):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         data = ShardedData(
-            reader, optimizer=optimizer, strategy=strategy, transport="pool", batch_size=4, num_workers=1, seed=0
+            reader,
+            optimizer=optimizer,
+            sharding=get_strategy(strategy, transport="pool"),
+            batch_size=4,
+            num_workers=1,
+            seed=0,
         )
         seen: dict[str, int] = {}
         for _ in data.train_loader(0):

@@ -32,7 +32,7 @@ def test_a_registered_strategy_is_a_name_for_the_datamodule_and_cannot_take_anot
 
     try:
         assert strategy_names()[-1] == "test_interleaved"
-        dm = ShardedDataModule(SyntheticReader(), strategy="test_interleaved")
+        dm = ShardedDataModule(SyntheticReader(), sharding="test_interleaved")
         assert isinstance(dm.strategy, Interleaved) and dm.strategy == "test_interleaved"
         with pytest.raises(TypeError, match="needs a class attribute `name` of its own"):
 
@@ -67,7 +67,7 @@ def test_a_strategy_that_reads_a_source_in_its_order_turns_shuffle_off(tmp_path:
     from tests.jobs.sources import make_db
 
     source = SqliteSource(make_db(tmp_path / "rows.sqlite", 8), "SELECT id FROM samples ORDER BY id")
-    dm = ShardedDataModule(source=source, strategy="dispatch")
+    dm = ShardedDataModule(source=source, sharding="dispatch")
     assert dm.shuffle is False and not get_strategy("dispatch").shuffles
 
 

@@ -168,7 +168,8 @@ def test_a_strategy_that_cannot_mix_says_which_can() -> None:
 
     reader = MixtureReader([Stream("a", SyntheticReader())])
     with pytest.raises(
-        ValueError, match=r"strategy 'broadcast' does not read a mixture of streams; use strategy='shard'"
+        ValueError,
+        match=r"strategy 'broadcast' does not read a mixture of streams; use sharding='shard' or sharding='dali'",
     ):
         get_strategy("broadcast").check_data(reader, "ShardedDataModule")
 

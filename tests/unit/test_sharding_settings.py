@@ -1,0 +1,151 @@
+"""A strategy owns its settings (``sharding=ShardStrategy(transport="torch")``), defined once: the
+Hydra ``sharding`` schemas are generated from the strategies' constructors and compared here field by
+field, for every built-in strategy including dali. The spellings of 0.1 (``strategy=``,
+``transport=``, ``prefetch_items=``, ``data_root_map=``) still work for one release, warned."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+import warnings
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_sharding import NpyWindows, ShardedData, ShardedDataModule, SqliteSource, SyntheticReader
+from lightning_sharding.config.schemas import CONF_DIR, SCHEMAS
+from lightning_sharding.strategies import (
+    BroadcastStrategy,
+    DaliStrategy,
+    DispatchStrategy,
+    ShardStrategy,
+    get_strategy,
+    strategy_names,
+)
+from lightning_sharding.train import build_datamodule
+from tests.extras import require
+from tests.jobs.windows_data import write_months
+
+BUILT_IN = (ShardStrategy, BroadcastStrategy, DispatchStrategy, DaliStrategy)
+
+
+@pytest.mark.parametrize("strategy", BUILT_IN, ids=lambda cls: cls.name)
+def test_the_hydra_schema_of_each_strategy_is_its_constructor_field_by_field(strategy: type) -> None:
+    schema = SCHEMAS["sharding"][f"{strategy.name}_schema"]
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    assert fields.pop("name").default == strategy.name
+    parameters = inspect.signature(strategy).parameters
+    assert list(fields) == list(parameters)
+    hints = typing.get_type_hints(strategy.__init__)
+    for name, parameter in parameters.items():
+        assert fields[name].default == parameter.default, name
+        assert fields[name].type in (hints[name], str, int | None, str | None, typing.Optional[str]), name  # noqa: UP045
+    # The settings a strategy reports are the ones its constructor takes, so repr() rebuilds it.
+    built = strategy()
+    assert set(built.settings()) - {"graph"} == set(parameters) - {"graph"}
+    assert repr(built).startswith(f"{strategy.__name__}(")
+
+
+def test_a_strategy_is_given_with_its_settings_and_a_name_picks_its_defaults() -> None:
+    dm = ShardedDataModule(SyntheticReader(), sharding=ShardStrategy(transport="torch"))
+    assert isinstance(dm.strategy, ShardStrategy) and dm.strategy.transport == "torch"
+    assert ShardedDataModule(SyntheticReader(), sharding="shard").strategy.settings() == {"transport": "pool"}
+    assert BroadcastStrategy().settings() == {"prefetch_items": 1, "transport": "pool"}
+    with pytest.raises(ValueError, match=r"`ShardStrategy\(transport='tcp'\)` must be one of \['pool', 'torch'\]"):
+        ShardStrategy(transport="tcp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`BroadcastStrategy\(prefetch_items=-1\)` must be an integer >= 0"):
+        BroadcastStrategy(prefetch_items=-1)
+    with pytest.raises(ValueError, match=r"`ShardedDataModule\(sharding='shards'\)` is not a strategy"):
+        ShardedDataModule(SyntheticReader(), sharding="shards")
+    assert "dali" in strategy_names()
+
+
+def test_the_spellings_of_0_1_still_work_warned_with_the_new_one(tmp_path: Path) -> None:
+    with pytest.warns(
+        DeprecationWarning, match=r"`ShardedDataModule\(strategy=\.\.\.\)` is `ShardedDataModule\(sharding"
+    ):
+        assert ShardedDataModule(SyntheticReader(), strategy="shard").strategy.name == "shard"
+    with pytest.warns(DeprecationWarning, match=r"pass `sharding=ShardStrategy\(transport='torch'\)`"):
+        dm = ShardedDataModule(SyntheticReader(), transport="torch")
+    assert dm.strategy.transport == "torch"  # type: ignore[attr-defined]
+    windows = NpyWindows(write_months(tmp_path / "months", [8, 8]), window=4)
+    with pytest.warns(DeprecationWarning, match=r"sharding=BroadcastStrategy\(prefetch_items=2, transport='pool'\)"):
+        dm = ShardedDataModule(windows, strategy="broadcast", prefetch_items=2)
+    assert dm.strategy.prefetch_items == 2  # type: ignore[attr-defined]
+    with pytest.warns(
+        DeprecationWarning, match=r"`ShardedDataModule\(data_root_map=\.\.\.\)` is `ShardedDataModule\(root_map"
+    ):
+        dm = ShardedDataModule(SyntheticReader(), data_root_map={"/old/": "/new/"})
+    assert dm.root_map == {"/old/": "/new/"}
+    import torch
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.warns(DeprecationWarning, match=r"`ShardedData\(transport='torch'\)` is a setting of the strategy"):
+        data = ShardedData(SyntheticReader(), optimizer=optimizer, transport="torch", batch_size=4)
+    data.close()
+
+
+def test_a_setting_given_where_it_does_not_belong_names_the_strategies_that_take_it(tmp_path: Path) -> None:
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "rows.db") as db:
+        db.execute("CREATE TABLE t (id INTEGER)")
+    source = SqliteSource(str(tmp_path / "rows.db"), "SELECT id FROM t ORDER BY id")
+    with pytest.raises(ValueError, match=r"transport=\.\.\.\)` is a setting of ShardStrategy\(transport=\.\.\.\) or "):
+        ShardedDataModule(source=source, sharding="dispatch", transport="torch")
+    with pytest.raises(
+        ValueError, match=r"is a setting of BroadcastStrategy\(prefetch_items=\.\.\.\), not of strategy 'shard'"
+    ):
+        ShardedDataModule(SyntheticReader(), prefetch_items=2)
+    with pytest.raises(ValueError, match=r"give the setting to the strategy, ShardStrategy\(transport='torch'\)"):
+        ShardedDataModule(SyntheticReader(), sharding=ShardStrategy(), transport="torch")
+    with pytest.raises(TypeError, match=r"`ShardedDataModule\(strategy=\.\.\., sharding=\.\.\.\)`"):
+        ShardedDataModule(SyntheticReader(), strategy="shard", sharding="broadcast")
+    with pytest.raises(TypeError, match=r"ShardedDataModule\(\) got an unexpected keyword argument 'batch_sise'"):
+        ShardedDataModule(SyntheticReader(), batch_sise=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spellings warn of nothing
+        ShardedDataModule(SyntheticReader(), sharding=ShardStrategy(transport="torch"), root_map={"/a/": "/b/"})
+
+
+def test_hydra_sets_a_strategys_settings_under_sharding(tmp_path: Path) -> None:
+    def datamodule(*overrides: str) -> ShardedDataModule:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = compose("train", overrides=[f"out_dir={tmp_path}", f"data.cache_dir={tmp_path}", *overrides])
+        return build_datamodule(cfg)
+
+    dm = datamodule("sharding.transport=torch")
+    assert isinstance(dm.strategy, ShardStrategy) and dm.strategy.transport == "torch"
+    dm = datamodule("recipe=climate", "sharding.prefetch_items=3")
+    assert isinstance(dm.strategy, BroadcastStrategy) and dm.strategy.prefetch_items == 3
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("train", overrides=["sharding=dali", "sharding.num_threads=2", "sharding.device_id=null"])
+    assert OmegaConf.to_container(cfg.sharding) == {
+        "name": "dali",
+        "graph": None,
+        "num_threads": 2,
+        "device_id": None,
+        "prefetch_queue_depth": 2,
+        "py_start_method": "spawn",
+    }
+    require("nvidia.dali")
+    dm = datamodule("sharding=dali", "sharding.num_threads=2", "data.num_workers=0")
+    assert isinstance(dm.strategy, DaliStrategy) and dm.strategy.pipeline.num_threads == 2
+
+
+def test_a_dali_graph_is_a_function_or_its_dotted_path() -> None:
+    strategy = DaliStrategy("tests.unit.test_sharding_settings.identity_graph")
+    assert strategy.pipeline.graph is identity_graph
+    with pytest.raises(ValueError, match=r"DaliStrategy\(graph='no_such_module.graph'\): cannot import it"):
+        DaliStrategy("no_such_module.graph")
+    with pytest.raises(ValueError, match=r"graph='tests\.unit\.test_sharding_settings\.BUILT_IN'\) is not a"):
+        DaliStrategy("tests.unit.test_sharding_settings.BUILT_IN")
+    assert get_strategy("dali").settings()["num_threads"] == 1
+
+
+def identity_graph(fields: dict[str, typing.Any]) -> dict[str, typing.Any]:
+    """A DALI graph that changes nothing (found by its dotted path above)."""
+    return fields
