@@ -1,6 +1,8 @@
-"""Checkpoints written by the release before the package was regrouped into folders (0.1.0) resume
-with today's code, exactly once: the samples trained before the save and after the resume make one
-uninterrupted epoch. The files were written by ``tests/fixtures/v0_checkpoints/make.py`` with 0.1.0."""
+"""Checkpoints written by earlier versions resume with today's code, exactly once: the samples trained
+before the save and after the resume make one uninterrupted epoch. The files were written by
+``tests/fixtures/v0_checkpoints/make.py`` with 0.1.0 (before the package was regrouped into folders)
+and by ``tests/fixtures/v0_2_checkpoints/make.py`` with 0.2 (before the loading engine left the
+Lightning glue, issue 52). Old module paths import, warned."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ import json
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 
 from lightning_sharding import ShardedDataModule
+from tests.fixtures.v0_2_checkpoints.make import HERE as HERE_0_2
 from tests.fixtures.v0_checkpoints.make import HERE, Recorder, mixture, plain
 
 
@@ -25,15 +29,16 @@ def fit(make: Callable[[], ShardedDataModule], ckpt_path: str | None = None) -> 
     return model.seen
 
 
+@pytest.mark.parametrize("written_by", [HERE, HERE_0_2], ids=["0.1", "0.2"])
 @pytest.mark.parametrize("name, make", [("plain", plain), ("mixture", mixture)])
-def test_a_checkpoint_of_the_release_before_the_regrouping_resumes_exactly_once(
-    name: str, make: Callable[[], ShardedDataModule]
+def test_a_checkpoint_of_an_earlier_version_resumes_exactly_once(
+    name: str, make: Callable[[], ShardedDataModule], written_by: Path
 ) -> None:
-    before = json.loads((HERE / f"{name}.json").read_text())["seen"]
+    before = json.loads((written_by / f"{name}.json").read_text())["seen"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # today's code uses no moved path
         warnings.filterwarnings("ignore", module="lightning.*")
-        after = fit(make, str(HERE / f"{name}.ckpt"))
+        after = fit(make, str(written_by / f"{name}.ckpt"))
     whole = fit(make)
     assert len(before) > 0 and len(after) > 0
     assert Counter(before) + Counter(after) == Counter(whole)
