@@ -6,40 +6,55 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
+from lightning_sharding.loading.engine import LoadingEngine
 from lightning_sharding.readers.decoding import IMAGE_EXTENSIONS
+
+
+def _default(name: str) -> Any:
+    """The default of the Python API's argument ``name``: the one definition of every loader option's
+    default (:meth:`~lightning_sharding.loading.engine.LoadingEngine.from_arguments`)."""
+    return _ARGUMENTS[name].default
+
+
+_ARGUMENTS = inspect.signature(LoadingEngine.from_arguments).parameters
 
 
 @dataclass
 class DataOptions:
     """The options every ``data`` option shares: batching, workers, seed, even batches, errors.
 
-    ``feeds`` says what the option builds: ``"reader"`` (samples), ``"windows"`` (a
+    Each is an argument of ``ShardedDataModule`` of the same name, with the same default (a test
+    holds them equal); a data option's YAML (``conf/data/*.yaml``) states its own choices, such as
+    ``batch_size: 64``, ``num_workers: 2`` and ``persistent_workers: true``. ``feeds`` says what the
+    option builds: ``"reader"`` (samples), ``"windows"`` (a
     :class:`~lightning_sharding.readers.windows.WindowedReader`) or ``"source"`` (a
     :class:`~lightning_sharding.readers.sources.Source`); :func:`check_config` matches it to the strategy.
     """
 
     feeds: ClassVar[str] = "reader"
 
-    batch_size: int = 64
-    num_workers: int = 2
-    seed: int | None = None  # none: drawn on rank 0 and broadcast (and stored in checkpoints)
-    shuffle: bool = True
-    even_batches: str = "pad"  # pad | drop (| sync with sharding=dispatch)
-    persistent_workers: bool = True
-    multiprocessing_context: str | None = None  # null: forkserver, modules preloaded (Linux) | spawn | fork
-    on_error: str = "raise"  # raise | skip (sharding=shard only)
+    batch_size: int = _default("batch_size")
+    num_workers: int = _default("num_workers")
+    seed: int | None = _default("seed")  # none: drawn on rank 0 and broadcast (and stored in checkpoints)
+    shuffle: bool = _default("shuffle")
+    even_batches: str = _default("even_batches")  # pad | drop (| sync with sharding=dispatch)
+    persistent_workers: bool = _default("persistent_workers")  # with num_workers > 0 only
+    # null: forkserver, modules preloaded (Linux) | spawn | fork
+    multiprocessing_context: str | None = _default("multiprocessing_context")
+    on_error: str = _default("on_error")  # raise | skip (sharding=shard only)
     cache_dir: str | None = None  # file indexes and generated data; none: ~/.cache/lightning_sharding
     # {old prefix: new prefix}: a checkpoint of lightning_sharding 0.1 (which knew items by path) resumes
     # on data that moved; later checkpoints know items by name and content and need none.
     root_map: dict[str, str] = field(default_factory=dict)
     # Resume a checkpoint of other data by starting its epoch afresh (its consumed samples are trained
     # again, with a warning), rather than refusing it.
-    allow_data_change: bool = False
+    allow_data_change: bool = _default("allow_data_change")
 
     def known_total(self) -> int | None:
         """Samples per epoch when the config alone tells (generated data), else ``None``."""

@@ -1,7 +1,11 @@
-"""A strategy owns its settings (``sharding=ShardStrategy(transport="torch")``), defined once: the
-Hydra ``sharding`` schemas are generated from the strategies' constructors and compared here field by
-field, for every built-in strategy including dali. The spellings of 0.1 (``strategy=``,
-``transport=``, ``prefetch_items=``, ``data_root_map=``) still work for one release, warned."""
+"""Each option is defined once, with one default, for the Python API and Hydra alike.
+
+The loader options of Hydra's ``data`` schemas take their defaults from the Python API's signature,
+and a data option's YAML states its own choices visibly. A strategy owns its settings
+(``sharding=ShardStrategy(transport="torch")``): the Hydra ``sharding`` schemas are generated from the
+strategies' constructors and compared here field by field, for every built-in strategy including dali.
+The spellings of 0.1 (``strategy=``, ``transport=``, ``prefetch_items=``, ``data_root_map=``) still
+work for one release, warned."""
 
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_sharding import NpyWindows, ShardedData, ShardedDataModule, SqliteSource, SyntheticReader
+from lightning_sharding.config.data import DataOptions
 from lightning_sharding.config.schemas import CONF_DIR, SCHEMAS
+from lightning_sharding.loading.engine import LoadingEngine
 from lightning_sharding.strategies import (
     BroadcastStrategy,
     DaliStrategy,
@@ -30,6 +36,40 @@ from tests.extras import require
 from tests.jobs.windows_data import write_months
 
 BUILT_IN = (ShardStrategy, BroadcastStrategy, DispatchStrategy, DaliStrategy)
+ARGUMENTS = inspect.signature(LoadingEngine.from_arguments).parameters
+
+
+def test_the_data_schemas_loader_options_are_the_python_apis_field_by_field() -> None:
+    shared = [f for f in dataclasses.fields(DataOptions) if f.name in ARGUMENTS]
+    assert {f.name for f in dataclasses.fields(DataOptions)} - {f.name for f in shared} == {"cache_dir"}
+    for f in shared:
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        python = ARGUMENTS[f.name].default
+        assert default == python or (default == {} and python is None), f.name  # root_map: none given
+        assert typing.get_type_hints(DataOptions)[f.name] in (str, *_plain(ARGUMENTS[f.name].annotation)), f.name
+    # The Python API's own simple call and the defaults it documents.
+    assert (ARGUMENTS["batch_size"].default, ARGUMENTS["num_workers"].default) == (32, 0)
+
+
+def _plain(annotation: str) -> tuple[type, ...]:
+    """The OmegaConf types an annotation of the signature (a string) can be held as."""
+    names = {"int": int, "bool": bool, "float": float, "str": str, "int | None": int | None}
+    names |= {"str | None": str | None, "Mapping[str, str] | None": dict[str, str]}
+    return (names[annotation],) if annotation in names else ()
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (Path(CONF_DIR) / "data").glob("*.yaml")))
+def test_a_data_option_states_the_loader_options_it_chooses_and_keeps_the_others_defaults(
+    option: str, tmp_path: Path
+) -> None:
+    stated = {line.split(":")[0] for line in (Path(CONF_DIR) / "data" / f"{option}.yaml").read_text().splitlines()}
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        data = compose("train", overrides=[f"data={option}", f"out_dir={tmp_path}"]).data
+    for f in dataclasses.fields(DataOptions):
+        if f.name in ARGUMENTS and f.name not in stated:
+            python = ARGUMENTS[f.name].default
+            assert data[f.name] == python or (python is None and data[f.name] == {}), (option, f.name)
+    assert {"batch_size", "num_workers", "persistent_workers"} <= stated  # the recipes' choices, visible
 
 
 @pytest.mark.parametrize("strategy", BUILT_IN, ids=lambda cls: cls.name)
@@ -137,12 +177,12 @@ def test_hydra_sets_a_strategys_settings_under_sharding(tmp_path: Path) -> None:
 
 
 def test_a_dali_graph_is_a_function_or_its_dotted_path() -> None:
-    strategy = DaliStrategy("tests.unit.test_sharding_settings.identity_graph")
+    strategy = DaliStrategy("tests.unit.test_options_defined_once.identity_graph")
     assert strategy.pipeline.graph is identity_graph
     with pytest.raises(ValueError, match=r"DaliStrategy\(graph='no_such_module.graph'\): cannot import it"):
         DaliStrategy("no_such_module.graph")
-    with pytest.raises(ValueError, match=r"graph='tests\.unit\.test_sharding_settings\.BUILT_IN'\) is not a"):
-        DaliStrategy("tests.unit.test_sharding_settings.BUILT_IN")
+    with pytest.raises(ValueError, match=r"graph='tests\.unit\.test_options_defined_once\.BUILT_IN'\) is not a"):
+        DaliStrategy("tests.unit.test_options_defined_once.BUILT_IN")
     assert get_strategy("dali").settings()["num_threads"] == 1
 
 
