@@ -66,7 +66,7 @@ from lightning_sharding.core.world import World  # noqa: E402
 from lightning_sharding.readers.data_index import write_data_index  # noqa: E402
 from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
 from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402
-from tests.s3 import S3Server  # noqa: E402
+from tests.support.s3 import S3Server  # noqa: E402
 
 BATCH, SIDE = 64, 32
 WORKERS = 2  # --workers
@@ -266,7 +266,7 @@ def main() -> None:
         if not args.local_only:
             from moto.server import ThreadedMotoServer
 
-            from tests.fault_proxy import FaultProxy
+            from tests.support.fault_proxy import FaultProxy
 
             remote = root / "s3data"
             (remote / "tar").mkdir(parents=True)

@@ -154,8 +154,8 @@ def remote_rows(shards: int, samples: int, latency_ms: float, repeats: int) -> N
 
     from moto.server import ThreadedMotoServer
 
-    from tests.fault_proxy import FaultProxy
-    from tests.s3 import S3Server
+    from tests.support.fault_proxy import FaultProxy
+    from tests.support.s3 import S3Server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

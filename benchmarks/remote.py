@@ -38,8 +38,8 @@ from lightning_sharding.readers import TarReader  # noqa: E402
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression  # noqa: E402
 from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
 from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402
-from tests.fault_proxy import FaultProxy  # noqa: E402
-from tests.s3 import S3Server  # noqa: E402
+from tests.support.fault_proxy import FaultProxy  # noqa: E402
+from tests.support.s3 import S3Server  # noqa: E402
 
 WAYS = {
     "ranged": {},

@@ -1,5 +1,5 @@
 """Test-wide settings: one OpenMP thread per process (2-core machine, many processes per test),
-``@pytest.mark.needs(module, ...)`` for tests of optional extras (see tests/extras.py), the ``quick``
+``@pytest.mark.needs(module, ...)`` for tests of optional extras (see tests/support/extras.py), the ``quick``
 inner loop (every unit test and the ``chain`` tests: ``pytest -m quick``), and the suite's CPU-seconds
 printed at its end (the budget: docs/development.md#the-test-budget)."""
 
@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import JOB_PRELOAD
+from tests.support.harness import JOB_PRELOAD
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# gcsfs would ask every bucket's type over gRPC, which the loopback GCS server does not speak (tests/gcs.py).
+# gcsfs would ask every bucket's type over gRPC, which the loopback GCS server does not speak (tests/support/gcs.py).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-# A job forked from this process's forkserver (tests/harness.py::launch, launcher "fork") finds these
+# A job forked from this process's forkserver (tests/support/harness.py::launch, launcher "fork") finds these
 # imported; the package adds its own to the list when its loaders start the server first.
 multiprocessing.set_forkserver_preload(list(JOB_PRELOAD))
 
 # The object-store servers on loopback for the remote-storage tests: S3 (moto) and GCS.
-pytest_plugins = ["tests.s3", "tests.gcs"]
+pytest_plugins = ["tests.support.s3", "tests.support.gcs"]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    from tests.extras import require
+    from tests.support.extras import require
 
     for marker in item.iter_markers("needs"):
         require(*marker.args)

@@ -157,7 +157,7 @@ def docs_checkpoints() -> Any:
     """The module ``checkpoints.py`` that docs/how-to/own-loop.md's examples import, as the page writes it."""
     import types
 
-    from tests.doc_blocks import ROOT, blocks
+    from tests.support.doc_blocks import ROOT, blocks
 
     block = next(b for b in blocks(ROOT / "docs" / "how-to" / "own-loop.md") if b.title == "checkpoints.py")
     module = types.ModuleType("checkpoints")

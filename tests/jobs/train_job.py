@@ -20,7 +20,7 @@ def main(config_path: str) -> None:
     # __mp_main__ and should not pay for importing Lightning.
     import lightning.pytorch as pl
 
-    cfg = json.loads(Path(config_path).read_text())  # tests/harness.py::Job, part by part
+    cfg = json.loads(Path(config_path).read_text())  # tests/support/harness.py::Job, part by part
     out = Path(cfg["out"])
     training = cfg["training"]
     if training["resume_each"]:  # one fresh DataModule and Trainer per checkpoint, in this one process

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from tests.harness import FIRST_2X2, FIRST_2X2_EVERY, FIRST_MIXTURE_2X2, first_segment, run_segment
+from tests.support.harness import FIRST_2X2, FIRST_2X2_EVERY, FIRST_MIXTURE_2X2, first_segment, run_segment
 
 
 def _train_first_2x2(out: Path) -> None:

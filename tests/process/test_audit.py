@@ -15,7 +15,7 @@ import torch
 from lightning_sharding import ShardedDataModule, SyntheticReader
 from lightning_sharding.loading.audit import audit
 from lightning_sharding.train import Regressor
-from tests.harness import (
+from tests.support.harness import (
     FIRST_2X2,
     assert_exactly_once,
     assert_weights_count_once,

@@ -38,10 +38,10 @@ from lightning_sharding.readers.storage import RetryPolicy
 from lightning_sharding.recipes.synthetic_files import FORMATS, to_regression, write_regression
 from lightning_sharding.strategies.broadcast import BroadcastLoader, BroadcastStrategy
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import cpu_trainer
 from tests.jobs.parts import RecordingModel
 from tests.jobs.sources import ROTATING_QUERY, make_db, row_to_sample
 from tests.jobs.windows_data import MonthWindows, write_months
+from tests.support.harness import cpu_trainer
 
 SIZES = (12, 10, 14)  # samples per file (file readers, synthetic)
 MONTHS = (9, 11, 10)  # steps per month (broadcast, window 4)

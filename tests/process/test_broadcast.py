@@ -22,7 +22,8 @@ from lightning_sharding.core.world import World
 from lightning_sharding.strategies._shared_memory import SHM_DIR
 from lightning_sharding.strategies.broadcast import BroadcastLoader
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import (
+from tests.jobs.windows_data import MonthWindows, write_months
+from tests.support.harness import (
     START_IDS,
     START_METHODS,
     Data,
@@ -39,7 +40,6 @@ from tests.harness import (
     run_segment,
     served_per_epoch,
 )
-from tests.jobs.windows_data import MonthWindows, write_months
 
 MONTHS = (37, 41, 29, 53, 40)
 

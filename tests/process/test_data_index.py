@@ -13,9 +13,9 @@ import pytest
 
 from lightning_sharding.readers.data_index import INDEX_DIR
 from lightning_sharding.recipes.synthetic_files import write_regression
-from tests.fault_proxy import FaultProxy
-from tests.harness import Data, Job, Loading, Topology, Training, run_segment
-from tests.s3 import S3Server
+from tests.support.fault_proxy import FaultProxy
+from tests.support.harness import Data, Job, Loading, Topology, Training, run_segment
+from tests.support.s3 import S3Server
 
 SIZES = (23, 17, 29, 19, 31)
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from lightning_sharding.loading.audit import audit
-from tests.harness import (
+from tests.support.harness import (
     Checks,
     Data,
     Job,

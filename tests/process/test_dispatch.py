@@ -24,7 +24,17 @@ from lightning_sharding.readers.sources import SqliteSource, source_manifest
 from lightning_sharding.strategies._dispatch_process import Chunk, SourceError, Spec, deal
 from lightning_sharding.strategies.dispatch import DispatchLoader
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import (
+from tests.jobs.sources import (
+    ROTATING_QUERY,
+    FailingSqlite,
+    LogServer,
+    ProgressSqlite,
+    TcpStream,
+    make_db,
+    row_to_sample,
+    slow_transform,
+)
+from tests.support.harness import (
     START_IDS,
     START_METHODS,
     Data,
@@ -37,16 +47,6 @@ from tests.harness import (
     kept_records,
     run_segment,
     served_per_epoch,
-)
-from tests.jobs.sources import (
-    ROTATING_QUERY,
-    FailingSqlite,
-    LogServer,
-    ProgressSqlite,
-    TcpStream,
-    make_db,
-    row_to_sample,
-    slow_transform,
 )
 
 N = 101  # rows: 2 ranks get 51 and 50, so padding/splitting is exercised
@@ -114,8 +114,8 @@ def test_a_failing_source_in_process_names_the_rank_the_dispatcher_and_the_error
 @pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_zero_workers_runs_the_same_pipeline_in_process(db: Path) -> None:
-    from tests.harness import cpu_trainer
     from tests.jobs.parts import RecordingModel
+    from tests.support.harness import cpu_trainer
 
     dm = ShardedDataModule(
         source=SqliteSource(db, ROTATING_QUERY), sharding="dispatch", transform=row_to_sample, batch_size=8

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_sharding.loading.audit import audit
-from tests.harness import (
+from tests.support.harness import (
     FIRST_2X2,
     Checks,
     Job,

@@ -35,7 +35,9 @@ from lightning_sharding.recipes.synthetic_files import write_regression
 from lightning_sharding.strategies._helper_deaths import HelperProcessError
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
-from tests.harness import (
+from tests.jobs.sources import make_db
+from tests.jobs.windows_data import write_months
+from tests.support.harness import (
     ROOT,
     START_IDS,
     START_METHODS,
@@ -54,8 +56,6 @@ from tests.harness import (
     served_per_epoch,
     weights_of_run,
 )
-from tests.jobs.sources import make_db
-from tests.jobs.windows_data import write_months
 
 TOPOLOGIES = [(ranks, workers) for ranks in (1, 2) for workers in (0, 1, 2)]
 # Kills per run: 3 in the suite (the topology matrix itself is the in-process contract test's, in

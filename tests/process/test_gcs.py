@@ -10,8 +10,8 @@ import pytest
 
 from lightning_sharding.readers import TarReader
 from lightning_sharding.recipes.synthetic_files import FORMATS, write_regression
-from tests.gcs import GCSServer
 from tests.process.test_s3 import resume_from_a_bucket_exactly_once
+from tests.support.gcs import GCSServer
 from tests.unit.test_readers import ids_served, make_reader, serve_epoch
 
 

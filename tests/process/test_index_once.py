@@ -13,9 +13,18 @@ import pytest
 
 from lightning_sharding.readers import TarReader
 from lightning_sharding.recipes.synthetic_files import write_regression
-from tests.fault_proxy import FaultProxy
-from tests.harness import Data, Job, Loading, Topology, Training, assert_exactly_once, run_segment, served_per_epoch
-from tests.s3 import S3Server
+from tests.support.fault_proxy import FaultProxy
+from tests.support.harness import (
+    Data,
+    Job,
+    Loading,
+    Topology,
+    Training,
+    assert_exactly_once,
+    run_segment,
+    served_per_epoch,
+)
+from tests.support.s3 import S3Server
 
 SIZES = (23, 17, 29, 19, 31)
 
@@ -111,7 +120,7 @@ def index_job(tmp_path: Path, shards: Path) -> tuple[int, str]:
     import subprocess
     import sys
 
-    from tests.harness import ROOT, job_env
+    from tests.support.harness import ROOT, job_env
 
     env = job_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]

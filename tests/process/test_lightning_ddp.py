@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import (
+from tests.support.harness import (
     FIRST_2X2,
     FIRST_2X2_EVERY,
     Data,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, Topology, job_env, launch
+from tests.support.harness import ROOT, Topology, job_env, launch
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 

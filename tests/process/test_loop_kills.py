@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.doc_blocks import ROOT, blocks
 from tests.jobs.loop_job import docs_checkpoints
 from tests.process.test_loops import SIZES, assert_epoch_ends, assert_ledger_matches_weights, manifest_of, run_loop
+from tests.support.doc_blocks import ROOT, blocks
 
 PAGE = ROOT / "docs" / "how-to" / "own-loop.md"
 DONE = {"dcp": ".metadata", "fabric": "complete"}  # the file that makes a checkpoint complete (checkpoints.py)

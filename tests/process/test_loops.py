@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import ROOT, Topology, job_env, launch
+from tests.support.harness import ROOT, Topology, job_env, launch
 
 LOOP_JOB = ROOT / "tests" / "jobs" / "loop_job.py"
 SIZES = (37, 41, 29, 53, 40)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from lightning_sharding.loading.audit import audit, format_audit
-from tests.harness import (
+from tests.jobs.streams_data import planned_blocks, planned_ids
+from tests.support.harness import (
     FIRST_MIXTURE_2X2,
     MIXTURE,
     Checks,
@@ -27,7 +28,6 @@ from tests.harness import (
     kept_records,
     weights_of_run,
 )
-from tests.jobs.streams_data import planned_blocks, planned_ids
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from lightning_sharding.loading.audit import audit, format_audit
-from tests.harness import (
+from tests.jobs.streams_data import planned_ids
+from tests.support.harness import (
     FIRST_MIXTURE_2X2,
     MIXTURE,
     Checks,
@@ -31,7 +32,6 @@ from tests.harness import (
     served_per_epoch,
     weights_of_run,
 )
-from tests.jobs.streams_data import planned_ids
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from lightning_sharding.loading.audit import audit, format_audit
-from tests.harness import (
+from tests.jobs.streams_data import planned_under_decisions
+from tests.support.harness import (
     Checks,
     Data,
     Job,
@@ -29,7 +30,6 @@ from tests.harness import (
     run_segment,
     weights_of_run,
 )
-from tests.jobs.streams_data import planned_under_decisions
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from lightning_sharding.recipes.synthetic_files import write_regression
-from tests.harness import (
+from tests.jobs.windows_data import write_months
+from tests.support.harness import (
     Checks,
     Data,
     Job,
@@ -30,8 +31,7 @@ from tests.harness import (
     run_segment,
     weights_at_epoch_ends,
 )
-from tests.jobs.windows_data import write_months
-from tests.s3 import S3Server
+from tests.support.s3 import S3Server
 from tests.unit.test_shm_sweep import dead_owner_token
 
 SIZES = [23, 31, 17, 29, 20]

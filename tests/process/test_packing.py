@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
-from tests.harness import (
+from tests.jobs.tokens_data import write_corpus
+from tests.support.harness import (
     Checks,
     Data,
     Job,
@@ -27,7 +28,6 @@ from tests.harness import (
     check_resume,
     weights_at_epoch_ends,
 )
-from tests.jobs.tokens_data import write_corpus
 
 SEQ_LEN = 16
 

@@ -2,7 +2,7 @@
 
 Each page runs in a folder of its own, its blocks in order: Python blocks as scripts, shell and
 console blocks with bash, with this virtualenv's ``python``, ``lightning-sharding-train`` and
-``lightning-sharding`` on the PATH. tests/doc_blocks.py says how a block continues another, names
+``lightning-sharding`` on the PATH. tests/support/doc_blocks.py says how a block continues another, names
 its file, checks its printed output, or opts out with a reason. The README's first script is the
 main example: it must train under DDP and serve every sample of both epochs.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_blocks import PAGES, ROOT, Step, needs, normalized, steps
-from tests.extras import require
+from tests.support.doc_blocks import PAGES, ROOT, Step, needs, normalized, steps
+from tests.support.extras import require
 
 STEP_TIMEOUT = 420  # seconds for one script or shell block (a DDP example on a loaded 2-core machine: 220)
 # The pages with most to run first, so that two test processes end together.

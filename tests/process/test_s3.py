@@ -12,8 +12,8 @@ import pytest
 
 from lightning_sharding.readers import TarReader
 from lightning_sharding.recipes.synthetic_files import FORMATS, write_regression
-from tests.harness import Data, Job, Loading, Topology, Training, assert_exactly_once, check_resume
-from tests.s3 import S3Server
+from tests.support.harness import Data, Job, Loading, Topology, Training, assert_exactly_once, check_resume
+from tests.support.s3 import S3Server
 from tests.unit.test_readers import ids_served, make_reader, serve_epoch
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.process.test_train import QUIET, _env
-from tests.s3 import S3Server
+from tests.support.s3 import S3Server
 
 URL_SECRET = "PlantedUrlToken9c1e7"
 FRESH_URL_SECRET = "PlantedFreshToken3a5f0"  # the same files signed again, for the resume

@@ -26,8 +26,8 @@ from lightning_sharding.readers.cache import ShardCache
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
-from tests.fault_proxy import FaultProxy
-from tests.s3 import S3Server
+from tests.support.fault_proxy import FaultProxy
+from tests.support.s3 import S3Server
 from tests.unit.test_readers import ids_served, serve_epoch
 
 SIZES = [23, 17, 29, 19, 31]
@@ -328,8 +328,8 @@ def test_the_logger_gets_cache_hits_and_prefetch_wait(tmp_path: Path, s3_server:
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_sharding import ShardedDataModule, ShardingCallback
-    from tests.harness import cpu_trainer
     from tests.jobs.parts import RecordingModel
+    from tests.support.harness import cpu_trainer
 
     shards(s3_server, "cache-metrics")
     reader = TarReader(

@@ -1,7 +1,7 @@
 """Storage faults against the S3-protocol server on loopback, through a fault-injecting proxy.
 
 A real Trainer trains on WebDataset shards in a bucket with 2 spawned DataLoader workers, while
-the proxy (tests/fault_proxy.py) fails a seeded fraction of the requests or goes down for good.
+the proxy (tests/support/fault_proxy.py) fails a seeded fraction of the requests or goes down for good.
 Flaky storage must cost retries and nothing else; storage that stays down must stop training
 with an error naming the object, and count nothing it did not train on.
 """
@@ -29,10 +29,10 @@ from lightning_sharding.loading.audit import audit
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.storage import RetryPolicy
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
-from tests.fault_proxy import FaultProxy
-from tests.harness import assert_exactly_once, cpu_trainer, served_per_epoch
 from tests.jobs.parts import RecordingModel
-from tests.s3 import S3Server
+from tests.support.fault_proxy import FaultProxy
+from tests.support.harness import assert_exactly_once, cpu_trainer, served_per_epoch
+from tests.support.s3 import S3Server
 
 SIZES = [23, 17, 29, 19]
 TOTAL = sum(SIZES)

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from lightning_sharding.loading.audit import audit
 from lightning_sharding.train import CONF_DIR, run
-from tests.harness import ROOT, free_port
+from tests.support.harness import ROOT, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

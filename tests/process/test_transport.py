@@ -26,7 +26,7 @@ from lightning_sharding.readers.synthetic import regression_arrays
 from lightning_sharding.strategies._slots import SlotBatch
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
-from tests.harness import (
+from tests.support.harness import (
     START_IDS,
     START_METHODS,
     Checks,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import (
+from tests.support.harness import (
     Checks,
     Faults,
     Job,

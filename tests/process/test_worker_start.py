@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import ROOT
+from tests.support.harness import ROOT
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT
+from tests.support.harness import ROOT
 
 PACKAGE = ROOT / "lightning_sharding"
 

@@ -370,7 +370,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real checkpoint: 3 steps of batch 4 over 30 samples, seed 7."""
     from lightning_sharding import ShardedDataModule
     from lightning_sharding.train import Regressor
-    from tests.harness import cpu_trainer
+    from tests.support.harness import cpu_trainer
 
     directory = tmp_path_factory.mktemp("ckpt")
     trainer = cpu_trainer(max_steps=3, default_root_dir=directory)
@@ -509,7 +509,7 @@ def test_items_touched_skip_empty_items() -> None:
 
 
 def test_plan_reads_a_recipe_and_its_topology(capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.harness import ROOT
+    from tests.support.harness import ROOT
 
     recipes = str(ROOT / "recipes")
     code, out, _ = run(capsys, "plan", "--config-dir", recipes, "--config-name", "ddp_cpu", "data.num_items=4")

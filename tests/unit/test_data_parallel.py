@@ -16,7 +16,7 @@ from lightning_sharding.loading.keeper import ReplicaMismatchError, one_ledger_p
 from lightning_sharding.loading.summary import format_summary
 from lightning_sharding.recipes.models import Regressor
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import cpu_trainer
+from tests.support.harness import cpu_trainer
 
 
 def trainer(rank: int, world_size: int, sampler_kwargs: dict[str, int] | None) -> Any:

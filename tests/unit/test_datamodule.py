@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_sharding import CheckpointMismatchError, Reader, ShardedDataModule, SyntheticReader
-from tests.harness import cpu_trainer as trainer
+from tests.support.harness import cpu_trainer as trainer
 
 pytestmark = pytest.mark.timeout(180)
 

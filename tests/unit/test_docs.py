@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_blocks import PAGES, ROOT, blocks, normalized, steps
-from tests.extras import EXTRA_OF
+from tests.support.doc_blocks import PAGES, ROOT, blocks, normalized, steps
+from tests.support.extras import EXTRA_OF
 
 DOCS = ROOT / "docs"
 PACKAGE = ROOT / "lightning_sharding"
@@ -25,7 +25,9 @@ def test_every_block_runs_or_says_why_not(page: Path) -> None:
     steps(page)  # a malformed marker, or an output block after nothing that runs, raises here
     for block in blocks(page):
         for module in block.markers.get("needs", "").split():
-            assert module in EXTRA_OF, f"{block.where}: needs {module!r}, which tests/extras.py names no extra for"
+            assert module in EXTRA_OF, (
+                f"{block.where}: needs {module!r}, which tests/support/extras.py names no extra for"
+            )
         runnable = block.lang in ("python", "py", "bash", "sh", "shell", "console")
         if runnable and "skip" not in block.markers and "file" not in block.markers:
             assert ".venv/bin/" not in block.text, f"{block.where}: a block that runs uses the PATH, not .venv/bin"

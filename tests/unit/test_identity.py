@@ -25,7 +25,7 @@ from lightning_sharding.core.world import World
 from lightning_sharding.loading.keeper import LedgerKeeper, moved_prefixes
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.harness import cpu_trainer
+from tests.support.harness import cpu_trainer
 
 SIZES = [30, 20, 25, 15]
 

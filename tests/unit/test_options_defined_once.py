@@ -32,8 +32,8 @@ from lightning_sharding.strategies import (
     strategy_names,
 )
 from lightning_sharding.train import build_datamodule
-from tests.extras import require
 from tests.jobs.windows_data import write_months
+from tests.support.extras import require
 
 BUILT_IN = (ShardStrategy, BroadcastStrategy, DispatchStrategy, DaliStrategy)
 ARGUMENTS = inspect.signature(LoadingEngine.from_arguments).parameters

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lightning_sharding import ShardedDataModule, SyntheticReader
 from lightning_sharding.lightning.progress_bar import train_total
-from tests.harness import cpu_trainer
+from tests.support.harness import cpu_trainer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,7 +42,7 @@ class BarReader(pl.LightningModule):
 
 def _bar(kind: str) -> pl.Callback:
     if kind == "rich":
-        from tests.extras import require
+        from tests.support.extras import require
 
         require("rich")
         return RichProgressBar()

@@ -14,7 +14,7 @@ import pytest
 
 import lightning_sharding
 from lightning_sharding._deprecated import ROOT_NAMES
-from tests.harness import ROOT
+from tests.support.harness import ROOT
 
 
 def test_the_root_exports_one_sorted_list_of_at_most_25_names() -> None:

@@ -255,7 +255,7 @@ def test_a_checkpoint_of_one_schedule_refuses_another_naming_the_phase_unless_al
     """Resumed under another schedule, a checkpoint is refused, naming the phase that differs; with
     ``allow_mixture_change=True`` the rest of its epoch is served once, nothing consumed again."""
     from lightning_sharding import CheckpointMismatchError
-    from tests.harness import cpu_trainer
+    from tests.support.harness import cpu_trainer
     from tests.unit.test_streams import Counting
 
     def data(schedule, **options):  # type: ignore[no-untyped-def]

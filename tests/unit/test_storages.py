@@ -62,7 +62,7 @@ FAST = RetryPolicy(attempts=3, backoff=0.001)
 def test_each_storage_url_opens_its_filesystem_at_the_path_inside_it(
     url: str, options: dict[str, Any], module: str, cls: str, path: str
 ) -> None:
-    from tests.extras import require
+    from tests.support.extras import require
 
     require(module)
     fs, inside = filesystem(url, options)
@@ -184,7 +184,7 @@ def test_each_store_fingerprints_a_file_by_its_content_tag(info: dict[str, Any],
 
 
 def test_an_azure_url_without_an_account_says_what_to_pass() -> None:
-    from tests.extras import require
+    from tests.support.extras import require
 
     require("adlfs")
     with pytest.raises(
@@ -195,7 +195,7 @@ def test_an_azure_url_without_an_account_says_what_to_pass() -> None:
 
 def storage_errors() -> list[tuple[BaseException, bool]]:
     """The storages' own error classes, each with whether a retry may fix it."""
-    from tests.extras import require
+    from tests.support.extras import require
 
     require("gcsfs", "adlfs", "huggingface_hub")
     import aiohttp

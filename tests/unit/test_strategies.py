@@ -13,7 +13,7 @@ from lightning_sharding.strategies import get_strategy, register_strategy, strat
 from lightning_sharding.strategies.base import _REGISTRY
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardStrategy
-from tests.harness import ROOT
+from tests.support.harness import ROOT
 
 
 def test_the_built_in_strategies_come_first_in_a_fixed_order_whatever_imports_them_first() -> None:

@@ -25,9 +25,9 @@ from lightning_sharding.core.world import World
 from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.strategies import EpochSampler, Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.extras import require
 from tests.jobs.sources import make_db, row_to_sample
 from tests.jobs.windows_data import MonthWindows, write_months
+from tests.support.extras import require
 
 SEED = 5
 BATCH = 4

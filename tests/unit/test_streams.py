@@ -14,7 +14,7 @@ import torch
 
 from lightning_sharding import CheckpointMismatchError, ShardedDataModule, SyntheticReader
 from lightning_sharding.mixture.streams import MixtureReader, Stream
-from tests.harness import cpu_trainer
+from tests.support.harness import cpu_trainer
 
 
 class Tagged(SyntheticReader):

@@ -105,7 +105,7 @@ def test_shards_of_gnu_tar(tmp_path: Path, fmt: str) -> None:
 
 
 def test_shards_of_webdataset(tmp_path: Path) -> None:
-    from tests.extras import require
+    from tests.support.extras import require
 
     require("webdataset")
     import webdataset as wds

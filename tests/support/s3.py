@@ -45,7 +45,7 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    from tests.extras import require
+    from tests.support.extras import require
 
     require("moto", "boto3", "s3fs")
     from moto.server import ThreadedMotoServer
@@ -61,9 +61,9 @@ def s3_server() -> Iterator[S3Server]:
 
 @pytest.fixture
 def proxy(s3_server: S3Server) -> Iterator[Any]:
-    """The counting, faultable proxy of tests/fault_proxy.py in front of the S3 server (no faults
+    """The counting, faultable proxy of tests/support/fault_proxy.py in front of the S3 server (no faults
     unless a test sets them; a test module may define its own)."""
-    from tests.fault_proxy import FaultProxy
+    from tests.support.fault_proxy import FaultProxy
 
     p = FaultProxy(s3_server.endpoint)
     yield p

@@ -14,7 +14,7 @@ HTML comments on the lines just before a block's fence change that, and say why:
 - ``<!-- docs-test: skip (reason) -->``: not run (it needs a GPU, a cloud account, a second node...).
 - ``<!-- docs-test: file (reason) -->``: written to its ``title`` path, not run (later blocks run it).
 - ``<!-- docs-test: needs MODULE ... -->``: the page runs only where MODULE is installed; elsewhere
-  the test skips naming the extra, as tests/extras.py does (and fails under CI, which has them all).
+  the test skips naming the extra, as tests/support/extras.py does (and fails under CI, which has them all).
 - ``<!-- docs-test: output -->`` on an output block (```text, or a ```console block's output lines):
   each of its lines must appear, spaces aside, in what the step before it (or its own commands) printed.
 """
@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SCRIPT = ("python", "py")
 SHELL = ("bash", "sh", "shell")

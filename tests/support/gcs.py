@@ -36,7 +36,7 @@ class GCSServer:
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[GCSServer]:
-    from tests.extras import require
+    from tests.support.extras import require
 
     require("gcsfs", "gcp_storage_emulator")
     from gcp_storage_emulator.server import create_server

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "jobs" / "train_job.py"
 SEGMENT_TIMEOUT = 240
 # What a job forked from a test process's forkserver finds imported (launcher "fork", :func:`launch`).

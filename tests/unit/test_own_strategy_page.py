@@ -11,7 +11,7 @@ import pytest
 
 import lightning_sharding.strategies.base as strategy_base
 import tests.unit.test_strategy_contract as contract
-from tests.harness import ROOT
+from tests.support.harness import ROOT
 
 
 def readme_strategy_source() -> str:
