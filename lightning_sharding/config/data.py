@@ -123,7 +123,7 @@ class MonthsData(DataOptions):
 
 @dataclass
 class TokensData(DataOptions):
-    """A token stream in 1-d ``.npy`` files, cut into samples of ``sample_length + 1`` tokens.
+    """Token files: 1-d ``.npy`` files of token ids, cut into samples of ``sample_length + 1`` tokens.
 
     With no ``urls``, ``num_files`` files of ``tokens_per_file`` tokens below ``vocab_size`` are
     generated.
