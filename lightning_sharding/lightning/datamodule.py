@@ -11,6 +11,7 @@ training and in the checkpoint.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -34,6 +35,8 @@ from lightning_sharding.strategies.options import BatchTransform, LoaderOptions,
 from lightning_sharding.tokens import Packing
 
 T = TypeVar("T")
+# The engine's arguments, the one definition of them (``owner`` is the DataModule's class name).
+_ENGINE_ARGUMENTS = frozenset(inspect.signature(LoadingEngine.from_arguments).parameters) - {"owner", "renamed"}
 
 
 class _EngineAttribute(Generic[T]):
@@ -159,41 +162,11 @@ class ShardedDataModule(pl.LightningDataModule):
         schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
         **renamed: Any,
     ) -> None:
+        # Every argument goes to the engine by its name: the signature above repeats the engine's for
+        # type checkers, IDEs and LightningCLI (tests/unit/test_datamodule.py holds the two equal).
+        arguments = {name: value for name, value in locals().items() if name in _ENGINE_ARGUMENTS}
         super().__init__()
-        self._engine = LoadingEngine.from_arguments(
-            type(self).__name__,
-            reader,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            seed=seed,
-            shuffle=shuffle,
-            even_batches=even_batches,
-            persistent_workers=persistent_workers,
-            prefetch_factor=prefetch_factor,
-            pin_memory=pin_memory,
-            multiprocessing_context=multiprocessing_context,
-            timeout=timeout,
-            transform=transform,
-            batch_transform=batch_transform,
-            collate_fn=collate_fn,
-            val_reader=val_reader,
-            test_reader=test_reader,
-            padding_key=padding_key,
-            allow_data_change=allow_data_change,
-            allow_mixture_change=allow_mixture_change,
-            root_map=root_map,
-            audit_dir=audit_dir,
-            on_error=on_error,
-            sharding=sharding,
-            source=source,
-            data_parallel=data_parallel,
-            streams=streams,
-            samples_per_epoch=samples_per_epoch,
-            batch_composition=batch_composition,
-            packing=packing,
-            schedule=schedule,
-            **renamed,
-        )
+        self._engine = LoadingEngine.from_arguments(type(self).__name__, **arguments, **renamed)
 
     @property
     def engine(self) -> LoadingEngine:
