@@ -239,6 +239,9 @@ class ShardingCallback(pl.Callback):
         keeper = self._keeper(trainer)
         self._report(trainer, self._sync(trainer, keeper))
         keeper.gather()
+        if self.log_every_n_steps:  # the bar's last figure is the epoch's end, not the last logged step's
+            done = len(keeper.ledger.consumed) / keeper.ledger.total if keeper.ledger.total else 1.0
+            pl_module.log("data/progress", done, prog_bar=True, on_step=False, on_epoch=True, rank_zero_only=True)
         loader = keeper.train_loader
         plan = loader.epoch_plan if loader is not None else None
         # On the strategy's device (NCCL reduces only CUDA tensors) and int64 (counts beyond 2**24).

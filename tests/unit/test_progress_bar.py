@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-from lightning_sharding import ShardedDataModule, SyntheticReader
+from lightning_sharding import ShardedDataModule, ShardingCallback, SyntheticReader
 from lightning_sharding.lightning.progress_bar import train_total
 from tests.support.harness import cpu_trainer
 
@@ -68,3 +68,17 @@ def test_the_bar_total_is_the_planned_batch_count_also_after_a_replanning_resume
     # Rich draws a bar of a resumed epoch only at its first batch end; from then on it shows the total.
     assert [total for _, total in epoch0][1:] == [7, 7, 7] and epoch0[0][1] in (7, None, float("inf"))
     assert epoch1 == [(k, 5) for k in range(1, 6)]
+
+
+def test_the_bar_ends_an_epoch_at_its_progress_not_at_the_last_logged_steps(tmp_path: Path) -> None:
+    # 10 batches, logged every 4 steps: the last step log says 0.8; the epoch's end says what the ledger holds.
+    seen: list[float] = []
+
+    class AtEpochEnd(pl.Callback):
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seen.append(float(trainer.progress_bar_metrics["data/progress"]))
+
+    callbacks = [ShardingCallback(print_summary=False, log_every_n_steps=4), AtEpochEnd(), TQDMProgressBar()]
+    trainer = cpu_trainer(max_epochs=2, enable_progress_bar=True, callbacks=callbacks)
+    trainer.fit(BarReader(), datamodule=ShardedDataModule(SyntheticReader(sizes=[13, 17, 10]), batch_size=4, seed=3))
+    assert seen == [1.0, 1.0]
