@@ -99,8 +99,10 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
-        return _deprecated.root_name(name)  # exported by 0.2, warned; or an AttributeError
+    if module is None:  # a name the root exported before: warned once (then cached), or an AttributeError
+        value = _deprecated.root_name(name)
+        globals()[name] = value
+        return value
     value = getattr(importlib.import_module(f"lightning_sharding.{module}"), name)
     globals()[name] = value
     return value

@@ -230,10 +230,18 @@ _HYDRA_FLAGS: tuple[str, ...] = ("-m", "--multirun", "-h", "--help", "--hydra-he
 _HYDRA_FLAGS += ("-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir")
 
 
+# Keys that lightning_sharding 0.2 moved: what to write now.
+MOVED_KEYS = {
+    "data.transport": "sharding.transport (a setting of the shard and broadcast strategies)",
+    "sharding.strategy": "sharding=NAME, which picks the strategy with its settings (its key is sharding.name)",
+}
+
+
 def misspelt_key(args: list[str]) -> str | None:
     """What is wrong with an override that names a key its group does not have (``data.batch_sise=8``),
     with the group's keys and the closest one; None when the command composes, or fails otherwise
     (Hydra then says why). Hydra's own message only suggests appending the typo with ``+``."""
+    args = _without_cfg(args)  # `--cfg job` composes the same config: its typos are said the same way
     if any(arg.split("=", 1)[0] in _HYDRA_FLAGS for arg in args):
         return None
     from hydra import compose, initialize_config_dir
@@ -256,6 +264,8 @@ def misspelt_key(args: list[str]) -> str | None:
                 cfg = compose("train", overrides=[a for a in args if a is not bad])
             except Exception:  # noqa: BLE001 - then Hydra's own message is as good as it gets
                 return None
+    if full_key in MOVED_KEYS:
+        return f"{full_key} is {MOVED_KEYS[full_key]} since lightning_sharding 0.2"
     parent, _, key = full_key.rpartition(".")
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig):
@@ -269,6 +279,24 @@ def misspelt_key(args: list[str]) -> str | None:
         else ""
     )
     return f"{full_key}: {parent or 'the train config'} has no key {key!r}. {hint}Its keys are {', '.join(keys)}{more}"
+
+
+def _without_cfg(args: list[str]) -> list[str]:
+    """``args`` without Hydra's ``--cfg``/``-c`` and its value (``job``, ``hydra``, ``all``)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            if arg in ("job", "hydra", "all"):
+                continue
+        if arg in ("--cfg", "-c"):
+            skip = True
+            continue
+        if arg.startswith(("--cfg=", "-c=")):
+            continue
+        out.append(arg)
+    return out
 
 
 def quote_equals(arg: str) -> str:

@@ -42,7 +42,19 @@ def check_config(cfg: DictConfig) -> None:
     name = cfg.sharding.name
     if name not in strategy_names():
         raise ConfigError(f"sharding.name={name!r} is not a strategy; choose sharding={'|'.join(strategy_names())}")
-    strategy = get_strategy(name)
+    chosen = OmegaConf.get_type(cfg, "sharding")
+    option = getattr(chosen, "__dataclass_fields__", {}).get("name")
+    if option is not None and option.default != name:  # the option's settings are another strategy's
+        raise ConfigError(
+            f"sharding.name={name} overrides the name of sharding={option.default}, whose settings are not "
+            f"{name}'s: choose the strategy with sharding={name} (its settings come with it)"
+        )
+    settings = {str(key): value for key, value in cfg.sharding.items() if key != "name"}
+    try:
+        strategy = get_strategy(name, **settings)
+    except (TypeError, ValueError) as err:  # a setting's value, as the strategy's constructor checks it
+        given = " ".join(f"sharding.{key}={value}" for key, value in settings.items())
+        raise ConfigError(f"sharding={name} {given}: {err}") from None
     data = cfg.data
     feeds = getattr(OmegaConf.get_type(cfg, "data"), "feeds", None)  # None: an untyped data config of your own
     if feeds == "source" and strategy.takes != "source":

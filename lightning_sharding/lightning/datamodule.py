@@ -103,7 +103,8 @@ class ShardedDataModule(pl.LightningDataModule):
             ``"broadcast"`` or ``BroadcastStrategy(prefetch_items=...)`` (a rank loads an item once into
             shared memory, its workers crop windows from it; needs a ``WindowedReader``), ``"dispatch"``
             (one process per rank reads the non-replicable ``source`` and deals batches to the
-            workers), or ``DaliStrategy(graph, ...)``; see :mod:`lightning_sharding.strategies`.
+            workers), or ``DaliStrategy(graph, ...)``; see :mod:`lightning_sharding.strategies`. A
+            Hydra ``sharding`` config (``{"name": "shard", "transport": "torch"}``) is taken whole.
         source: the :class:`~lightning_sharding.readers.sources.Source` of ``sharding="dispatch"``; a
             source of unknown length needs ``even_batches="sync"``.
         streams, samples_per_epoch, batch_composition: a mixture of readers at chosen shares instead
@@ -152,7 +153,7 @@ class ShardedDataModule(pl.LightningDataModule):
         root_map: Mapping[str, str] | None = None,
         audit_dir: str | None = None,
         on_error: OnError = "raise",
-        sharding: str | Strategy = "shard",
+        sharding: str | Strategy | Mapping[str, Any] = "shard",
         source: Source | None = None,
         data_parallel: DataParallel | Callable[[pl.Trainer], DataParallel] | None = None,
         streams: Sequence[Stream] | None = None,

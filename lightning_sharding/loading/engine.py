@@ -110,7 +110,7 @@ class LoadingEngine:
         root_map: Mapping[str, str] | None = None,
         audit_dir: str | None = None,
         on_error: OnError = "raise",
-        sharding: str | Strategy = "shard",
+        sharding: str | Strategy | Mapping[str, Any] = "shard",
         source: Source | None = None,
         data_parallel: DataParallel | Callable[[Any], DataParallel] | None = None,
         streams: Sequence[Stream] | None = None,
@@ -126,8 +126,9 @@ class LoadingEngine:
         signature repeats them for type checkers and documents them, and a test holds the two equal.
         ``renamed`` takes the spellings of 0.1 for one release, warned (:func:`renamed_arguments`).
         """
+        keyword = "strategy" if "strategy" in renamed else "sharding"  # as the user spelled it, in messages
         sharding, root_map = renamed_arguments(owner, renamed, sharding, root_map)
-        chosen = strategy_of(owner, sharding, renamed)
+        chosen = strategy_of(owner, sharding, renamed, keyword)
         if (chosen.takes == "source") != (source is not None):
             raise ValueError(
                 f"`{owner}(sharding={chosen.name!r})`: `source=` goes with "
@@ -222,7 +223,7 @@ class LoadingEngine:
         """Put the mixture's epochs under online control, from ``decisions`` to replay (after :meth:`setup`)."""
         if not self.strategy.replans:
             raise ValueError(
-                f"a MixtureController replans the epoch mid-pass, which strategy={self.strategy.name!r} "
+                f"a MixtureController replans the epoch mid-pass, which sharding={self.strategy.name!r} "
                 f"cannot: use {strategies_where(lambda s: s.replans)}"
             )
         self._keeper().start_control(decisions)
@@ -288,11 +289,16 @@ STRATEGY_SETTINGS = ("transport", "prefetch_items")
 
 
 def renamed_arguments(
-    owner: str, renamed: dict[str, Any], sharding: str | Strategy, root_map: Mapping[str, str] | None
-) -> tuple[str | Strategy, Mapping[str, str] | None]:
+    owner: str, renamed: dict[str, Any], sharding: Any, root_map: Mapping[str, str] | None
+) -> tuple[Any, Mapping[str, str] | None]:
     """``sharding`` and ``root_map`` as given under their names of 0.1 (warned once each); refuses an
     argument no release had, and the same argument under both names."""
     unknown = [key for key in renamed if key not in RENAMED and key not in STRATEGY_SETTINGS]
+    if "name" in unknown:
+        raise TypeError(
+            f"{owner}() got an unexpected keyword argument 'name': a Hydra `sharding` config (its `name` and "
+            "settings) goes in whole, as sharding=sharding, not as **sharding"
+        )
     if unknown:
         raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
     given: dict[str, Any] = {"sharding": sharding, "root_map": root_map}
@@ -312,11 +318,24 @@ def renamed_arguments(
     return given["sharding"], given["root_map"]
 
 
-def strategy_of(owner: str, sharding: str | Strategy, settings: dict[str, Any]) -> Strategy:
-    """The strategy ``sharding`` names (or is), with the strategy ``settings`` 0.1 took as arguments
-    of ``owner`` (warned); a setting the strategy does not take is refused, naming those that do."""
+def strategy_of(
+    owner: str, sharding: str | Strategy | Mapping[str, Any], settings: dict[str, Any], keyword: str = "sharding"
+) -> Strategy:
+    """The strategy ``sharding`` names (or is, or configures: Hydra's ``{"name": ..., **settings}``),
+    with the strategy ``settings`` 0.1 took as arguments of ``owner`` (warned); a setting the strategy
+    does not take is refused, naming those that do."""
+    if isinstance(sharding, Mapping):  # the `sharding` group of a Hydra config: its name and settings
+        config = dict(sharding)
+        if not isinstance(config.get("name"), str):
+            raise ValueError(f"`{owner}(sharding={config!r})`: a strategy's config needs its `name` (shard, ...)")
+        sharding = config.pop("name")
+        if sharding in strategy_names():
+            try:
+                return get_strategy(sharding, **config)
+            except TypeError as err:
+                raise ValueError(f"`{owner}(sharding={dict(sharding=sharding, **config)!r})`: {err}") from None
     if not isinstance(sharding, Strategy) and sharding not in strategy_names():
-        raise ValueError(f"`{owner}(sharding={sharding!r})` is not a strategy; choose one of {list(strategy_names())}")
+        raise ValueError(f"`{owner}({keyword}={sharding!r})` is not a strategy; choose one of {list(strategy_names())}")
     if not settings:
         return get_strategy(sharding)
     spelled = ", ".join(f"{key}={value!r}" for key, value in settings.items())

@@ -65,7 +65,7 @@ class ShardedData:
         data_parallel: ``(rank, size)`` of this rank's model replica, when several ranks make one.
         gather_timeout: seconds :meth:`state_dict` waits for every rank to call it.
         **options: every other keyword argument of :class:`~lightning_sharding.ShardedDataModule`
-            (``batch_size``, ``num_workers``, ``seed``, ``streams``, ``packing``, ``strategy``, ...).
+            (``batch_size``, ``num_workers``, ``seed``, ``streams``, ``packing``, ``sharding``, ...).
     """
 
     def __init__(

@@ -75,7 +75,7 @@ def datamodule(
     """A :class:`ShardedDataModule` over ``reader`` (or ``source``, or ``data``'s ``streams=``) with
     the config's loader options."""
     settings = dict(sharding)  # the strategy's name and its own settings (config/schemas.py)
-    strategy = get_strategy(settings.pop("name"), **settings)
+    strategy = get_strategy(settings.pop("name"), **settings)  # built here: its fixed options are left out
     kwargs = {key: options[key] for key in _PASSED}
     kwargs["persistent_workers"] = bool(options["persistent_workers"]) and options["num_workers"] > 0
     for fixed in strategy.fixed_options:  # DataLoader options a strategy runs without (dali's own workers)

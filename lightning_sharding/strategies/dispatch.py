@@ -49,7 +49,7 @@ from lightning_sharding.strategies.shard import ShardStrategy
 
 
 class DispatchLoader(TrainLoader[DispatchSampler]):
-    """The iterable Lightning gets for one rank under ``strategy="dispatch"``.
+    """The iterable Lightning gets for one rank under ``sharding="dispatch"``.
 
     Same contract as :class:`~lightning_sharding.strategies.shard.ShardedLoader`: batches with provenance
     stripped (kept in ``delivered`` when ``track``), padding flagged, ``sampler.set_epoch``.

@@ -189,3 +189,27 @@ def test_a_dali_graph_is_a_function_or_its_dotted_path() -> None:
 def identity_graph(fields: dict[str, typing.Any]) -> dict[str, typing.Any]:
     """A DALI graph that changes nothing (found by its dotted path above)."""
     return fields
+
+
+def test_a_hydra_sharding_config_goes_in_whole_and_its_settings_are_checked_where_set(tmp_path: Path) -> None:
+    from lightning_sharding.config import ConfigError, check_config
+    from lightning_sharding.train import misspelt_key
+
+    dm = ShardedDataModule(SyntheticReader(), sharding={"name": "shard", "transport": "torch"})
+    assert isinstance(dm.strategy, ShardStrategy) and dm.strategy.transport == "torch"
+    with pytest.raises(TypeError, match=r"a Hydra `sharding` config .* goes in whole, as sharding=sharding"):
+        ShardedDataModule(SyntheticReader(), **{"name": "shard", "transport": "torch"})
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"`ShardedDataModule\(strategy='bogus'\)`"):
+        ShardedDataModule(SyntheticReader(), strategy="bogus")
+
+    def config(*overrides: str) -> typing.Any:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return compose("train", overrides=[f"out_dir={tmp_path}", *overrides])
+
+    with pytest.raises(ConfigError, match=r"sharding=shard sharding\.transport=bogus: `ShardStrategy\(transport="):
+        check_config(config("sharding.transport=bogus"))
+    with pytest.raises(ConfigError, match=r"choose the strategy with sharding=dispatch \(its settings come with it\)"):
+        check_config(config("sharding.name=dispatch", "data=sqlite"))
+    assert "sharding.transport" in str(misspelt_key(["data.transport=torch"]))
+    assert "sharding=NAME" in str(misspelt_key(["sharding.strategy=broadcast"]))
+    assert "Did you mean sharding.transport?" in str(misspelt_key(["--cfg", "job", "sharding.transprot=torch"]))
