@@ -17,6 +17,7 @@ from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture import mixture_of
 from lightning_sharding.readers.synthetic import SyntheticReader
+from tests.support.extras import require
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROW = re.compile(r"^\s+(\d+)\s+(all|\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-|\d+)\s+(\d+)$")
@@ -604,6 +605,7 @@ def test_plan_of_data_files_reads_them_with_the_reader_of_their_format(
         assert (code, out) == (0, expected), err
     code, out, err = run(capsys, "plan", str(tmp_path / "pq"), "data.batch_size=4", *common)
     assert code == 0 and "40 samples in 6 items" in out and "batch size 4," in out, err  # row groups of 8
+    require("PIL", "simplejpeg")  # recipe=images decodes its samples' images
     code, out, err = run(capsys, "plan", "recipe=images", str(tmp_path / "tars"), *common)
     assert code == 0 and "80 samples in 3 items" in out and "batch size 32," in out, err  # recipe=images' batch size
 

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from lightning_sharding.config import CONF_DIR, ConfigError, check_config, resolve_ckpt_path
 from lightning_sharding.train import build_callbacks, build_datamodule, build_logger, run, trainer_options
+from tests.support.extras import require
 
 GROUPS = {
     group: sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
@@ -144,6 +145,8 @@ def test_the_pretrain_data_reads_parquet_token_lists(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("option", GROUPS["sharding"])
 def test_every_sharding_option_reaches_the_datamodule(tmp_path: Path, option: str) -> None:
+    if option == "dali":
+        require("nvidia.dali")
     cfg = make(tmp_path, f"sharding={option}", f"data={PARTNER.get(option, 'synthetic')}")
     check_config(cfg)
     assert build_datamodule(cfg).strategy.name == option
