@@ -16,11 +16,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 import lightning_sharding.readers.files as files_module
 import lightning_sharding.readers.storage as storage_module
-from lightning_sharding import Ledger, Manifest, ShardedLoader, World
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
 from lightning_sharding.readers import FILE_READERS, JsonlReader, NpyReader, ParquetReader, TarReader
 from lightning_sharding.readers.storage import RetryPolicy, with_retries
 from lightning_sharding.recipes.synthetic_files import FORMATS, to_regression, write_regression
 from lightning_sharding.strategies.options import LoaderOptions
+from lightning_sharding.strategies.shard import ShardedLoader
 
 
 def make_reader(fmt: str, urls: Any, cache: Path, **kw: Any) -> Any:
