@@ -58,9 +58,9 @@ def epoch_rate(loader: DispatchLoader, epoch: int) -> float:
 
 def transform_only_rate(rows: int) -> float:
     """Samples/s of the transform alone in this process: what one core gives without any loader."""
-    from lightning_sharding.core.world import ShardContext
+    from lightning_sharding.core.world import WorkerContext
 
-    ctx = SampleContext(ShardContext(0, 1, 0, 0, 0, 0), 0, 0, 0)
+    ctx = SampleContext(WorkerContext(0, 1, 0, 0, 0, 0), 0, 0, 0)
     start = time.perf_counter()
     for i in range(rows):
         heavy({"id": i, "x": i / rows}, ctx)

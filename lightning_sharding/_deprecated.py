@@ -1,6 +1,7 @@
 """What the last releases renamed, still working for one release with a ``DeprecationWarning`` that names
-the new spelling: module paths that moved (``lightning_sharding.keeper`` -> ``lightning_sharding.loading.keeper``)
-and names the package root no longer exports (``lightning_sharding.Ledger`` -> ``lightning_sharding.core.ledger``).
+the new spelling: module paths that moved (``lightning_sharding.keeper`` -> ``lightning_sharding.loading.keeper``),
+names the package root no longer exports (``lightning_sharding.Ledger`` -> ``lightning_sharding.core.ledger``)
+and names given a new word (``ShardContext`` -> ``WorkerContext``).
 The CHANGELOG lists each; the next release removes them."""
 
 from __future__ import annotations
@@ -90,18 +91,28 @@ ROOT_NAMES: dict[str, str] = {
 }
 
 
+# Names given a new word in 0.2 (one word per meaning, issue 52) that the root exported: old name -> (its
+# home, the new name). Their modules answer the old names themselves (``core.world.OLD_NAMES``: the
+# layers keep the core and the readers from importing this module).
+RENAMED: dict[str, tuple[str, str]] = {
+    "ShardContext": ("core.world", "WorkerContext"),  # a shard is a file of the data set
+}
+
+
 def root_name(name: str) -> Any:
     """``lightning_sharding.<name>`` for a name the root no longer exports, warned; else an AttributeError."""
     home = ROOT_NAMES.get(name)
     if home is None:
         raise AttributeError(f"module {_PACKAGE!r} has no attribute {name!r}")
+    new = RENAMED[name][1] if name in RENAMED else name
+    called = f" as {new}, its name since 0.2" if new != name else ""
     warnings.warn(
         f"lightning_sharding.{name} is no longer exported from the package root: import it from "
-        f"{_PACKAGE}.{home} (the root's name goes away in the next release)",
+        f"{_PACKAGE}.{home}{called} (the root's name goes away in the next release)",
         DeprecationWarning,
         stacklevel=3,
     )
-    return getattr(importlib.import_module(f"{_PACKAGE}.{home}"), name)
+    return getattr(importlib.import_module(f"{_PACKAGE}.{home}"), new)
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

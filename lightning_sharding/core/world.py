@@ -7,9 +7,10 @@ variables: the trainer has already resolved them, whatever the launcher.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -130,8 +131,10 @@ def check_data_parallel(pair: Any, world_size: int | None, where: str) -> DataPa
 
 
 @dataclass(frozen=True)
-class ShardContext:
+class WorkerContext:
     """Read-only facts a reader or transform may use inside a DataLoader worker.
+
+    Named ``ShardContext`` before 0.2; a *shard* is a file of the data set, and this is a worker's.
 
     ``rank`` and ``world_size`` are the data-parallel ones (see :class:`World`): every rank of one
     model replica gets the same context, so its readers and seeded transforms do the same work.
@@ -154,14 +157,14 @@ class ShardContext:
 
 @dataclass(frozen=True, slots=True)  # one per sample: slots make it cheap to build
 class SampleContext:
-    """What a per-sample transform gets: the shard context and the sample's identity.
+    """What a per-sample transform gets: the worker's context (``worker``) and the sample's identity.
 
     ``sample_seed`` depends only on ``(seed, epoch, position)``, so a sample's augmentation is
     bit-identical whatever rank or worker produced it, also after a resume on another topology.
     ``stream`` names the stream of a mixture the sample came from (``None`` outside a mixture).
     """
 
-    shard: ShardContext
+    worker: WorkerContext
     position: int
     item: int
     index: int
@@ -170,16 +173,21 @@ class SampleContext:
     @property
     def sample_seed(self) -> int:
         """A seed for this sample's randomness."""
-        return derive_seed(self.shard.seed, _SAMPLE_SEEDS, self.shard.epoch, self.position)
+        return derive_seed(self.worker.seed, _SAMPLE_SEEDS, self.worker.epoch, self.position)
+
+    @property
+    def shard(self) -> WorkerContext:
+        """The old name of :attr:`worker` (deprecated in 0.2, goes away in the next release)."""
+        return _old_shard(self, "SampleContext")
 
 
 @dataclass(frozen=True)
 class BatchContext:
-    """What a ``batch_transform`` gets: the shard context and the batch's epoch ``positions``, shape
+    """What a ``batch_transform`` gets: the worker's context (``worker``) and the batch's epoch ``positions``, shape
     ``(n,)``, one per row (the last ``num_padding`` rows are padding, flagged later). In a mixture,
     ``streams`` (int64, shape ``(n,)``) is each row's stream, an index into ``stream_names``."""
 
-    shard: ShardContext
+    worker: WorkerContext
     positions: npt.NDArray[np.int64]
     num_padding: int
     streams: npt.NDArray[np.int64] | None = None
@@ -190,10 +198,54 @@ class BatchContext:
         """A seed per row, shape ``(n,)``, from ``(seed, epoch, position)`` only (as
         :attr:`SampleContext.sample_seed` is): a row's randomness is the same on any rank, worker or
         topology. Seed a vectorised augmentation with them, e.g. ``np.random.default_rng(seeds)``."""
-        base = np.uint64(derive_seed(self.shard.seed, _BATCH_SEEDS, self.shard.epoch))
+        base = np.uint64(derive_seed(self.worker.seed, _BATCH_SEEDS, self.worker.epoch))
         with np.errstate(over="ignore"):  # splitmix64: wrapping arithmetic is the point
             z = base + self.positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
             z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
             z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         seeds: npt.NDArray[np.uint64] = (z ^ (z >> np.uint64(31))) >> np.uint64(1)
         return seeds
+
+    @property
+    def shard(self) -> WorkerContext:
+        """The old name of :attr:`worker` (deprecated in 0.2, goes away in the next release)."""
+        return _old_shard(self, "BatchContext")
+
+
+def _old_shard(context: SampleContext | BatchContext, owner: str) -> WorkerContext:
+    """``context.worker``, warned: ``.shard`` is its name before 0.2."""
+    warnings.warn(
+        f"{owner}.shard is {owner}.worker since lightning_sharding 0.2 (a shard is a file of the data set); "
+        "the old name goes away in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return context.worker
+
+
+# The old names of this module's classes, 0.2 gave them a new word (issue 52): old -> new. They import
+# for one release, warned, from here and from the modules that offered them (readers.base,
+# readers.sources; the package root through lightning_sharding._deprecated).
+OLD_NAMES = {"ShardContext": "WorkerContext"}
+
+
+def old_name(module: str, name: str) -> Any:
+    """``<module>.<name>`` for a name of :data:`OLD_NAMES`, with a DeprecationWarning naming the new
+    one; else an AttributeError (a module's ``__getattr__`` calls this)."""
+    if name not in OLD_NAMES:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new = OLD_NAMES[name]
+    warnings.warn(
+        f"{module}.{name} is {__name__}.{new} since lightning_sharding 0.2; import that "
+        "(the old name goes away in the next release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return globals()[new]
+
+
+if not TYPE_CHECKING:  # type checkers see only today's names
+
+    def __getattr__(name: str) -> Any:
+        """An old name of :data:`OLD_NAMES`, warned."""
+        return old_name(__name__, name)

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item, Manifest
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.mixture.composition import COMPOSITIONS
 from lightning_sharding.mixture.control import ControlledMixture
 from lightning_sharding.mixture.order import Mixture, StreamSpec, plan_draws
@@ -271,17 +271,17 @@ class MixtureReader(Reader):
             self._list()
         return self._origin[item.key]
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         """Sample ``index`` of ``item``, read by its stream's reader."""
         reader, original = self._source(item)
         return reader.read(original, index, ctx)
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """Samples ``indices`` of ``item``, read by its stream's reader."""
         reader, original = self._source(item)
         return reader.read_batch(original, indices, ctx)
 
-    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> Columns:
         """Samples ``indices`` of ``item`` as columns, read by its stream's reader."""
         reader, original = self._source(item)
         return reader.read_columns(original, indices, ctx)

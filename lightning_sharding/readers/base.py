@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item, Manifest
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext, old_name
 
 # A batch read as columns: one array of shape (n, ...), or a dict of such arrays by field.
 Columns = npt.NDArray[Any] | dict[str, npt.NDArray[Any]]
@@ -39,7 +39,7 @@ class Reader(ABC):
         return Manifest.from_items(self.items())
 
     @abstractmethod
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         """Sample ``index`` (``0 <= index < item.num_samples``) of ``item``."""
 
     def read_sequences(self, order: Any, positions: npt.NDArray[np.int64], items: Sequence[Item]) -> Any:
@@ -57,7 +57,7 @@ class Reader(ABC):
         reader counts ``cache_hits``, ``cache_misses`` and ``fetch_wait_s``. None by default."""
         return {}
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """Samples ``indices`` (shape ``(n,)``) of one item, in that order.
 
         Override it when the storage reads many samples faster at once (a memory map, a row group).
@@ -83,7 +83,7 @@ class Reader(ABC):
             current = current.__cause__ or current.__context__
         return err
 
-    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> Columns:
         """Samples ``indices`` of one item as columns: one array of shape ``(n, ...)``, or a dict of
         such arrays, exactly what PyTorch's default collate makes of :meth:`read_batch`'s samples.
 
@@ -102,3 +102,10 @@ class Reader(ABC):
         columns = next(i for i, cls in enumerate(mro) if "read_columns" in cls.__dict__)
         batch = next(i for i, cls in enumerate(mro) if "read_batch" in cls.__dict__)
         return mro[columns] is not Reader and columns <= batch
+
+
+if not TYPE_CHECKING:  # type checkers see only today's names
+
+    def __getattr__(name: str) -> Any:
+        """``ShardContext``, which this module offered before 0.2 (``WorkerContext`` now), warned."""
+        return old_name(__name__, name)

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.private import URL_CREDENTIALS, check_mode, hide_credentials, scrub
-from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.core.world import WorkerContext, World
 from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.cache import ShardCache, resolve_limit
@@ -496,7 +496,7 @@ class FileReader(Reader):
 
     # -- inside workers -----------------------------------------------------------------------
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         """One sample, through the reader's ``read_batch``."""
         return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
 

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
 from lightning_sharding.readers.storage import FileInfo, filesystem
@@ -74,7 +74,7 @@ class JsonlReader(FileReader):
         arrays = {"start": np.concatenate(starts), "end": np.concatenate(ends), "line": np.concatenate(lines)}
         return FileIndex([""], [len(arrays["start"])], [arrays])
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """Read each line's bytes (concurrently on object stores) and decode it."""
         url, _ = self.split_key(item)
         idx = self.index_of(item)

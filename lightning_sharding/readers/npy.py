@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Columns
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
@@ -134,12 +134,12 @@ class NpyReader(FileReader):
         blobs = self.read_ranges(item, starts, starts + row_bytes)
         return np.frombuffer(bytearray(b"".join(blobs)), dtype=dtype).reshape(len(indices), *row_shape)
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """Gather the rows in one call, then split them into samples."""
         rows = self.rows(item, indices)
         return list(rows) if self.key is None else [{self.key: row} for row in rows]
 
-    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> Columns:
         """The rows in one array of shape ``(n, *row_shape)`` (under ``key``, when given)."""
         rows = self.rows(item, indices)
         return rows if self.key is None else {self.key: rows}

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Columns
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
@@ -112,7 +112,7 @@ class ParquetReader(FileReader):
                 self._groups.popitem(last=False)
         return group
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """Rows ``indices`` of the item's row group."""
         group = self._group(item)
         taken = {
@@ -121,7 +121,7 @@ class ParquetReader(FileReader):
         }
         return [{name: column[k] for name, column in taken.items()} for k in range(len(indices))]
 
-    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> Columns:
         """Rows ``indices`` as ``{column: array of shape (n, ...)}``: one take per column of the row
         group. A column of anything else (text, nulls, ragged lists) is read sample by sample."""
         group = self._group(item)

@@ -12,10 +12,10 @@ import os
 import sqlite3
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning_sharding.core.manifest import Item, Manifest
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext, old_name
 
 # The epoch length the ledger uses for a source whose length nobody knows (a stream): positions
 # are still exact, only the total is a bound rather than a count.
@@ -41,7 +41,7 @@ class Source(ABC):
     seekable: ClassVar[bool] = True
 
     @abstractmethod
-    def open(self, ctx: ShardContext, start: int) -> Iterable[Any]:
+    def open(self, ctx: WorkerContext, start: int) -> Iterable[Any]:
         """The elements of epoch ``ctx.epoch`` from position ``start`` on, in a deterministic order."""
 
     def length(self) -> int | None:
@@ -97,14 +97,14 @@ class SqliteSource(Source):
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"SqliteSource: no database file at {self.path!r}")
 
-    def _params(self, ctx: ShardContext | None) -> dict[str, int]:
+    def _params(self, ctx: WorkerContext | None) -> dict[str, int]:
         values = {"seed": ctx.seed if ctx else 0, "epoch": ctx.epoch if ctx else 0}
         return {k: v for k, v in values.items() if f":{k}" in self.query}
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
 
-    def open(self, ctx: ShardContext, start: int) -> Iterator[dict[str, Any]]:
+    def open(self, ctx: WorkerContext, start: int) -> Iterator[dict[str, Any]]:
         """Rows from position ``start`` on (``LIMIT -1 OFFSET start``)."""
         con = self._connect()
         try:
@@ -134,3 +134,10 @@ class SqliteSource(Source):
     def describe(self) -> str:
         """``SqliteSource(<path>)``."""
         return f"SqliteSource({self.path})"
+
+
+if not TYPE_CHECKING:  # type checkers see only today's names
+
+    def __getattr__(name: str) -> Any:
+        """``ShardContext``, which this module offered before 0.2 (``WorkerContext`` now), warned."""
+        return old_name(__name__, name)

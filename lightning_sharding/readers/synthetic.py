@@ -14,7 +14,7 @@ import numpy.typing as npt
 import torch
 
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Columns, Reader
 
 
@@ -57,11 +57,11 @@ class SyntheticReader(Reader):
     def _item_number(self, item: Item) -> int:
         return int(item.key.rsplit("-", 1)[1])
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         """One sample, through :meth:`read_batch`."""
         return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
 
-    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> Columns:
+    def read_columns(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> Columns:
         """Samples ``indices`` (shape ``(n,)``) of ``item`` as columns ``id``, ``x`` and ``y``."""
         ids, x, y = self._arrays(item, indices)
         return {"id": ids, "x": x, "y": y}
@@ -74,7 +74,7 @@ class SyntheticReader(Reader):
         x, y = regression_arrays(ids, self.dim)
         return ids, x, y
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """Samples ``indices`` (shape ``(n,)``) of ``item``, computed in one vectorised pass."""
         ids, x, y = self._arrays(item, indices)
         return [

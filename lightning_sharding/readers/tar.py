@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.decoding import DECODERS, decoders
 from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
@@ -264,7 +264,7 @@ class TarReader(FileReader):
         )
         return FileIndex([""], [len(arrays["key"])], [arrays]), content
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """Fetch each sample's byte run (concurrently on object stores) and parse its members."""
         url, _ = self.split_key(item)
         idx = self.index_of(item)

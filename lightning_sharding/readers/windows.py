@@ -19,7 +19,7 @@ import numpy.typing as npt
 from lightning_sharding.core.identity import common_root
 from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.spelling import option
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import local_content_digest
 
@@ -188,11 +188,11 @@ class WindowedReader(Reader):
 
     # -- per-sample path (strategy "shard"): every worker reads its own windows -----------------------
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         """Window ``index`` of ``item`` as a one-sample batch entry ``{"x", "id", "start"}``."""
         return self.read_batch(item, np.array([index], dtype=np.int64), ctx)[0]
 
-    def read_batch(self, item: Item, indices: Int64Array, ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: Int64Array, ctx: WorkerContext) -> list[Any]:
         """Windows ``indices`` of ``item``, each read from storage by this worker (no shared memory)."""
         k = self._keys.index(item.key)
         starts = self.bases()[k] + indices * self.stride

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.readers.windows import NpyWindows
 from lightning_sharding.recipes.data import datamodule, generated
@@ -33,7 +33,7 @@ class ForecastWindows(NpyWindows):
             "id": torch.from_numpy(ids),
         }
 
-    def read_batch(self, item: Any, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Any, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """The per-sample path (strategy ``shard``), shaped like :meth:`make_batch`'s samples."""
         return [{"x": s["x"][:-1], "y": s["x"][-1], "id": s["id"]} for s in super().read_batch(item, indices, ctx)]
 

@@ -15,7 +15,7 @@ from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.spelling import option
-from lightning_sharding.core.world import BatchContext, SampleContext, ShardContext, World
+from lightning_sharding.core.world import BatchContext, SampleContext, WorkerContext, World
 from lightning_sharding.mixture import mixture_of
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import is_transient
@@ -168,7 +168,7 @@ class PlannedBatches(Dataset[Delivery]):
         task: BatchTask,
         item_ids: npt.NDArray[np.int64],
         indices: npt.NDArray[np.int64],
-        ctx: ShardContext,
+        ctx: WorkerContext,
     ) -> list[tuple[int, Failed]]:
         """The samples whose shapes or dtypes differ from the rest of the batch, which ``collate_fn``
         could not stack (``err``); raises unless ``on_error="skip"`` or when none differs."""
@@ -209,7 +209,7 @@ class PlannedBatches(Dataset[Delivery]):
         return join_columns(parts, len(item_ids))
 
     def _read_run(
-        self, item: Item, indices: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], ctx: ShardContext
+        self, item: Item, indices: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], ctx: WorkerContext
     ) -> list[Any]:
         """Samples ``indices`` of ``item`` in one read; on failure, sample by sample to name the bad one."""
         try:
@@ -223,7 +223,7 @@ class PlannedBatches(Dataset[Delivery]):
             )
         return list(got)
 
-    def _read_one(self, item: Item, index: int, position: int, ctx: ShardContext) -> Any:
+    def _read_one(self, item: Item, index: int, position: int, ctx: WorkerContext) -> Any:
         try:
             return self.reader.read(item, index, ctx)
         except Exception as raised:
@@ -251,14 +251,14 @@ class PlannedBatches(Dataset[Delivery]):
         except Exception as err:
             failure = SampleError(
                 f"the transform failed on sample {sctx.index} of item {self.items[sctx.item].key!r} "
-                f"(epoch {sctx.shard.epoch}, position {sctx.position}): {type(err).__name__}: {err}"
+                f"(epoch {sctx.worker.epoch}, position {sctx.position}): {type(err).__name__}: {err}"
             )
             if self.on_error == "raise":
                 raise failure from err
             return Failed(str(failure))
 
     def _deliver(
-        self, batch: Any, task: BatchTask, positions: Any, num_padding: int, ctx: ShardContext, skipped: Any = None
+        self, batch: Any, task: BatchTask, positions: Any, num_padding: int, ctx: WorkerContext, skipped: Any = None
     ) -> Delivery:
         """The batch, through ``batch_transform`` when there is one, with its provenance; in a mixture
         a dict batch gets each row's stream (int64, an index into :attr:`stream_names`) as ``"stream"``."""
@@ -291,7 +291,7 @@ class PlannedBatches(Dataset[Delivery]):
         task: BatchTask,
         positions: Any,
         num_padding: int,
-        ctx: ShardContext,
+        ctx: WorkerContext,
         streams: npt.NDArray[np.int64] | None = None,
     ) -> Any:
         """``batch_transform`` on the batch; a failure or a changed number of rows names the batch (a
@@ -312,7 +312,7 @@ class PlannedBatches(Dataset[Delivery]):
         return out
 
     def _without_failed(
-        self, task: BatchTask, samples: list[Any], bad: npt.NDArray[np.bool_], ctx: ShardContext
+        self, task: BatchTask, samples: list[Any], bad: npt.NDArray[np.bool_], ctx: WorkerContext
     ) -> Delivery:
         """Leave failed samples out; good ones of the batch stand in for them, flagged as padding."""
         n_real = len(task.positions) - task.num_padding
@@ -333,7 +333,7 @@ class PlannedBatches(Dataset[Delivery]):
         self._warn_skipped([samples[i] for i in np.flatnonzero(real_bad).tolist()], ctx)
         return self._deliver(self.collate_fn([samples[i] for i in order]), task, positions, num_padding, ctx, skipped)
 
-    def _warn_skipped(self, failures: list[Failed], ctx: ShardContext) -> None:
+    def _warn_skipped(self, failures: list[Failed], ctx: WorkerContext) -> None:
         """Name each skipped sample and why in a warning, the first :data:`SKIPS_NAMED` of this worker;
         after those, say how many it skipped at 100, 1000, ... (a data set of bad samples floods nothing)."""
         where = f"rank {ctx.rank}, worker {ctx.worker_id}"

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from lightning_sharding.core.plan import RankPlan
 from lightning_sharding.core.rangeset import RangeSet
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.sources import Source
 from lightning_sharding.strategies._start import leave_forkserver
 
@@ -39,7 +39,7 @@ class Spec:
     """
 
     generation: int
-    ctx: ShardContext
+    ctx: WorkerContext
     batch_size: int
     plan: RankPlan | None
     consumed: RangeSet
@@ -82,7 +82,7 @@ class SourceError(RuntimeError):
 class _PositionReader:
     """Reads increasing positions of a source, seeking (reopening) over gaps when it can."""
 
-    def __init__(self, source: Source, ctx: ShardContext) -> None:
+    def __init__(self, source: Source, ctx: WorkerContext) -> None:
         self.source = source
         self.ctx = ctx
         self._it: Iterator[Any] | None = None
@@ -166,7 +166,7 @@ def _deal_synced(source: Source, spec: Spec) -> Iterator[Chunk]:
         yield Chunk(spec.generation, index, np.array(positions, dtype=np.int64), 0, elements)
 
 
-def failure_message(ctx: ShardContext, source: Source, err: BaseException) -> str:
+def failure_message(ctx: WorkerContext, source: Source, err: BaseException) -> str:
     """The error text workers raise: the rank, the dispatcher, the source and its exception."""
     trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     return (

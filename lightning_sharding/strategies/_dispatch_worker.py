@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, Sampler
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.plan import EpochPlan
-from lightning_sharding.core.world import SampleContext, ShardContext, World
+from lightning_sharding.core.world import SampleContext, WorkerContext, World
 from lightning_sharding.strategies._delivery import NO_POSITIONS, Delivery
 from lightning_sharding.strategies._dispatch_process import POLL_SECONDS, Chunk, End, Failure, SourceError
 from lightning_sharding.strategies._samples import SampleError
@@ -77,7 +77,7 @@ class DispatchSampler(Sampler[DispatchTask]):
         return (DispatchTask(self.generation, self.epoch, i) for i in indices)
 
 
-def make_batch(chunk: Chunk, ctx: ShardContext, transform: Transform | None, collate_fn: Callable[..., Any]) -> Any:
+def make_batch(chunk: Chunk, ctx: WorkerContext, transform: Transform | None, collate_fn: Callable[..., Any]) -> Any:
     """Transform every element of ``chunk`` (with its :class:`SampleContext`) and collate them."""
     elements = chunk.elements
     if transform is not None:
@@ -91,7 +91,7 @@ def make_batch(chunk: Chunk, ctx: ShardContext, transform: Transform | None, col
         ) from err
 
 
-def _transform(transform: Transform, element: Any, ctx: ShardContext, position: int) -> Any:
+def _transform(transform: Transform, element: Any, ctx: WorkerContext, position: int) -> Any:
     try:
         return transform(element, SampleContext(ctx, position, 0, position))
     except Exception as err:

@@ -1,4 +1,4 @@
-"""What runs at the start of every worker's task: its :class:`ShardContext`, seeded once per epoch."""
+"""What runs at the start of every worker's task: its :class:`WorkerContext`, seeded once per epoch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from lightning_sharding.core.spelling import option
-from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.core.world import WorkerContext, World
 
 
 def seed_rngs(seed: int) -> None:
@@ -25,7 +25,7 @@ def seed_rngs(seed: int) -> None:
 
 
 class WorkerContexts:
-    """The :class:`ShardContext` of the process a dataset runs in, one per epoch.
+    """The :class:`WorkerContext` of the process a dataset runs in, one per epoch.
 
     The worker id is the DataLoader's (or ``worker_id``, for a worker of another pool, such as a DALI
     source's). A worker's RNGs are seeded with its context's ``worker_seed`` when its epoch starts;
@@ -38,13 +38,13 @@ class WorkerContexts:
         self.seed = seed
         self.worker_id = worker_id
         self._main_pid = os.getpid()  # pickled with the dataset: a worker process sees another pid
-        self._context: ShardContext | None = None
+        self._context: WorkerContext | None = None
 
-    def __call__(self, epoch: int) -> ShardContext:
+    def __call__(self, epoch: int) -> WorkerContext:
         if self._context is None or self._context.epoch != epoch:
             info = get_worker_info()
             worker = self.worker_id if self.worker_id is not None else (info.id if info is not None else 0)
-            self._context = ShardContext(
+            self._context = WorkerContext(
                 rank=self.world.data_rank,
                 world_size=self.world.data_size,
                 worker_id=worker,

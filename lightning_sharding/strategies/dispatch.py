@@ -27,7 +27,7 @@ from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.spelling import option
-from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.core.world import WorkerContext, World
 from lightning_sharding.distributed.collectives import all_true, cpu_group, gather_counts
 from lightning_sharding.readers.sources import Source, source_manifest
 from lightning_sharding.strategies._delivery import NO_POSITIONS, DeliveredLog, Delivery
@@ -106,7 +106,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
     def _spec(self) -> Spec:
         ledger = self.ledger
         world = self.world
-        ctx = ShardContext(world.data_rank, world.data_size, 0, self.options.num_workers, ledger.epoch, ledger.seed)
+        ctx = WorkerContext(world.data_rank, world.data_size, 0, self.options.num_workers, ledger.epoch, ledger.seed)
         plan = None
         self.sampler.epoch_plan, self.sampler.num_batches = None, None
         if not self.sync:

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from lightning_sharding.core.identity import common_root
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import local_content_digest
 from lightning_sharding.tokens.packing import ranges
@@ -75,7 +75,7 @@ class DocumentReader(Reader):
                 )
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         """Document ``index`` of ``item``: its tokens, int64, shape ``(length,)``."""
         lengths = self._item_lengths(item)
         start = int(lengths[:index].sum())

@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item, Manifest
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.tokens.batch import packed_batch
 from lightning_sharding.tokens.documents import DocumentReader
@@ -54,7 +54,7 @@ class PackedReader(Reader):
         counts = Manifest(tuple(items)).counts
         return PackedEpochs(self.documents.lengths(items), counts, self.packing)
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         """Document ``index`` of ``item`` (packed batches come from :meth:`read_sequences`)."""
         return self.documents.read(item, index, ctx)
 

@@ -19,7 +19,7 @@ from lightning_sharding import ShardedDataModule
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
-from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.core.world import WorkerContext, World
 from lightning_sharding.readers.sources import SqliteSource, source_manifest
 from lightning_sharding.strategies._dispatch_process import Chunk, SourceError, Spec, deal
 from lightning_sharding.strategies.dispatch import DispatchLoader
@@ -65,7 +65,7 @@ def rotated_id(position: int, epoch: int, n: int = N) -> int:
 # -- the dealing scheme, in-process ----------------------------------------------------------------
 
 
-def _dealt(source: SqliteSource, ctx: ShardContext, spec_plan: bool, consumed: RangeSet) -> list[Chunk]:
+def _dealt(source: SqliteSource, ctx: WorkerContext, spec_plan: bool, consumed: RangeSet) -> list[Chunk]:
     plan = None
     if spec_plan:
         plan = plan_epoch(N, consumed, epoch=0, world_size=ctx.world_size, num_workers=2, batch_size=8).rank(ctx.rank)
@@ -78,7 +78,7 @@ def test_ranks_deal_disjoint_shares_that_cover_what_the_ledger_left(db: Path, pl
     consumed = RangeSet.from_ranges([(0, 20), (33, 40), (70, 71)])
     served: list[int] = []
     for rank in range(3):
-        ctx = ShardContext(rank, 3, 0, 2, 0, 7)
+        ctx = WorkerContext(rank, 3, 0, 2, 0, 7)
         for chunk in _dealt(source, ctx, planned, consumed):
             real = chunk.positions[: len(chunk.positions) - chunk.num_padding]
             assert [row["id"] for row in chunk.elements[: len(real)]] == real.tolist()  # epoch 0: id == position

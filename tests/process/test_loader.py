@@ -1,4 +1,4 @@
-"""The sharded loader without Lightning: plan vs. real yield, ShardContext in real workers, epoch switches."""
+"""The sharded loader without Lightning: plan vs. real yield, WorkerContext in real workers, epoch switches."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from lightning_sharding import Reader, SyntheticReader
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Item, Manifest
-from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.core.world import WorkerContext, World
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
 
@@ -27,7 +27,7 @@ class ContextReader(Reader):
     def items(self) -> Sequence[Item]:
         return [Item(f"part-{i}", n) for i, n in enumerate(self.sizes)]
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         first = sum(self.sizes[: int(item.key.split("-")[1])])
         return {
             "id": first + index,
@@ -190,7 +190,7 @@ def test_order_mapping_is_vectorised_over_a_batch() -> None:
     calls: list[int] = []
 
     class CountingReader(SyntheticReader):
-        def read_batch(self, item: Item, indices: np.ndarray, ctx: ShardContext) -> list[Any]:
+        def read_batch(self, item: Item, indices: np.ndarray, ctx: WorkerContext) -> list[Any]:
             calls.append(len(indices))
             return super().read_batch(item, indices, ctx)
 
@@ -200,7 +200,7 @@ def test_order_mapping_is_vectorised_over_a_batch() -> None:
 
 
 class IsPaddingReader(ContextReader):
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         return {**super().read(item, index, ctx), "is_padding": False}
 
 

@@ -20,7 +20,7 @@ import torch
 from lightning_sharding import TarReader
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.world import BatchContext, ShardContext, World
+from lightning_sharding.core.world import BatchContext, WorkerContext, World
 from lightning_sharding.readers.decoding import IMAGE_SPECS, AudioDecoder, ImageDecoder, VideoDecoder, decoders
 from lightning_sharding.recipes.images import DecodeCropBatch, RandomResizedCrop, striped_image, write_image_shards
 from lightning_sharding.strategies.options import LoaderOptions
@@ -103,7 +103,7 @@ def write_shards(root: Path, n: int, per_shard: int) -> list[str]:
 def add_worker(sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Runs in the worker, after the reader decoded the sample there."""
     assert isinstance(sample["jpg"], torch.Tensor), type(sample["jpg"])
-    return {**sample, "worker": ctx.shard.worker_id}
+    return {**sample, "worker": ctx.worker.worker_id}
 
 
 def media() -> dict[str, Any]:
@@ -297,8 +297,8 @@ def test_the_batch_path_decodes_at_the_scale_a_crop_allows_and_matches_a_full_de
         "__key__": [f"k{i}" for i in range(6)],
         "cls": torch.arange(6) % 4,
     }
-    shard = ShardContext(rank=0, world_size=1, worker_id=0, num_workers=1, epoch=0, seed=3)
-    ctx = BatchContext(shard, positions=np.arange(6, dtype=np.int64), num_padding=0)
+    worker = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=1, epoch=0, seed=3)
+    ctx = BatchContext(worker, positions=np.arange(6, dtype=np.int64), num_padding=0)
     decoded = DecodeCropBatch(16, scale=(0.5, 1.0))(batch, ctx)
     assert torch.equal(decoded["label"], batch["cls"]) and decoded["__key__"] == batch["__key__"]
     out = decoded["image"]

@@ -114,7 +114,7 @@ def test_a_budget_smaller_than_the_data_holds_and_the_epoch_stays_exactly_once(
 KILLED_READER = """
 import sys
 from lightning_sharding.readers import TarReader
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 import numpy as np
 options = eval(sys.argv[2])
 reader = TarReader(sys.argv[1], storage_options=options, cache_dir=sys.argv[3], cache_limit=10**9)

@@ -13,7 +13,7 @@ import torch
 
 from lightning_sharding import BatchContext, ShardedDataModule, SyntheticReader
 from lightning_sharding.core.plan import BatchTask
-from lightning_sharding.core.world import ShardContext, World
+from lightning_sharding.core.world import WorkerContext, World
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._samples import SampleError
 from lightning_sharding.strategies.options import LoaderOptions
@@ -58,9 +58,9 @@ def test_the_batch_transform_runs_after_a_per_sample_transform_and_collate() -> 
 
 def test_row_seeds_depend_only_on_seed_epoch_and_position() -> None:
     positions = np.array([3, 9, 3], dtype=np.int64)
-    a = BatchContext(ShardContext(0, 2, 1, 2, epoch=1, seed=5), positions, 0).sample_seeds
-    b = BatchContext(ShardContext(1, 4, 0, 0, epoch=1, seed=5), positions, 0).sample_seeds
-    c = BatchContext(ShardContext(0, 2, 1, 2, epoch=2, seed=5), positions, 0).sample_seeds
+    a = BatchContext(WorkerContext(0, 2, 1, 2, epoch=1, seed=5), positions, 0).sample_seeds
+    b = BatchContext(WorkerContext(1, 4, 0, 0, epoch=1, seed=5), positions, 0).sample_seeds
+    c = BatchContext(WorkerContext(0, 2, 1, 2, epoch=2, seed=5), positions, 0).sample_seeds
     assert a.tolist() == b.tolist() and a[0] == a[2] != a[1] and a.tolist() != c.tolist()
     assert a.dtype == np.uint64 and int(a.max()) < 2**63
 

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 import lightning_sharding.strategies._shared_memory as shared_memory
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.windows import NpyWindows, WindowedReader
 from tests.jobs.windows_data import write_months
 
-CTX = ShardContext(rank=0, world_size=1, worker_id=0, num_workers=0, epoch=0, seed=0)
+CTX = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, epoch=0, seed=0)
 
 
 class InMemory(WindowedReader):

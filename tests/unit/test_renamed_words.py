@@ -1,0 +1,65 @@
+"""One word per meaning (issue 52, docs/architecture.md#glossary): the names 0.2 gave a new word still
+work for one release, with a DeprecationWarning naming the new spelling (lightning_sharding/_deprecated.py)."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+
+from lightning_sharding.core.world import BatchContext, SampleContext, WorkerContext
+
+CONTEXT = WorkerContext(rank=1, world_size=2, worker_id=0, num_workers=2, epoch=3, seed=7)
+
+
+@pytest.mark.parametrize("module", ["lightning_sharding.core.world", "lightning_sharding.readers.base",
+                                    "lightning_sharding.readers.sources"])  # fmt: skip
+def test_shard_context_imports_from_where_it_did_as_the_worker_context_with_a_warning(module: str) -> None:
+    said = rf"{module}\.ShardContext is lightning_sharding\.core\.world\.WorkerContext since lightning_sharding 0\.2"
+    with pytest.warns(DeprecationWarning, match=said):
+        old = importlib.import_module(module).ShardContext
+    assert old is WorkerContext
+
+
+def test_the_roots_shard_context_warns_once_naming_its_home_and_new_name() -> None:
+    import lightning_sharding
+
+    lightning_sharding.__dict__.pop("ShardContext", None)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        old = lightning_sharding.ShardContext  # type: ignore[attr-defined]
+    assert old is WorkerContext
+    assert [str(w.message) for w in said if w.category is DeprecationWarning] == [
+        "lightning_sharding.ShardContext is no longer exported from the package root: import it from "
+        "lightning_sharding.core.world as WorkerContext, its name since 0.2 "
+        "(the root's name goes away in the next release)"
+    ]
+
+
+def test_an_unknown_name_of_a_module_with_old_names_is_an_attribute_error_without_a_warning() -> None:
+    world = importlib.import_module("lightning_sharding.core.world")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
+            world.NoSuchName  # noqa: B018
+
+
+def test_a_contexts_shard_is_its_worker_with_a_warning() -> None:
+    sample = SampleContext(CONTEXT, 12, 0, 12)
+    batch = BatchContext(CONTEXT, np.arange(4, dtype=np.int64), 0)
+    for context, owner in ((sample, "SampleContext"), (batch, "BatchContext")):
+        assert context.worker is CONTEXT
+        said = rf"{owner}\.shard is {owner}\.worker since lightning_sharding 0\.2"
+        with pytest.warns(DeprecationWarning, match=said):
+            assert context.shard is CONTEXT
+    assert sample.sample_seed == SampleContext(CONTEXT, 12, 5, 1).sample_seed  # the seeds read .worker
+
+
+def test_a_context_pickled_under_its_old_name_unpickles_as_a_worker_context() -> None:
+    old = pickle.dumps(CONTEXT, protocol=0).replace(b"\nWorkerContext\n", b"\nShardContext\n")
+    assert b"ShardContext" in old
+    with pytest.warns(DeprecationWarning, match="ShardContext"):
+        assert pickle.loads(old) == CONTEXT  # noqa: S301 - our own bytes
