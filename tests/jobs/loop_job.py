@@ -230,7 +230,7 @@ def kill_inside_saves(kill: dict[str, Any], rank: int, saving: dict[str, int]) -
 
 def _data(cfg: dict[str, Any]) -> dict[str, Any]:
     from lightning_sharding import SyntheticReader
-    from tests.jobs.streams_data import make_streams
+    from tests.support.data.streams import make_streams
 
     if cfg["streams"]:
         return dict(streams=make_streams(cfg["streams"]), samples_per_epoch=cfg["samples_per_epoch"])

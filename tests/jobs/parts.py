@@ -42,7 +42,7 @@ def replica_of(replica: int, trainer: pl.Trainer) -> tuple[int, int]:
 
 def trained_ids(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The samples a batch trains: its ``id`` of rows not flagged as padding; of packed token
-    sequences (tests/jobs/tokens_data.py), every token of rows not flagged, but padding (id 0)."""
+    sequences (tests/support/data/tokens.py), every token of rows not flagged, but padding (id 0)."""
     if "input_ids" not in batch:
         return batch["id"][~batch["is_padding"]]
     tokens = batch["input_ids"][~batch["is_padding"]]
@@ -83,7 +83,7 @@ class RecordingModel(pl.LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.count_weights and not hasattr(self, "w"):
             # One weight per sample (of a mixture too, whose epoch may draw more or fewer); of packed
-            # tokens, one per token id (tests/jobs/tokens_data.py: ids 1..T, 0 pads).
+            # tokens, one per token id (tests/support/data/tokens.py: ids 1..T, 0 pads).
             manifest = self.trainer.datamodule.manifest  # type: ignore[attr-defined]
             packed = [manifest.epochs] if hasattr(manifest.epochs, "packing") else []
             mixture = getattr(manifest.epochs, "mixture", None)  # a mixture's, also under control
@@ -221,7 +221,7 @@ class KillGroupAtStep(pl.Callback):
 
     def _kill(self, trainer: pl.Trainer, moment: str) -> None:
         if moment == self.moment and trainer.global_rank == self.rank and trainer.global_step >= self.step:
-            from tests.jobs.resources import snapshot
+            from tests.support.resources import snapshot
 
             # Python's named semaphores (multiprocessing queues) outlive a killed process group,
             # whose resource tracker dies with it: note them so the test can remove them afterwards.
@@ -253,7 +253,7 @@ class KillHelperAtStep(pl.Callback):
 
 class SnapshotAtStep(pl.Callback):
     """Rank 0, once step ``step`` has completed: meet the other run (``<out>/ready`` and the other's),
-    note what this job's whole process group holds (``<out>/resources.json``, see resources.py),
+    note what this job's whole process group holds (``<out>/resources.json``, see tests/support/resources.py),
     and meet again, so that both notes are taken while both runs are alive."""
 
     def __init__(self, step: int, out: Path, other: Path) -> None:
@@ -270,7 +270,7 @@ class SnapshotAtStep(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_rank != 0 or trainer.global_step != self.step:
             return
-        from tests.jobs.resources import snapshot
+        from tests.support.resources import snapshot
 
         self._meet("ready")
         held = {**snapshot(os.getpgid(0)), "master_port": int(os.environ["MASTER_PORT"])}

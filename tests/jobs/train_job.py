@@ -37,13 +37,13 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
     from lightning_sharding import ShardedDataModule, SyntheticReader
     from lightning_sharding.recipes.synthetic_files import to_regression
     from tests.jobs.parts import SkewedReader, file_reader, replica_of
-    from tests.jobs.windows_data import MonthWindows
+    from tests.support.data.windows import MonthWindows
 
     spec, loading, topology = cfg["data"], cfg["loading"], cfg["topology"]
     transform = None
     data: dict[str, Any] = {}
     if loading["sharding"] == "dispatch":
-        from tests.jobs.sources import make_source, row_to_sample
+        from tests.support.data.sources import make_source, row_to_sample
 
         data = dict(source=make_source(spec["source"]))
         transform = row_to_sample
@@ -51,7 +51,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
         months = sorted(str(p) for p in Path(spec["months"]).glob("month-*.npy"))
         data = dict(reader=MonthWindows(months, window=spec["window"], stride=spec["stride"], halo=spec["halo"]))
     elif spec["tokens"]:
-        from tests.jobs.tokens_data import packed_reader, packed_spec, packed_streams
+        from tests.support.data.tokens import packed_reader, packed_spec, packed_streams
 
         tokens = spec["tokens"]
         if tokens.get("streams"):  # a mixture of token streams, each packed the same way
@@ -61,7 +61,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
         else:
             data = dict(reader=packed_reader(tokens["dir"]), packing=packed_spec(tokens))
     elif spec["streams"]:
-        from tests.jobs.streams_data import make_streams
+        from tests.support.data.streams import make_streams
 
         data = dict(
             streams=make_streams(spec["streams"]),

@@ -39,8 +39,8 @@ from lightning_sharding.recipes.synthetic_files import FORMATS, to_regression, w
 from lightning_sharding.strategies.broadcast import BroadcastLoader, BroadcastStrategy
 from lightning_sharding.strategies.options import LoaderOptions
 from tests.jobs.parts import RecordingModel
-from tests.jobs.sources import ROTATING_QUERY, make_db, row_to_sample
-from tests.jobs.windows_data import MonthWindows, write_months
+from tests.support.data.sources import ROTATING_QUERY, make_db, row_to_sample
+from tests.support.data.windows import MonthWindows, write_months
 from tests.support.harness import cpu_trainer
 
 SIZES = (12, 10, 14)  # samples per file (file readers, synthetic)

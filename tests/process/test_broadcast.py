@@ -22,7 +22,7 @@ from lightning_sharding.core.world import World
 from lightning_sharding.strategies._shared_memory import SHM_DIR
 from lightning_sharding.strategies.broadcast import BroadcastLoader
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.jobs.windows_data import MonthWindows, write_months
+from tests.support.data.windows import MonthWindows, write_months
 from tests.support.harness import (
     START_IDS,
     START_METHODS,

@@ -25,7 +25,7 @@ from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import World
 from lightning_sharding.lightning.dali import DaliStrategy, merge_layout
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.jobs.dali_parts import RecordingReader, add_image
+from tests.support.data.dali import RecordingReader, add_image
 from tests.support.harness import Job, Loading, Topology, Training, assert_exactly_once, check_resume
 
 needs_dali = pytest.mark.needs("nvidia.dali")

@@ -24,7 +24,7 @@ from lightning_sharding.readers.sources import SqliteSource, source_manifest
 from lightning_sharding.strategies._dispatch_process import Chunk, SourceError, Spec, deal
 from lightning_sharding.strategies.dispatch import DispatchLoader
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.jobs.sources import (
+from tests.support.data.sources import (
     ROTATING_QUERY,
     FailingSqlite,
     LogServer,

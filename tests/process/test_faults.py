@@ -35,8 +35,8 @@ from lightning_sharding.recipes.synthetic_files import write_regression
 from lightning_sharding.strategies._helper_deaths import HelperProcessError
 from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.strategies.shard import ShardedLoader
-from tests.jobs.sources import make_db
-from tests.jobs.windows_data import write_months
+from tests.support.data.sources import make_db
+from tests.support.data.windows import write_months
 from tests.support.harness import (
     ROOT,
     START_IDS,

@@ -70,7 +70,7 @@ def manifest_of(streams: Any, samples_per_epoch: int | None) -> Any:
     from lightning_sharding import SyntheticReader
     from lightning_sharding.core.manifest import Manifest
     from lightning_sharding.mixture import MixtureReader
-    from tests.jobs.streams_data import make_streams
+    from tests.support.data.streams import make_streams
 
     if streams:
         return MixtureReader(make_streams(list(streams)), samples_per_epoch).manifest()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lightning_sharding.loading.audit import audit, format_audit
-from tests.jobs.streams_data import planned_ids
+from tests.support.data.streams import planned_ids
 from tests.support.harness import (
     FIRST_MIXTURE_2X2,
     MIXTURE,

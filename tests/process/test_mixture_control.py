@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_sharding.loading.audit import audit, format_audit
-from tests.jobs.streams_data import planned_under_decisions
+from tests.support.data.streams import planned_under_decisions
 from tests.support.harness import (
     Checks,
     Data,
@@ -146,7 +146,7 @@ def test_token_streams_under_a_controller_and_a_schedule_in_tokens_train_each_pl
     schedule over training in tokens (the second corpus alone from token 600, back to both with a
     ramp from token 1,200): 2 x 2 killed, 1 x 2 killed, 2 x 1 to the end of two epochs. Each epoch's
     weights hold every token of its planned sequences as often as the decisions and the schedule plan it."""
-    from tests.jobs.tokens_data import planned_tokens, write_corpus
+    from tests.support.data.tokens import planned_tokens, write_corpus
 
     first = write_corpus(tmp_path / "web", files=3, documents=16)
     total = first + write_corpus(tmp_path / "code", files=2, documents=12, seed=1, first_token=first + 1)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from lightning_sharding.recipes.synthetic_files import write_regression
-from tests.jobs.windows_data import write_months
+from tests.support.data.windows import write_months
 from tests.support.harness import (
     Checks,
     Data,

@@ -2,7 +2,7 @@
 in the weights, with real processes (a Lightning Trainer, DDP over gloo, spawned DataLoader
 workers), across SIGKILL and resume on other ranks x workers, for each packing mode.
 
-The corpus (tests/jobs/tokens_data.py) is four Megatron indexed files whose every token is a
+The corpus (tests/support/data/tokens.py) is four Megatron indexed files whose every token is a
 distinct id, so the model's weight per token id counts how many times each token's gradient was
 applied. Every epoch must add exactly 1 to every token the packing plans (all of them for
 ``concat`` and ``best_fit``; the first ``seq_len`` of each document for ``none``).
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
-from tests.jobs.tokens_data import write_corpus
+from tests.support.data.tokens import write_corpus
 from tests.support.harness import (
     Checks,
     Data,

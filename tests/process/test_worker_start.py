@@ -35,11 +35,11 @@ SCRIPT = textwrap.dedent(
     from lightning_sharding.core.world import World
     from lightning_sharding.strategies.options import LoaderOptions
     from lightning_sharding.strategies.shard import ShardedLoader
-    from tests.jobs import start_probe
+    from tests.support.data import worker_probe
 
 
     def samples(method):
-        reader = start_probe.ProbeReader()
+        reader = worker_probe.ProbeReader()
         manifest = Manifest.from_items(reader.items())
         ledger = Ledger(seed=1, total=manifest.total, manifest=manifest.summary())
         options = LoaderOptions(batch_size=4, num_workers=2, multiprocessing_context=method, shuffle=False)
@@ -55,8 +55,8 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         method = None if sys.argv[1] == "default" else sys.argv[1]
-        start_probe.MARKER = "changed by the training process"
-        start_probe.LOCK.acquire()  # held by the training process while its workers read
+        worker_probe.MARKER = "changed by the training process"
+        worker_probe.LOCK.acquire()  # held by the training process while its workers read
         rows = samples(method)
         servers = sorted({r["ppid"] for r in rows} - {os.getpid()})
         preloaded = [open(f"/proc/{p}/cmdline").read() for p in servers]
@@ -89,7 +89,7 @@ def test_default_workers_come_from_a_preloaded_forkserver_that_shares_no_memory_
     assert len(probe["preloaded"]) == 1 and all(r["ppid"] != probe["me"] for r in rows)
     server = probe["preloaded"][0]
     assert "multiprocessing.forkserver" in server, server
-    for module in ("torch", "lightning_sharding.strategies.shard", "tests.jobs.start_probe", "numpy"):
+    for module in ("torch", "lightning_sharding.strategies.shard", "tests.support.data.worker_probe", "numpy"):
         assert f"'{module}'" in server, f"{module} is not preloaded: {server}"
     assert "'colorsys'" not in server, "a module of the script outside the known-safe packages was preloaded"
     # Nothing of the training process's memory: the global as imported, the lock free.

@@ -105,12 +105,12 @@ class Data:
     # A file reader: {"format": "tar"|..., "urls": ..., "storage_options": ...} (tests/jobs/parts.py::file_reader);
     # files written by lightning_sharding.recipes.synthetic_files.write_regression (ids 0..N-1 in file order).
     files: dict[str, Any] | None = None
-    months: str | None = None  # broadcast: a directory of month-NN.npy files (tests/jobs/windows_data.py)
+    months: str | None = None  # broadcast: a directory of month-NN.npy files (tests/support/data/windows.py)
     window: int = 4
     stride: int = 1
     halo: bool = False
-    source: dict[str, Any] | None = None  # strategy "dispatch": see tests/jobs/sources.py::make_source
-    # A mixture (tests/jobs/streams_data.py): [{"name", "sizes", "weight"|...: v}]
+    source: dict[str, Any] | None = None  # strategy "dispatch": see tests/support/data/sources.py::make_source
+    # A mixture (tests/support/data/streams.py): [{"name", "sizes", "weight"|...: v}]
     streams: tuple[dict[str, Any], ...] | None = None
     samples_per_epoch: int | None = None
     batch_composition: str = "mixed"
@@ -119,7 +119,7 @@ class Data:
     # A MixtureController (tests/jobs/parts.py::controller_of): {"every": steps, "policy": "rotate" | None,
     # "decisions": [...] to replay}; its segment writes the ledger's decisions to <out>/decisions-<segment>.json.
     controller: dict[str, Any] | None = None
-    # Packed token sequences (tests/jobs/tokens_data.py): {"dir", "seq_len", "mode"}, or "streams":
+    # Packed token sequences (tests/support/data/tokens.py): {"dir", "seq_len", "mode"}, or "streams":
     # [dir, ...] for a mixture of token streams; every token of the corpora is a distinct id, so a
     # token id is the token's identity (ids 1..T, 0 pads).
     tokens: dict[str, Any] | None = None

@@ -32,7 +32,7 @@ from lightning_sharding.strategies import (
     strategy_names,
 )
 from lightning_sharding.train import build_datamodule
-from tests.jobs.windows_data import write_months
+from tests.support.data.windows import write_months
 from tests.support.extras import require
 
 BUILT_IN = (ShardStrategy, BroadcastStrategy, DispatchStrategy, DaliStrategy)

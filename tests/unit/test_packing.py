@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lightning_sharding import ShardedDataModule
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.tokens import IndexedTokens, PackedEpochs, PackedReader, Packing, TokenFiles, write_indexed
-from tests.jobs.tokens_data import write_corpus
+from tests.support.data.tokens import write_corpus
 
 
 def coverage(epochs: PackedEpochs, seed: int, epoch: int) -> np.ndarray:

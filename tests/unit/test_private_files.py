@@ -27,7 +27,7 @@ from lightning_sharding.readers import NpyWindows
 from lightning_sharding.readers.cache import ShardCache
 from lightning_sharding.strategies import _shared_memory as shared_memory
 from lightning_sharding.strategies import get_strategy
-from tests.jobs.windows_data import write_months
+from tests.support.data.windows import write_months
 
 OTHER_UID = 65534  # nobody
 

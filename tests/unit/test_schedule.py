@@ -14,7 +14,7 @@ from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture import MixtureReader, layout_of_summary
 from lightning_sharding.mixture.schedule import Phased
-from tests.jobs.streams_data import make_streams
+from tests.support.data.streams import make_streams
 
 STREAMS = [
     {"name": "web", "sizes": [37, 41, 29], "weight": 3},  # 107 samples

@@ -64,7 +64,7 @@ def test_loader_options_are_attributes_that_are_checked_when_set() -> None:
 
 def test_a_strategy_that_reads_a_source_in_its_order_turns_shuffle_off(tmp_path: Path) -> None:
     from lightning_sharding.readers.sources import SqliteSource
-    from tests.jobs.sources import make_db
+    from tests.support.data.sources import make_db
 
     source = SqliteSource(make_db(tmp_path / "rows.sqlite", 8), "SELECT id FROM samples ORDER BY id")
     dm = ShardedDataModule(source=source, sharding="dispatch")

@@ -25,8 +25,8 @@ from lightning_sharding.core.world import World
 from lightning_sharding.readers.sources import SqliteSource
 from lightning_sharding.strategies import EpochSampler, Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies.options import LoaderOptions
-from tests.jobs.sources import make_db, row_to_sample
-from tests.jobs.windows_data import MonthWindows, write_months
+from tests.support.data.sources import make_db, row_to_sample
+from tests.support.data.windows import MonthWindows, write_months
 from tests.support.extras import require
 
 SEED = 5
@@ -205,14 +205,14 @@ def ordered_data(kind: str, tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
         data: Any = SyntheticReader(sizes=[11, 17, 3, 13, 9])
     elif kind == "packed":
         from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
-        from tests.jobs.tokens_data import write_corpus
+        from tests.support.data.tokens import write_corpus
 
         write_corpus(tmp_path, files=3, documents=7)
         data = PackedReader(IndexedTokens(f"{tmp_path}/part-*.idx"), Packing(8, "concat"))
     elif kind == "packed_mixture":  # two token streams, packed, at shares that repeat one and sample the other
         from lightning_sharding.mixture import MixtureReader, Stream
         from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
-        from tests.jobs.tokens_data import write_corpus
+        from tests.support.data.tokens import write_corpus
 
         write_corpus(tmp_path / "a", files=2, documents=9)
         write_corpus(tmp_path / "b", files=1, documents=6, seed=1)

@@ -15,7 +15,7 @@ from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.windows import NpyWindows, WindowedReader
-from tests.jobs.windows_data import write_months
+from tests.support.data.windows import write_months
 
 CTX = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, epoch=0, seed=0)
 
