@@ -11,14 +11,12 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_sharding.config.schemas import SCHEMAS
-
-if TYPE_CHECKING:
-    from lightning_sharding.strategies import Strategy
+from lightning_sharding.strategies import Strategy, get_strategy, strategy_names
 
 
 class ConfigError(ValueError):
@@ -36,8 +34,6 @@ def _choice(cfg: DictConfig, group: str) -> str:
 
 def check_config(cfg: DictConfig) -> None:
     """Refuse what the groups cannot do together, naming both keys; runs before any data is read."""
-    from lightning_sharding.strategies import get_strategy, strategy_names  # imports torch: not at import time
-
     check_keys(cfg)
     name = cfg.sharding.name
     if name not in strategy_names():
@@ -73,19 +69,15 @@ def check_config(cfg: DictConfig) -> None:
             f"sharding={name} needs a reader that can window (data=months, a WindowedReader), "
             f"but {_choice(cfg, 'data')} reads single samples: use sharding=shard, or a windowed data option"
         )
-    if data.on_error == "skip" and not strategy.skips_errors:
-        skippers = _names(lambda s: s.skips_errors)
-        raise ConfigError(
-            f"data.on_error='skip' works with {' or '.join(f'sharding={n}' for n in skippers)} only, "
-            f"not {name!r}: set data.on_error=raise or use {_options(lambda s: s.skips_errors)}"
-        )
-    allowed = strategy.even_batch_policies
-    if data.even_batches not in allowed:
-        elsewhere = _options(lambda s: data.even_batches in s.even_batch_policies)
-        raise ConfigError(
-            f"data.even_batches={data.even_batches!r} is not available with sharding={name}; "
-            f"choose one of {list(allowed)}" + (f" ({data.even_batches} needs {elsewhere})" if elsewhere else "")
-        )
+    for key in ("on_error", "even_batches"):  # the loader options a data config sets, as the strategy takes them
+        value = data[key]
+        reason = strategy.refusal(key, value)
+        if reason is not None:
+            takers = _options(lambda s: s.refusal(key, value) is None)  # noqa: B023 - called at once
+            other = {"on_error": "set data.on_error=raise", "even_batches": "set data.even_batches=pad"}[key]
+            raise ConfigError(
+                f"data.{key}={data[key]!r}: sharding={name} {reason}; {other}" + (f" or use {takers}" if takers else "")
+            )
     if data.batch_size < 1:
         raise ConfigError(f"data.batch_size={data.batch_size} must be a positive number of samples per rank")
     if data.num_workers < 0:
@@ -158,8 +150,6 @@ def _trainer_arguments() -> set[str]:
 
 def _names(which: Callable[[Strategy], bool]) -> list[str]:
     """The names of the registered strategies that ``which`` picks."""
-    from lightning_sharding.strategies import get_strategy, strategy_names
-
     return [name for name in strategy_names() if which(get_strategy(name))]
 
 

@@ -32,7 +32,7 @@ from lightning_sharding.readers.sources import Source
 from lightning_sharding.strategies import Strategy, TrainLoader, get_strategy, strategy_names
 from lightning_sharding.strategies._shared_memory import sweep_dead
 from lightning_sharding.strategies._start import worker_context
-from lightning_sharding.strategies.base import strategies_taking, strategies_where
+from lightning_sharding.strategies.base import refusal_message, strategies_taking, strategies_where
 from lightning_sharding.strategies.options import BatchTransform, LoaderOptions, OnError, Transform
 from lightning_sharding.tokens import PackedReader, Packing
 
@@ -203,7 +203,7 @@ class LoadingEngine:
         sweep_dead()
         self.strategy.check(self.options, data, owner=self.owner)
         self.data = data
-        if self.options.num_workers > 0 and "multiprocessing_context" not in self.strategy.fixed_options:
+        if self.options.num_workers > 0 and self.strategy.refusal("multiprocessing_context", "forkserver") is None:
             # The forkserver (the default start method) imports while the ranks list, plan and restore.
             options = self.options
             used = (self.strategy, data, options.transform, options.batch_transform, options.collate_fn)
@@ -221,11 +221,10 @@ class LoadingEngine:
 
     def start_control(self, decisions: list[Decision] | None) -> None:
         """Put the mixture's epochs under online control, from ``decisions`` to replay (after :meth:`setup`)."""
-        if not self.strategy.replans:
-            raise ValueError(
-                f"a MixtureController replans the epoch mid-pass, which sharding={self.strategy.name!r} "
-                f"cannot: use {strategies_where(lambda s: s.replans)}"
-            )
+        reason = self.strategy.refusal("mixture_control", True)
+        if reason is not None:
+            name = self.strategy.name
+            raise ValueError(f"a MixtureController: {refusal_message(name, 'mixture_control', True, reason)}")
         self._keeper().start_control(decisions)
 
     def _shared_seed(self, broadcast: Broadcast | None) -> int:

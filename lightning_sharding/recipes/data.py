@@ -28,6 +28,8 @@ _PASSED = (
     "on_error",
     "allow_data_change",
 )
+# The DataLoader settings of a recipe that a strategy with workers of its own (dali) does without.
+_WORKER_SETTINGS = ("persistent_workers", "multiprocessing_context")
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -78,8 +80,9 @@ def datamodule(
     strategy = get_strategy(settings.pop("name"), **settings)  # built here: its fixed options are left out
     kwargs = {key: options[key] for key in _PASSED}
     kwargs["persistent_workers"] = bool(options["persistent_workers"]) and options["num_workers"] > 0
-    for fixed in strategy.fixed_options:  # DataLoader options a strategy runs without (dali's own workers)
-        kwargs.pop(fixed, None)
+    for key in _WORKER_SETTINGS:  # DataLoader settings a strategy runs without (dali's own workers)
+        if strategy.refusal(key, kwargs.get(key)) is not None:
+            kwargs.pop(key, None)
     kwargs["root_map"] = dict(options.get("root_map") or {})
     return ShardedDataModule(
         reader,

@@ -12,8 +12,10 @@ Strategies are looked up by name in a registry that users may add to with
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Generic, Literal, Protocol, runtime_checkable
@@ -140,16 +142,16 @@ class TrainLoader(ABC, Generic[SamplerT]):
 class Strategy(ABC):
     """How one rank reads: the rules of a strategy and the builder of its loaders.
 
-    Class attributes: ``name`` (the registry key), ``takes`` (``"reader"``, ``"windows"`` for a
+    Class attributes, what the engine and the planner must know: ``name`` (the registry key),
+    ``takes`` (``"reader"``, ``"windows"`` for a
     :class:`~lightning_sharding.readers.windows.WindowedReader`, or ``"source"`` for a
-    :class:`~lightning_sharding.readers.sources.Source`), ``even_batch_policies``, ``skips_errors`` (whether
-    ``on_error="skip"`` works), ``worker_layout`` (how a rank's batches go to its workers),
-    ``shuffles`` (whether ``shuffle`` applies), ``mixes`` (whether it reads a mixture of
-    ``streams``: it plans by the manifest's order), ``compositions`` (the mixture batch compositions
-    it plans), ``packs`` (whether its workers build batches of packed sequences, from a reader
-    that :attr:`~lightning_sharding.readers.base.Reader.reads_sequences`), ``replans`` (whether its
-    loader plans the rest of a pass again when a mixture decision changes the order), ``fixed_options`` (loader
-    options that do not apply) and the reasons said when an option or ``on_error="skip"`` is refused.
+    :class:`~lightning_sharding.readers.sources.Source`), ``worker_layout`` (how a rank's batches go
+    to its workers) and ``shuffles`` (whether ``shuffle`` applies: a source is read in its own order).
+
+    What a strategy takes beyond the defaults it says in one place, :meth:`refusal`, asked for each
+    loader option that differs from its default and for what the data asks (a mixture, packed
+    sequences, a mixture controller). A refusal names the owner, the argument, the reason and the
+    strategies that would take it.
 
     What only this strategy uses is a setting of its own, an argument of its constructor
     (``ShardStrategy(transport="torch")``), returned by :meth:`settings`; a name picks the strategy with
@@ -158,17 +160,12 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     takes: ClassVar[Takes] = "reader"
-    even_batch_policies: ClassVar[tuple[str, ...]] = ("pad", "drop")
-    skips_errors: ClassVar[bool] = False
     worker_layout: ClassVar[WorkerLayout] = "runs"
     shuffles: ClassVar[bool] = True
-    mixes: ClassVar[bool] = False
-    packs: ClassVar[bool] = False
-    replans: ClassVar[bool] = False  # its loader can plan a pass again mid-way (a MixtureController's decision)
-    compositions: ClassVar[tuple[str, ...]] = ("mixed",)
-    fixed_options: ClassVar[tuple[str, ...]] = ("batch_transform",)  # a strategy that runs it says so
-    no_skip_reason: ClassVar[str] = ""
-    fixed_reason: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _adopt_flags(cls)
 
     def __eq__(self, other: object) -> bool:
         # `dm.strategy == "shard"` keeps working now that `dm.strategy` is a Strategy.
@@ -185,50 +182,49 @@ class Strategy(ABC):
         """This strategy's own settings, by the names its constructor takes them under."""
         return {}
 
+    @classmethod
+    def refusal(cls, setting: str, value: Any) -> str | None:
+        """Why this strategy cannot take ``setting=value``, as words that follow "strategy NAME"
+        (``"does not read a mixture of streams"``); ``None`` when it can.
+
+        Asked for every loader option whose value differs from its default (``even_batches``,
+        ``on_error``, ``batch_transform``, ``persistent_workers``, ...), and for what the data asks:
+        ``streams`` (a mixture; the value is its batch composition), ``packing`` (packed sequences)
+        and ``mixture_control`` (a ``MixtureController`` that replans a pass mid-way). The base
+        strategy takes every option at its default, ``even_batches`` ``"pad"`` or ``"drop"``, and
+        none of the rest. Override it to take more, and return ``super().refusal(...)`` for the rest.
+        """
+        if setting == "even_batches":
+            return None if value in _PLAIN_EVEN_BATCHES else f"plans only {list(_PLAIN_EVEN_BATCHES)} batches"
+        if setting == "on_error":
+            return None if value == "raise" else "cannot fill the place of a skipped sample"
+        return _REFUSED.get(setting)
+
     def check(self, options: LoaderOptions, data: object = None, owner: str = "ShardedDataModule") -> None:
-        """Raise a ValueError or TypeError naming ``owner``'s argument at fault: a policy or option this
-        strategy does not support, or data of the wrong kind (``data`` None is not checked)."""
-        if options.even_batches not in self.even_batch_policies:
-            raise ValueError(
-                f"`{owner}(even_batches={options.even_batches!r})` must be one of {list(self.even_batch_policies)}"
-            )
-        if options.on_error == "skip" and not self.skips_errors:
-            skippers = strategies_where(lambda s: s.skips_errors)
-            reason = f": {self.no_skip_reason}" if self.no_skip_reason else ""
-            raise ValueError(f"`{owner}(on_error='skip')` works with {skippers} only, not {self.name!r}{reason}")
+        """Raise a ValueError or TypeError naming ``owner``'s argument at fault: an option this strategy
+        does not take (:meth:`refusal`), or data of the wrong kind (``data`` None is not checked)."""
         default = LoaderOptions()
-        for key in self.fixed_options:
-            if getattr(options, key) != getattr(default, key):
-                reason = self.fixed_reason or f"strategy {self.name!r} does not use it"
-                raise ValueError(f"`{owner}({key}={getattr(options, key)!r})` does not apply: {reason}")
+        for key in (f.name for f in dataclasses.fields(options)):
+            value = getattr(options, key)
+            if value != getattr(default, key):
+                self._refuse(owner, key, value, f"{key}={value!r}")
         if data is not None:
             self.check_data(data, owner)
 
     def check_data(self, data: object, owner: str) -> None:
-        """Raise a TypeError when ``data`` is not what this strategy ``takes``."""
+        """Raise when ``data`` asks what this strategy does not take, or is not what it ``takes``."""
+        from lightning_sharding.mixture import MixtureReader
         from lightning_sharding.readers.base import Reader
         from lightning_sharding.readers.sources import Source
         from lightning_sharding.readers.windows import WindowedReader
 
+        if isinstance(data, MixtureReader):
+            self._refuse(owner, "streams", "mixed", "streams=...")
+            composition = getattr(data, "composition", "mixed")
+            self._refuse(owner, "streams", composition, f"batch_composition={composition!r}")
+        if getattr(data, "reads_sequences", False):
+            self._refuse(owner, "packing", True, "packing=...")
         wanted: type = {"reader": Reader, "windows": WindowedReader, "source": Source}[self.takes]
-        from lightning_sharding.mixture import MixtureReader
-
-        if isinstance(data, MixtureReader) and not self.mixes:
-            raise ValueError(
-                f"`{owner}(streams=...)`: strategy {self.name!r} does not read a mixture of streams; "
-                f"use {strategies_where(lambda s: s.mixes)}"
-            )
-        if getattr(data, "reads_sequences", False) and not self.packs:
-            raise ValueError(
-                f"`{owner}(packing=...)`: strategy {self.name!r} does not read packed sequences; "
-                f"use {strategies_where(lambda s: s.packs)}"
-            )
-        composition = getattr(data, "composition", "mixed")
-        if isinstance(data, MixtureReader) and composition not in self.compositions:
-            raise ValueError(
-                f"`{owner}(batch_composition={composition!r})`: strategy {self.name!r} plans only "
-                f"{list(self.compositions)} batches; use {strategies_where(lambda s: composition in s.compositions)}"
-            )
         if not isinstance(data, wanted):
             example = {"reader": "", "windows": " (such as NpyWindows)", "source": " (such as SqliteSource)"}
             argument = "source" if self.takes == "source" else "reader"
@@ -236,6 +232,12 @@ class Strategy(ABC):
                 f"`{owner}({argument}=...)`: strategy {self.name!r} needs a {wanted.__name__}{example[self.takes]}, "
                 f"got {type(data).__name__}"
             )
+
+    def _refuse(self, owner: str, setting: str, value: Any, given: str) -> None:
+        """Raise when this strategy refuses ``setting=value``, naming ``owner(given)`` and the takers."""
+        reason = self.refusal(setting, value)
+        if reason is not None:
+            raise ValueError(f"`{owner}({given})`: {refusal_message(self.name, setting, value, reason)}")
 
     def manifest(self, data: Any, batch_size: int | None = None) -> Manifest:
         """The manifest of the training data (a reader's items and mixture, whose blocks take
@@ -295,6 +297,63 @@ def register_strategy(cls: S) -> S:
         )
     _REGISTRY[name] = cls
     return cls
+
+
+_PLAIN_EVEN_BATCHES = ("pad", "drop")
+_REFUSED = {  # what the base strategy does not take, whatever the value (see Strategy.refusal)
+    "batch_transform": "does not run a batch transform",
+    "streams": "does not read a mixture of streams",
+    "packing": "does not read packed sequences",
+    "mixture_control": "cannot replan a pass mid-way (a MixtureController's decision)",
+}
+
+
+def refusal_message(name: str, setting: str, value: Any, reason: str) -> str:
+    """``strategy NAME REASON; use sharding='shard'``: the strategies that take ``setting=value``."""
+    takers = strategies_where(lambda s: s.refusal(setting, value) is None)
+    return f"strategy {name!r} {reason}" + (f"; use {takers}" if takers != "no strategy" else "")
+
+
+# The class attributes a strategy declared its rules with before 0.2 (now `Strategy.refusal`).
+_FLAGS = ("even_batch_policies", "skips_errors", "mixes", "packs", "replans", "compositions", "fixed_options")
+_FLAG_REASONS = ("no_skip_reason", "fixed_reason")
+
+
+def _adopt_flags(cls: type[Strategy]) -> None:
+    """Give a strategy that declares the flags of 0.1 (``fixed_options = (...)``) a :meth:`refusal` that
+    reads them, with a DeprecationWarning naming the new spelling; 0.3 removes this."""
+    declared = {key: cls.__dict__[key] for key in _FLAGS + _FLAG_REASONS if key in cls.__dict__}
+    if not declared or "refusal" in cls.__dict__:
+        return
+    warnings.warn(
+        f"strategy {cls.__name__} declares {sorted(declared)}: since 0.2 a strategy says what it takes in "
+        "`refusal(setting, value)` (see docs/how-to/own-strategy.md); the flags work until 0.3",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    flags = {key: getattr(cls, key) for key in _FLAGS + _FLAG_REASONS if hasattr(cls, key)}
+    parent = cls.__mro__[1].refusal  # type: ignore[attr-defined]
+
+    def refusal(owner: type[Strategy], setting: str, value: Any) -> str | None:
+        if setting == "even_batches" and "even_batch_policies" in flags:
+            allowed = tuple(flags["even_batch_policies"])
+            return None if value in allowed else f"plans only {list(allowed)} batches"
+        if setting == "on_error" and "skips_errors" in flags:
+            skip = value == "raise" or flags["skips_errors"]
+            return None if skip else flags.get("no_skip_reason") or "cannot fill the place of a skipped sample"
+        if setting == "streams" and ("mixes" in flags or "compositions" in flags):
+            if not flags.get("mixes", True):
+                return _REFUSED[setting]
+            compositions = tuple(flags.get("compositions", ("mixed",)))
+            return None if value in compositions else f"plans only {list(compositions)} batches"
+        flag = {"packing": "packs", "mixture_control": "replans"}.get(setting, "")
+        if flag in flags:
+            return None if flags[flag] else _REFUSED[setting]
+        if "fixed_options" in flags and setting in LoaderOptions.__dataclass_fields__:
+            return (flags.get("fixed_reason") or "does not use it") if setting in flags["fixed_options"] else None
+        return parent.__func__(owner, setting, value)  # type: ignore[no-any-return]
+
+    cls.refusal = classmethod(refusal)  # type: ignore[method-assign, assignment]
 
 
 def strategies_where(which: Callable[[type[Strategy]], bool]) -> str:

@@ -245,9 +245,16 @@ class BroadcastStrategy(Strategy):
     name = "broadcast"
     takes = "windows"
     worker_layout = "interleaved"
-    no_skip_reason = (
-        "a window is cut from an item already loaded, so an unreadable item fails when it is loaded, naming it"
-    )
+
+    @classmethod
+    @override
+    def refusal(cls, setting: str, value: Any) -> str | None:
+        if setting == "on_error" and value != "raise":
+            return (
+                "cannot skip a sample: a window is cut from an item already loaded, so an unreadable item "
+                "fails when it is loaded, naming it"
+            )
+        return super().refusal(setting, value)
 
     def __init__(self, *, prefetch_items: int = 1, transport: Transport = "pool") -> None:
         if isinstance(prefetch_items, bool) or not isinstance(prefetch_items, int) or prefetch_items < 0:

@@ -216,21 +216,23 @@ class DaliStrategy(Strategy):
     """
 
     name = "dali"
-    mixes = True
-    fixed_options = (
-        "collate_fn",
-        "batch_transform",
-        "persistent_workers",
-        "prefetch_factor",
-        "pin_memory",
-        "multiprocessing_context",
-    )
-    fixed_reason = (
-        "DALI assembles batches and runs its own workers; set its pipeline with "
-        "DaliDataModule(prefetch_queue_depth=..., py_start_method=...) "
-        "or sharding=DaliStrategy(prefetch_queue_depth=..., py_start_method=...)"
-    )
-    no_skip_reason = "a DALI pipeline cannot fill the place of a skipped sample"
+    # The DataLoader settings a DALI pipeline does without: it assembles batches and runs its own workers.
+    _NOT_USED = ("collate_fn", "batch_transform", "persistent_workers", "prefetch_factor", "pin_memory")
+
+    @classmethod
+    @override
+    def refusal(cls, setting: str, value: Any) -> str | None:
+        if setting in cls._NOT_USED or setting == "multiprocessing_context":
+            return (
+                "assembles batches and runs its own workers; set its pipeline with "
+                "DaliDataModule(prefetch_queue_depth=..., py_start_method=...) "
+                "or sharding=DaliStrategy(prefetch_queue_depth=..., py_start_method=...)"
+            )
+        if setting == "on_error":
+            return None if value == "raise" else "cannot fill the place of a skipped sample in a DALI pipeline"
+        if setting == "streams":  # a mixture, of mixed batches
+            return None if value == "mixed" else "plans only ['mixed'] batches"
+        return super().refusal(setting, value)
 
     def __init__(
         self,

@@ -279,9 +279,16 @@ class DispatchStrategy(Strategy):
 
     name = "dispatch"
     takes = "source"
-    even_batch_policies = ("pad", "drop", "sync")
     shuffles = False
-    no_skip_reason = "an element of a source cannot be read again to fill its place"
+
+    @classmethod
+    @override
+    def refusal(cls, setting: str, value: Any) -> str | None:
+        if setting == "even_batches" and value == "sync":  # the ranks end an epoch together (see deal)
+            return None
+        if setting == "on_error" and value != "raise":
+            return "cannot skip a sample: an element of a source cannot be read again to fill its place"
+        return super().refusal(setting, value)
 
     @override
     def manifest(self, data: Any, batch_size: int | None = None) -> Manifest:

@@ -36,13 +36,13 @@ class LoaderOptions:
         num_workers: DataLoader worker processes per rank (0 loads in the training process).
         shuffle: permute items and samples every epoch.
         even_batches: ``"pad"``, ``"drop"`` or (strategy ``dispatch``) ``"sync"``; which ones a
-            strategy allows is its ``even_batch_policies``.
+            strategy takes it says in ``Strategy.refusal``.
         transform: ``transform(sample, SampleContext) -> sample``, run per sample in the worker.
         collate_fn: turns a list of samples into a batch (PyTorch's default collate).
         batch_transform: ``batch_transform(batch, BatchContext) -> batch``, run in the worker on the
             collated batch (or the columns of a batch-level reader), one row per sample in and out.
         padding_key: the key of the padding flags added to dict batches; ``None`` adds none.
-        on_error: ``"raise"`` or ``"skip"`` (strategies whose ``skips_errors`` is true).
+        on_error: ``"raise"`` or ``"skip"`` (the strategies that take it: ``shard``).
         persistent_workers, prefetch_factor, pin_memory, timeout: passed to the DataLoader.
         multiprocessing_context: how workers start: ``None`` (the default) is ``"forkserver"`` with
             torch, the package and the modules of the reader and the script preloaded

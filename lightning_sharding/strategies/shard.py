@@ -376,12 +376,16 @@ class ShardStrategy(Strategy):
     """
 
     name = "shard"
-    fixed_options = ()  # every option applies, batch_transform too
-    mixes = True
-    packs = True  # its workers' PlannedBatches hand a packing reader the order's positions
-    replans = True  # ShardedLoader.switch_order: the sampler deals the new plan's tasks from the next one
-    compositions = COMPOSITIONS
-    skips_errors = True
+
+    @classmethod
+    @override
+    def refusal(cls, setting: str, value: Any) -> str | None:
+        # Every option applies, batch_transform and on_error="skip" too; a mixture of any composition,
+        # packed sequences (its workers' PlannedBatches hand a packing reader the order's positions) and
+        # a MixtureController's replans (ShardedLoader.switch_order deals the new plan's tasks).
+        if setting == "streams" and value not in COMPOSITIONS:
+            return f"plans only {list(COMPOSITIONS)} batches"
+        return None if setting != "even_batches" else super().refusal(setting, value)
 
     def __init__(self, *, transport: Transport = "pool") -> None:
         check_transport(transport, type(self).__name__)

@@ -180,7 +180,10 @@ def test_the_datamodule_refuses_a_composition_without_streams_or_with_a_strategy
 
     class Blocked(type(get_strategy("shard"))):  # a strategy that mixes but plans only mixed batches
         name = "mixed_only"
-        compositions = ("mixed",)
+
+        @classmethod
+        def refusal(cls, setting: str, value: object) -> str | None:
+            return "plans only ['mixed'] batches" if setting == "streams" and value != "mixed" else None
 
     with pytest.raises(ValueError, match=r"strategy 'mixed_only' plans only \['mixed'\] batches; use .*'shard'"):
         Blocked().check_data(dm.make_reader(), "ShardedDataModule")

@@ -119,3 +119,36 @@ def test_a_class_of_a_fileless_main_is_refused_for_new_processes(monkeypatch: py
         check_picklable("DataLoader workers started with forkserver", "", reader=Cell())
     with pytest.raises(ValueError, match=r"multiprocessing_context='Fork'.*must be one of"):
         LoaderOptions(multiprocessing_context="Fork").check("ShardedDataModule")
+
+
+def test_a_strategy_says_what_it_takes_in_refusal_and_each_refusal_names_the_strategies_that_take_it() -> None:
+    # The built-in rules, asked the one way: None is taken, a string is the reason.
+    assert get_strategy("shard").refusal("on_error", "skip") is None
+    assert get_strategy("dispatch").refusal("even_batches", "sync") is None
+    assert get_strategy("shard").refusal("even_batches", "sync") == "plans only ['pad', 'drop'] batches"
+    assert get_strategy("broadcast").refusal("streams", "mixed") == "does not read a mixture of streams"
+    assert get_strategy("dali").refusal("streams", "mixed") is None
+    assert get_strategy("dali").refusal("streams", "stratified") == "plans only ['mixed'] batches"
+    assert get_strategy("dali").refusal("pin_memory", True) is not None
+    for name in ("broadcast", "dispatch", "dali"):
+        with pytest.raises(ValueError, match=rf"on_error='skip'\)`: strategy '{name}' cannot .*; use sharding='shard'$"):
+            get_strategy(name).check(LoaderOptions(on_error="skip"))
+    with pytest.raises(ValueError, match=r"even_batches='sync'\)`: strategy 'shard' plans only .*; use sharding='dispatch'"):
+        get_strategy("shard").check(LoaderOptions(even_batches="sync"))
+
+
+def test_a_strategy_of_0_1_that_declares_flags_still_works_and_is_told_the_new_spelling() -> None:
+    with pytest.warns(DeprecationWarning, match=r"declares \['fixed_options', 'fixed_reason', 'skips_errors'\].*refusal"):
+
+        class OldStyle(ShardStrategy):  # as docs/how-to/own-strategy.md wrote it in 0.1
+            name = "test_old_style"
+            fixed_options = ("num_workers", "transform", "batch_transform")
+            fixed_reason = "reads in the training process"
+            skips_errors = False
+
+    assert OldStyle.refusal("num_workers", 2) == "reads in the training process"
+    assert OldStyle.refusal("on_error", "skip") == "cannot fill the place of a skipped sample"
+    assert OldStyle.refusal("pin_memory", True) is None  # not among its fixed options
+    assert OldStyle.refusal("streams", "mixed") is None  # inherited from the shard strategy
+    with pytest.raises(ValueError, match=r"num_workers=2\)`: strategy 'test_old_style' reads in the training process"):
+        OldStyle().check(LoaderOptions(num_workers=2))

@@ -250,8 +250,8 @@ def ordered_data(kind: str, tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
         if get_strategy(name).takes == "reader"
         and (
             kind == "plain"
-            or (kind.startswith("packed") and get_strategy(name).packs)
-            or (get_strategy(name).mixes and COMPOSITION[kind] in get_strategy(name).compositions)
+            or (kind.startswith("packed") and get_strategy(name).refusal("packing", True) is None)
+            or (not kind.startswith("packed") and get_strategy(name).refusal("streams", COMPOSITION[kind]) is None)
         )
     ],
 )
