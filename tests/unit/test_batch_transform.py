@@ -78,7 +78,10 @@ def test_a_failing_or_row_changing_batch_transform_names_the_batch() -> None:
 
 
 def test_strategies_that_do_not_run_it_refuse_it_by_name() -> None:
-    with pytest.raises(ValueError, match=r"batch_transform=.*\)`: strategy 'broadcast' does not run a batch transform; use sharding='shard'"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch_transform=.*\)`: strategy 'broadcast' does not run a batch transform; use sharding='shard'",
+    ):
         ShardedDataModule(batch_transform=scale, sharding="broadcast")
     with pytest.raises(ValueError, match=r"`ShardedDataModule\(batch_transform=3\)` must be a function"):
         ShardedDataModule(SyntheticReader(1, 4), batch_transform=3)  # type: ignore[arg-type]
