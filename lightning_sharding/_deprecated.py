@@ -57,6 +57,8 @@ MOVED: dict[str, tuple[str, str]] = {
     "lightning.summary": ("loading.summary", "0.2"),
     "lightning.loop": ("loading.loop", "0.2"),
     "distributed.agreement": ("loading.agreement", "0.2"),
+    # one word per meaning (issue 52): a stream is one source of a mixture
+    "recipes.stream": ("recipes.sqlite", "0.2"),
 }
 
 

@@ -12,6 +12,7 @@ import difflib
 import os
 import re
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import hydra
@@ -49,9 +50,13 @@ def __getattr__(name: str) -> Any:
 
 
 def build_datamodule(cfg: DictConfig) -> ShardedDataModule:
-    """Instantiate ``cfg.data`` with the ``sharding`` options and the audit directory."""
+    """Instantiate ``cfg.data`` with the ``sharding`` options and the audit directory (a recipe's old
+    name, ``recipe=stream``, warned: :func:`renamed_recipe`)."""
     from lightning_sharding.lightning.datamodule import ShardedDataModule
 
+    said = renamed_recipe(cfg)
+    if said is not None:
+        warnings.warn(said, DeprecationWarning, stacklevel=2)
     sharding = OmegaConf.to_container(cfg.sharding, resolve=True)
     audit_dir = cfg.audit.dir if cfg.audit.enabled else None
     dm = instantiate(cfg.data, sharding=sharding, audit_dir=audit_dir, _convert_="all")
@@ -161,6 +166,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:  # each job of a sweep keeps its checkpoints and logs apart
         cfg.out_dir = hydra_cfg.runtime.output_dir  # <out_dir>/multirun/<date>_<time>/<job number>
+    said = renamed_recipe(cfg)
+    if said is not None and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
+        print(f"{PROG}: warning: {said}", file=sys.stderr)
     try:
         check_config(cfg)  # a bad value is said before Lightning is imported
         _log_through_hydra()
@@ -235,6 +243,17 @@ MOVED_KEYS = {
     "data.transport": "sharding.transport (a setting of the shard and broadcast strategies)",
     "sharding.strategy": "sharding=NAME, which picks the strategy with its settings (its key is sharding.name)",
 }
+
+
+def renamed_recipe(cfg: DictConfig) -> str | None:
+    """What to tell the user of a recipe's old name, taken out of ``cfg`` (then the job is the new
+    recipe's); None for any other config. The old name's file is an alias of the new recipe that sets
+    ``_renamed_recipe`` (``conf/recipe/stream.yaml``: ``recipe=stream is now recipe=sqlite``)."""
+    said = cfg.get("_renamed_recipe")
+    if not said:
+        return None
+    cfg["_renamed_recipe"] = None
+    return f"{said} since lightning_sharding 0.2; the old name goes away in the next release"
 
 
 def misspelt_key(args: list[str]) -> str | None:

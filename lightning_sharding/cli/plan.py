@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,7 @@ def _compose(overrides: Sequence[str], config_dir: str | None = None, config_nam
         raise CliError(f"no recipe {config_name}.yaml in --config-dir {config_dir}")
     try:
         with initialize_config_dir(config_dir=directory, version_base=None, job_name=PROG):
-            return compose(config_name, overrides=[*search, *overrides])
+            cfg = compose(config_name, overrides=[*search, *overrides])
     except (HydraException, OmegaConfBaseException) as err:
         reason = _first_line(err)
         if err.__cause__ is not None:
@@ -148,6 +149,12 @@ def _compose(overrides: Sequence[str], config_dir: str | None = None, config_nam
         if not any(o in reason for o in overrides):
             reason = f"{reason} (in {' '.join(overrides)})"
         raise CliError(f"bad override: {reason}") from None
+    from lightning_sharding.train import renamed_recipe
+
+    said = renamed_recipe(cfg)  # a recipe's old name (recipe=stream): said here, where the user reads it
+    if said is not None:
+        print(f"{PROG}: warning: {said}", file=sys.stderr)
+    return cfg
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,7 @@ class SqliteData(DataOptions):
 
     feeds: ClassVar[str] = "source"
 
-    _target_: str = "lightning_sharding.recipes.stream.sqlite_rows"
+    _target_: str = "lightning_sharding.recipes.sqlite.sqlite_rows"
     path: str | None = None
     query: str = "SELECT id, x, y FROM samples ORDER BY (id * 2654435761 + :seed) % 4294967296, id"
     rows: int = 8192

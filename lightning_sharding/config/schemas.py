@@ -196,6 +196,9 @@ class AuditConfig:
 
 
 @dataclass
+    # Set by a recipe's old name (conf/recipe/stream.yaml): what to tell the user. The train entry point
+    # and plan take it out, warning, before they build anything (lightning_sharding.train.renamed_recipe).
+    _renamed_recipe: str | None = None
 class TrainConfig:
     """The whole run. Groups typed ``Any`` take their schema from the option chosen."""
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.world import WorkerContext, old_name
 
-# The epoch length the ledger uses for a source whose length nobody knows (a stream): positions
+# The epoch length the ledger uses for a source whose length nobody knows (a queue): positions
 # are still exact, only the total is a bound rather than a count.
 UNKNOWN_LENGTH = 2**62
 
@@ -56,7 +56,7 @@ class Source(ABC):
         """Every position of ``epoch`` below ``position`` is consumed and checkpointed.
 
         Called in the training process of every rank (with the same arguments) once the
-        checkpoint holding it has been written. A stream acknowledges its offset here.
+        checkpoint holding it has been written. A queue's consumer acknowledges its offset here.
         """
 
     def describe(self) -> str:

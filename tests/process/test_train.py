@@ -29,7 +29,7 @@ TINY: dict[str, tuple[list[str], int]] = {
         74,
     ),
     "tokens": (["data.num_files=2", "data.tokens_per_file=1000", "data.sample_length=15", "data.batch_size=8"], 124),
-    "stream": (["data.rows=120", "data.batch_size=16"], 120),
+    "sqlite": (["data.rows=120", "data.batch_size=16"], 120),
     "webdataset": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
     "parquet": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),
     "npy": (["data.num_items=3", "data.samples_per_item=40", "data.batch_size=16"], 120),

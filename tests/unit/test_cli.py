@@ -545,7 +545,7 @@ def test_plan_of_packed_documents_gives_each_rank_and_worker_its_tokens(
     ("recipe", "overrides", "strategy", "total"),
     [
         # dispatch: a generated table of data.rows rows, read in the source's own order
-        ("stream", ["data.rows=300"], "dispatch", 300),
+        ("sqlite", ["data.rows=300"], "dispatch", 300),
         # shard: 4 token files of 1,000 tokens cut into samples of 24 + 1 tokens: 1000 // 25 = 40 per file
         ("tokens", ["data.num_files=4", "data.tokens_per_file=1000", "data.sample_length=24"], "shard", 4 * 40),
         # shard: 3 generated JPEG shards of 10 images

@@ -37,7 +37,7 @@ def make(tmp_path: Path, *overrides: str) -> DictConfig:
 def test_every_group_has_its_options() -> None:
     assert GROUPS["sharding"] == ["broadcast", "dali", "dispatch", "shard"]
     assert GROUPS["trainer"] == ["cpu", "ddp_cpu", "gpu", "multi_node"]
-    assert {"climate", "webdataset_s3", "tokens", "stream"} <= set(GROUPS["recipe"])
+    assert {"climate", "webdataset_s3", "tokens", "sqlite", "stream"} <= set(GROUPS["recipe"])
     assert all(GROUPS[g] for g in GROUPS)
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import importlib
 import pickle
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import DictConfig
 
 from lightning_sharding.core.world import BatchContext, SampleContext, WorkerContext
 
@@ -63,3 +65,58 @@ def test_a_context_pickled_under_its_old_name_unpickles_as_a_worker_context() ->
     assert b"ShardContext" in old
     with pytest.warns(DeprecationWarning, match="ShardContext"):
         assert pickle.loads(old) == CONTEXT  # noqa: S301 - our own bytes
+
+
+def compose_train(tmp_path: Path, *overrides: str) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+
+    from lightning_sharding.config import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("train", overrides=[f"out_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+
+
+def test_recipe_stream_composes_the_job_of_recipe_sqlite_and_warns_naming_it(tmp_path: Path) -> None:
+    from lightning_sharding.train import build_datamodule
+
+    old, new = (compose_train(tmp_path, f"recipe={name}", "data.rows=64") for name in ("stream", "sqlite"))
+    assert old != new and new._renamed_recipe is None
+    with pytest.warns(DeprecationWarning, match=r"^recipe=stream is now recipe=sqlite since lightning_sharding 0\.2"):
+        dm = build_datamodule(old)
+    assert old == new, "the alias leaves the new recipe's job, its mark taken out before building"
+    assert type(dm.source).__name__ == "SqliteSource" and dm.strategy.name == "dispatch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        build_datamodule(new)
+
+
+def test_the_train_command_says_recipe_stream_is_recipe_sqlite_and_runs_that_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_sharding import train
+    from lightning_sharding.core import spelling
+
+    ran: list[DictConfig] = []
+    monkeypatch.setenv(spelling.ENV, "python")  # main() sets it for the processes it starts
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(train, "run", ran.append)
+    monkeypatch.setattr(train, "_log_through_hydra", lambda: None)
+    monkeypatch.setattr("sys.argv", [train.PROG, "recipe=stream", f"out_dir={tmp_path}", "hydra/job_logging=disabled"])
+    train.main()
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{train.PROG}: warning:")]
+    assert warned == [
+        f"{train.PROG}: warning: recipe=stream is now recipe=sqlite since lightning_sharding 0.2; "
+        "the old name goes away in the next release"
+    ]
+    assert len(ran) == 1 and ran[0]._renamed_recipe is None and ran[0].sharding.name == "dispatch"
+
+
+def test_the_old_module_of_the_sqlite_recipe_imports_as_the_new_one_with_a_warning() -> None:
+    import sys
+
+    sys.modules.pop("lightning_sharding.recipes.stream", None)
+    with pytest.warns(
+        DeprecationWarning, match="lightning_sharding.recipes.stream moved to lightning_sharding.recipes.sqlite"
+    ):
+        module = importlib.import_module("lightning_sharding.recipes.stream")
+    assert module is importlib.import_module("lightning_sharding.recipes.sqlite")

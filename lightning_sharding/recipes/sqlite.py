@@ -1,6 +1,7 @@
-"""Recipe ``stream``: a non-replicable source (a SQLite cursor) read through strategy ``dispatch``.
+"""Recipe ``sqlite``: a non-replicable source (a SQLite cursor) read through strategy ``dispatch``.
 
-One dispatch process per rank reads the query; the DataLoader workers decode the rows.
+One dispatch process per rank reads the query; the DataLoader workers decode the rows. Until 0.2 the
+recipe was ``stream`` (this module ``recipes.stream``); both old names still work, warned.
 """
 
 from __future__ import annotations
