@@ -196,9 +196,6 @@ class AuditConfig:
 
 
 @dataclass
-    # Set by a recipe's old name (conf/recipe/stream.yaml): what to tell the user. The train entry point
-    # and plan take it out, warning, before they build anything (lightning_sharding.train.renamed_recipe).
-    _renamed_recipe: str | None = None
 class TrainConfig:
     """The whole run. Groups typed ``Any`` take their schema from the option chosen."""
 
@@ -212,6 +209,9 @@ class TrainConfig:
     checkpoint_every_n_steps: int | None = None
     ckpt_path: str | None = None  # a file, or "last": the newest checkpoint in callbacks.dirpath
     out_dir: str = "outputs"
+    # Set by a recipe's old name (conf/recipe/stream.yaml): what to tell the user. The train entry point
+    # and plan take it out, warning, before they build anything (lightning_sharding.train.renamed_recipe).
+    _renamed_recipe: str | None = None
 
 
 # The schema of each option, by group. The names are the ConfigStore's (top-level, so one name per
