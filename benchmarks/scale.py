@@ -100,7 +100,7 @@ def mixture_decision_seconds(repeats: int, decisions: int = 10) -> dict[str, Any
     """Median seconds one rank spends replanning after a MixtureController's decision: 16 streams x
     10^6 items under ``decisions`` earlier decisions of the epoch, 4,096 ranks x 8 workers, half the
     epoch consumed (a prefix, as a controlled epoch is trained). It builds the decided epoch's order,
-    plans the rest without what was handed out, and builds the rank's tasks and their streams: what
+    plans the rest without what was delivered, and builds the rank's tasks and their streams: what
     :meth:`ShardedLoader._replan` and the first batches after it do, once per decision."""
     from lightning_sharding.mixture.control import ControlledMixture, Decision
     from lightning_sharding.mixture.order import Mixture, StreamSpec, plan_draws
@@ -118,14 +118,14 @@ def mixture_decision_seconds(repeats: int, decisions: int = 10) -> dict[str, Any
         for k in range(decisions)
     )
     controlled = ControlledMixture(mixture, made)
-    held = RangeSet.interval(half, half + RANKS * PLAN_BATCH * 2)  # two windows handed out ahead
+    delivered = RangeSet.interval(half, half + RANKS * PLAN_BATCH * 2)  # two windows delivered ahead
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         decided = controlled.decided(Decision(0, half + RANKS * PLAN_BATCH * 2, {"s0": 1.0, "s15": 2.0}, decisions))
         order = decided.order(counts, 0, 0)
         plan = plan_epoch(
-            order, RangeSet.interval(0, half) | held, world_size=RANKS, num_workers=WORKERS, batch_size=PLAN_BATCH
+            order, RangeSet.interval(0, half) | delivered, world_size=RANKS, num_workers=WORKERS, batch_size=PLAN_BATCH
         )
         tasks = list(plan.rank(RANKS - 1).tasks())
         streams, _ = order.streams(np.concatenate([t.positions for t in tasks]))
@@ -169,7 +169,9 @@ def mixture_change_seconds(items: int, samples_per_item: int) -> dict[str, Any]:
 
 def _consume_half(ledger: Ledger, world_size: int, workers: int, batch: int) -> None:
     """Every rank's every worker completes the first half of its batches, as a run stopped mid-epoch does."""
-    plan = plan_epoch(ledger.total, ledger.done, epoch=0, world_size=world_size, num_workers=workers, batch_size=batch)
+    plan = plan_epoch(
+        ledger.total, ledger.trained, epoch=0, world_size=world_size, num_workers=workers, batch_size=batch
+    )
     for rank in range(world_size):
         rank_plan = plan.rank(rank)
         for worker in range(max(1, workers)):

@@ -9,6 +9,7 @@ Positions of a completed step still waiting for an optimizer step (gradient accu
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -115,9 +116,20 @@ class Ledger:
         self.consumed = self.consumed | consumed
 
     @property
-    def done(self) -> RangeSet:
-        """Positions not to serve again in this run: consumed or pending."""
+    def trained(self) -> RangeSet:
+        """Positions whose training step has run in this run, consumed or pending: not served again."""
         return self.consumed | self.pending
+
+    @property
+    def done(self) -> RangeSet:
+        """The old name of :attr:`trained` (deprecated in 0.2, goes away in the next release)."""
+        warnings.warn(
+            "Ledger.done is Ledger.trained since lightning_sharding 0.2 (consumed or pending positions); "
+            "the old name goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.trained
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed state; pending positions are left out on purpose."""

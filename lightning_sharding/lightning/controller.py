@@ -4,7 +4,7 @@ Every ``every_n_steps`` optimizer steps the controller hands a user ``policy`` t
 steps since its last decision (:class:`StreamStats`: each stream's mean training loss and samples,
 summed over all ranks) on rank 0, and gets new shares back. The decision is broadcast, checked,
 recorded in the data ledger with the epoch position it holds from (the first position no rank has
-been handed yet), and every rank's loader replans the rest of the epoch from its next batch
+delivered yet), and every rank's loader replans the rest of the epoch from its next batch
 (:mod:`~lightning_sharding.mixture.control`). A checkpoint holds the decisions, and the statistics
 of the steps since the last one, so a resume on any topology replays the decisions exactly and makes
 the later ones again from the resumed training.

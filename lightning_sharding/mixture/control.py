@@ -2,7 +2,7 @@
 
 A controller (the :class:`~lightning_sharding.lightning.controller.MixtureController` callback) decides
 new shares every so many optimizer steps. Each :class:`Decision` names the epoch and the *position*
-of that epoch from which its shares hold: the first position no rank has been handed yet when it
+of that epoch from which its shares hold: the first position no rank has delivered yet when it
 is made. The ledger keeps every decision, so an epoch's order is a pure function of (streams, seed,
 epoch, decisions), like every order, and a resume on any topology replays them exactly.
 

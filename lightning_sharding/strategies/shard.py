@@ -8,7 +8,7 @@ with torchdata 0.11: Lightning restores it and resuming on another worker count 
 no loader state at all, so there is nothing for it to save.
 
 A mixture decision (:class:`~lightning_sharding.lightning.controller.MixtureController`) changes the
-order from the first position no rank has been handed (:func:`handed_out`): the sampler plans the
+order from the first position no rank has delivered (:func:`delivered_positions`): the sampler plans the
 rest of the pass again and deals the new plan's tasks, which carry the decisions to the workers, and
 the loader drops what the workers prepared ahead under the old plan (:meth:`ShardedLoader.switch_order`).
 
@@ -75,9 +75,9 @@ class PlanSampler(Sampler[BatchTask]):
         self.orders = orders  # (seed, epoch) -> the epoch's order; None: plain orders of the ledger's total
         self.epoch_plan: EpochPlan | None = None
         self.rank_plan: RankPlan | None = None
-        # Positions of this epoch handed to training under an earlier plan of the same pass and not in
-        # the ledger yet (a mixture decision replanned the pass): never planned again.
-        self.held = RangeSet()
+        # Positions of this epoch delivered to training under an earlier plan of the same pass and not
+        # in the ledger yet (a mixture decision replanned the pass): never planned again.
+        self.delivered = RangeSet()
         self.generation = 0  # the plans of a pass planned again are numbered; the tasks carry it
         self.change: Any = None  # what decisions changed of the epochs, which tasks carry to workers started before
         self.dealt = -1  # the generation whose every task the DataLoader has taken (-1: none yet)
@@ -111,7 +111,7 @@ class PlanSampler(Sampler[BatchTask]):
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at every epoch start: a new epoch starts with nothing consumed."""
         self.ledger.start_epoch(epoch)
-        self.held = RangeSet()
+        self.delivered = RangeSet()
 
     def plan(self) -> EpochPlan:
         """Plan what is left of the current epoch (every rank computes the same plan)."""
@@ -124,7 +124,7 @@ class PlanSampler(Sampler[BatchTask]):
             )
         return plan_epoch(
             order,
-            ledger.done | self.held,
+            ledger.trained | self.delivered,
             epoch=ledger.epoch,
             world_size=self.world.data_size,
             num_workers=self.num_workers,
@@ -156,34 +156,34 @@ class PlanSampler(Sampler[BatchTask]):
                 task = replace(task, generation=generation, change=self.change)
             yield task
 
-    def switch(self, change: Any, orders: Callable[[int, int], Order], held: RangeSet | None) -> None:
+    def switch(self, change: Any, orders: Callable[[int, int], Order], delivered: RangeSet | None) -> None:
         """Order epochs by ``orders`` from now on (made by ``change``, which tasks carry to the workers);
-        ``held``: this pass goes on under a new plan (generation) without those positions, handed out already."""
+        ``delivered``: this pass goes on under a new plan (generation) without those positions, delivered already."""
         self.orders = orders
         self.change = change
-        if held is not None:
-            self.held = self.held | held
+        if delivered is not None:
+            self.delivered = self.delivered | delivered
             self.generation += 1
             self.epoch_plan = self.plan()
             self.rank_plan = self.epoch_plan.rank(self.world.data_rank)
 
 
-def handed_out(plan: EpochPlan, batches: int) -> tuple[RangeSet, int]:
-    """Of a plan in time order whose ranks have each yielded ``batches``: the positions all ranks were
-    handed (its first ``batches`` windows), and the first position none was handed with no position
-    after it handed or consumed (the epoch's total when there is none: the rest of the epoch is
+def delivered_positions(plan: EpochPlan, batches: int) -> tuple[RangeSet, int]:
+    """Of a plan in time order whose ranks have each delivered ``batches``: the positions all ranks
+    delivered (its first ``batches`` windows), and the first position none delivered with no position
+    after it delivered or consumed (the epoch's total when there is none: the rest of the epoch is
     already planned in its last, partial window, or holds gaps)."""
     if not plan.in_time:
-        raise ValueError("only a plan in time order knows what every rank was handed from its own count")
+        raise ValueError("only a plan in time order knows what every rank delivered from its own count")
     window = plan.world_size * plan.batch_size
     remaining = plan.remaining
     taken = min(batches * window, len(remaining))
-    held = remaining.select(0, taken)
+    delivered = remaining.select(0, taken)
     rest = remaining.select(taken, len(remaining))
     full_windows = len(remaining) // window
     if batches >= full_windows or len(rest.starts) != 1 or int(rest.ends[0]) != plan.total:
-        return held, plan.total
-    return held, int(rest.starts[0])
+        return delivered, plan.total
+    return delivered, int(rest.starts[0])
 
 
 TRANSPORTS: tuple[str, ...] = ("pool", "torch")
@@ -301,13 +301,13 @@ class ShardedLoader(TrainLoader):
         self._yielded = 0
         self.batches_before_plan = 0
         self.delivered.clear()
-        self.sampler.held = RangeSet()
+        self.sampler.delivered = RangeSet()
         while True:
             for delivery in self._guarded(iter(self._loader)):
                 if self._pool is not None:
                     delivery = delivery._replace(batch=self._pool.unpack(delivery.batch))
                 if delivery.generation < self.sampler.generation:
-                    continue  # prepared ahead under a plan a decision replaced: never handed out (its slot goes free)
+                    continue  # prepared ahead under a plan a decision replaced: never delivered (its slot goes free)
                 self._yielded += 1
                 yield self.delivered.accept(delivery, self.sampler.epoch)
             if self.sampler.dealt == self.sampler.generation:
@@ -316,29 +316,29 @@ class ShardedLoader(TrainLoader):
             # more pass of the DataLoader deals the new plan's (the same plan: nothing else changed).
 
     def decision_point(self) -> tuple[int, int]:
-        """``(position, batches)``: the first epoch position of the current pass no rank has been handed
+        """``(position, batches)``: the first epoch position of the current pass no rank has delivered
         (every rank yielded ``batches`` under the plan), from which a decision made now holds; the
-        epoch's total when the rest of the epoch cannot change any more (see :func:`handed_out`)."""
+        epoch's total when the rest of the epoch cannot change any more (see :func:`delivered_positions`)."""
         plan = self.sampler.epoch_plan
         if plan is None:
             return 0, 0
-        return handed_out(plan, self._yielded)[1], self._yielded
+        return delivered_positions(plan, self._yielded)[1], self._yielded
 
     def switch_order(self, manifest: Manifest, *, now: bool) -> None:
         """Order epochs by ``manifest``'s (a decision changed it from :meth:`decision_point` on). ``now``:
-        the rest of this pass is planned again without the positions handed out already; what the
+        the rest of this pass is planned again without the positions delivered already; what the
         workers prepared ahead under the old plan is dropped when it arrives. Else from the next epoch
         (this one's order is the same). The workers learn the new order from their next task."""
-        held = None
+        delivered = None
         if now:
             assert self.sampler.epoch_plan is not None
-            held, _ = handed_out(self.sampler.epoch_plan, self._yielded)
+            delivered, _ = delivered_positions(self.sampler.epoch_plan, self._yielded)
             self.batches_before_plan += self._yielded
             self._yielded = 0
         self._dataset.manifest = manifest  # loading in this process, and workers started from now on
         self._dataset.reorder()
         change = manifest.epochs.for_tasks()  # type: ignore[union-attr]  # a ControlledMixture's decisions
-        self.sampler.switch(change, partial(manifest.order, shuffle=self._options.shuffle), held)
+        self.sampler.switch(change, partial(manifest.order, shuffle=self._options.shuffle), delivered)
 
     def _guarded(self, iterator: Iterator[Delivery]) -> Iterator[Delivery]:
         """The DataLoader iterator's output; a dead worker is re-raised naming this rank, the worker and its pid."""

@@ -135,7 +135,7 @@ def test_storage_down_beyond_the_retry_budget_names_the_object_and_counts_nothin
     # What counts as consumed is exactly what was trained on: the ledger, the audit trail and the
     # newest checkpoint agree, and none of them holds a sample of the batches that failed to read.
     assert dm.ledger is not None and len(trained) == len(set(trained))
-    assert ids_of(dm.ledger.done.to_array(), seed=dm.ledger.seed) == sorted(trained)
+    assert ids_of(dm.ledger.trained.to_array(), seed=dm.ledger.seed) == sorted(trained)
     (epoch,) = audit([tmp_path / "audit"])
     assert epoch.consumed == len(trained) and epoch.duplicates == 0 and not epoch.complete
     newest = max((tmp_path / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)

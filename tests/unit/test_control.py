@@ -15,7 +15,7 @@ from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.lightning.controller import ExcessLossWeights, MixtureController, StreamStats
 from lightning_sharding.mixture import ControlledMixture, Decision, MixtureReader, Stream, check_shares
-from lightning_sharding.strategies.shard import handed_out
+from lightning_sharding.strategies.shard import delivered_positions
 
 
 def manifest(total: int = 120):
@@ -52,16 +52,16 @@ def test_the_last_decision_holds_from_the_next_epochs_start_and_a_deferred_one_c
     assert deferred.shares_at(1, 0) == {"a": 0.0, "b": 1.0}
 
 
-def test_a_controlled_epoch_is_planned_in_time_order_and_the_handed_out_windows_are_a_prefix() -> None:
+def test_a_controlled_epoch_is_planned_in_time_order_and_the_delivered_windows_are_a_prefix() -> None:
     m = manifest()
     order = ControlledMixture(m.epochs).order(m.counts, 7, 0)
     assert order.in_time_order
     plan = plan_epoch(order, RangeSet.interval(0, 16), world_size=2, num_workers=2, batch_size=4)
-    held, position = handed_out(plan, 3)
-    assert held == RangeSet.interval(16, 40) and position == 40
-    assert handed_out(plan, 13)[1] == 120  # into the last, partial window: from the next epoch
+    delivered, position = delivered_positions(plan, 3)
+    assert delivered == RangeSet.interval(16, 40) and position == 40
+    assert delivered_positions(plan, 13)[1] == 120  # into the last, partial window: from the next epoch
     gaps = plan_epoch(order, RangeSet.interval(100, 104), world_size=2, num_workers=2, batch_size=4)
-    assert handed_out(gaps, 1)[1] == 120  # consumed positions after it: it cannot start there
+    assert delivered_positions(gaps, 1)[1] == 120  # consumed positions after it: it cannot start there
 
 
 def test_the_ledger_keeps_the_decisions_and_an_earlier_release_refuses_them() -> None:

@@ -37,7 +37,7 @@ def test_record_and_commit_against_a_set_model(batches: list[list[int]], commit_
             pending = set()
         assert ledger.consumed.to_array().tolist() == sorted(consumed)
         assert ledger.pending.to_array().tolist() == sorted(pending)
-        assert ledger.done.to_array().tolist() == sorted(consumed | pending)
+        assert ledger.trained.to_array().tolist() == sorted(consumed | pending)
         assert (ledger.total - len(ledger.consumed)) == TOTAL - len(consumed)
         # Pending positions never reach a checkpoint.
         state = ledger.state_dict()

@@ -107,7 +107,7 @@ def test_the_rest_of_a_changed_epoch_serves_nothing_consumed_at_the_new_shares(
     order = keeper.manifest.order(ledger.seed, 0)
     blocks = keeper.manifest.blocks_at(0)
     assert order is change and order.blocks == blocks
-    plan = plan_epoch(order, ledger.done, world_size=2, num_workers=2, batch_size=8)
+    plan = plan_epoch(order, ledger.trained, world_size=2, num_workers=2, batch_size=8)
     served = np.sort(np.concatenate([t.positions[t.num_padding :] for r in range(2) for t in plan.rank(r).tasks()]))
     assert np.array_equal(np.unique(served), np.arange(rest))
     old_samples = set(samples(before, 0, consumed.to_array()))

@@ -120,3 +120,16 @@ def test_the_old_module_of_the_sqlite_recipe_imports_as_the_new_one_with_a_warni
     ):
         module = importlib.import_module("lightning_sharding.recipes.stream")
     assert module is importlib.import_module("lightning_sharding.recipes.sqlite")
+
+
+def test_a_ledgers_done_is_its_trained_positions_with_a_warning() -> None:
+    from lightning_sharding.core.ledger import Ledger
+
+    ledger = Ledger(seed=1, total=10, manifest={"fingerprint": "f"})
+    ledger.record(np.array([0, 1], dtype=np.int64))
+    ledger.commit()
+    ledger.record(np.array([5], dtype=np.int64))
+    assert ledger.trained.to_array().tolist() == [0, 1, 5]
+    with pytest.warns(DeprecationWarning, match=r"Ledger\.done is Ledger\.trained since lightning_sharding 0\.2"):
+        assert ledger.done == ledger.trained
+    assert "trained" not in ledger.state_dict() and "done" not in ledger.state_dict()  # checkpoints as before

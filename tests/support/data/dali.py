@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from lightning_sharding import SampleContext, SyntheticReader
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 
 
 class RecordingReader(SyntheticReader):
@@ -22,7 +22,7 @@ class RecordingReader(SyntheticReader):
         super().__init__(**kwargs)
         self.log_dir = log_dir
 
-    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: ShardContext) -> list[Any]:
+    def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         record = {"pid": os.getpid(), "item": item.key, "indices": indices.tolist(), "source": ctx.worker_id}
         with open(Path(self.log_dir) / f"reads-{os.getpid()}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

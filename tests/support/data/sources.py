@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_sharding.core.world import SampleContext, ShardContext
+from lightning_sharding.core.world import SampleContext, WorkerContext
 from lightning_sharding.readers.sources import Source, SqliteSource
 
 # The order rotates with the epoch, so a batch leaking from one epoch into the next has wrong ids.
@@ -56,7 +56,7 @@ class FailingSqlite(SqliteSource):
         super().__init__(path, query)
         self.fail_at = fail_at
 
-    def open(self, ctx: ShardContext, start: int) -> Iterator[dict[str, Any]]:
+    def open(self, ctx: WorkerContext, start: int) -> Iterator[dict[str, Any]]:
         for position, row in enumerate(super().open(ctx, start), start):
             if position == self.fail_at:
                 _mark_fault(self.path)
@@ -71,7 +71,7 @@ class DyingSqlite(SqliteSource):
         super().__init__(path, query)
         self.die_at = die_at
 
-    def open(self, ctx: ShardContext, start: int) -> Iterator[dict[str, Any]]:
+    def open(self, ctx: WorkerContext, start: int) -> Iterator[dict[str, Any]]:
         for position, row in enumerate(super().open(ctx, start), start):
             if position == self.die_at:
                 _mark_fault(self.path)
@@ -86,7 +86,7 @@ class ProgressSqlite(SqliteSource):
         super().__init__(path, ROTATING_QUERY)
         self.progress = str(progress)
 
-    def open(self, ctx: ShardContext, start: int) -> Iterator[dict[str, Any]]:
+    def open(self, ctx: WorkerContext, start: int) -> Iterator[dict[str, Any]]:
         for position, row in enumerate(super().open(ctx, start), start):
             Path(self.progress).write_text(str(position))
             yield row
@@ -111,7 +111,7 @@ class TcpStream(Source):
         sock.sendall(line.encode() + b"\n")
         return sock
 
-    def open(self, ctx: ShardContext, start: int) -> Iterator[dict[str, Any]]:
+    def open(self, ctx: WorkerContext, start: int) -> Iterator[dict[str, Any]]:
         with self._call(f"OPEN {ctx.epoch}") as sock, sock.makefile("r") as lines:
             first = int(lines.readline().split()[1])  # "FROM <position>"
             if first > start:

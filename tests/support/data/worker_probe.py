@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning_sharding import Reader
 from lightning_sharding.core.manifest import Item
-from lightning_sharding.core.world import ShardContext
+from lightning_sharding.core.world import WorkerContext
 
 MARKER = "as imported"
 LOCK = threading.Lock()
@@ -24,7 +24,7 @@ class ProbeReader(Reader):
     def items(self) -> Sequence[Item]:
         return [Item("a", 8), Item("b", 8)]
 
-    def read(self, item: Item, index: int, ctx: ShardContext) -> Any:
+    def read(self, item: Item, index: int, ctx: WorkerContext) -> Any:
         free = LOCK.acquire(blocking=False)
         if free:
             LOCK.release()
