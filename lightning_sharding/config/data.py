@@ -12,7 +12,9 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
+from lightning_sharding.config.generated import with_fields_of
 from lightning_sharding.loading.engine import LoadingEngine
+from lightning_sharding.mixture import Phase, Stream
 from lightning_sharding.readers.decoding import IMAGE_EXTENSIONS
 
 
@@ -142,21 +144,31 @@ class TokensData(DataOptions):
         return None if self.urls else self.num_files * (self.tokens_per_file // (self.sample_length + 1))
 
 
+@with_fields_of(Stream, skip=("name", "reader"))
 @dataclass
 class TokenStreamOptions:
     """One token stream of ``data=pretrain``: Megatron files (``prefixes``: prefixes or globs of
     ``.idx`` files), Parquet files of token lists (``prefixes``: ``.parquet`` files or globs, as
     Hugging Face ``datasets`` writes a tokenized set; ``column``: its column of token ids), or with
-    none ``documents`` generated documents of 8 to ``longest`` tokens in ``files`` files;
-    ``tokens``: its tokens per epoch (none: one pass)."""
+    none ``documents`` generated documents of 8 to ``longest`` tokens in ``files`` files. Its share is
+    a :class:`~lightning_sharding.mixture.Stream`'s: ``tokens`` per epoch, or ``weight``,
+    ``proportion``, ``repeat`` or ``choose`` (none: one pass)."""
 
     name: str = MISSING
     prefixes: list[str] | None = None
     column: str = "input_ids"  # .parquet prefixes: the column of token id lists
-    tokens: int | None = None
     files: int = 2
     documents: int = 1000
     longest: int = 400
+
+
+@with_fields_of(Phase, skip=("note",))
+@dataclass
+class PhaseOptions:
+    """One phase of ``data.schedule``, a :class:`~lightning_sharding.mixture.Phase`: from ``start`` (a
+    fraction of the epoch), or from ``samples`` (or, of packed token streams, ``tokens``) trained since
+    the start of training, on, the streams draw at ``shares`` (stream name -> weight; a stream not named
+    draws nothing in the phase); ``ramp``: the shares move there linearly over that much after the start."""
 
 
 @dataclass
@@ -172,6 +184,8 @@ class PretrainData(DataOptions):
     labels_across_documents: bool = False
     window: int = 1024  # best_fit: documents packed together at most
     pad_id: int = 0
+    # A share schedule: phases from a number of tokens (or a fraction of the epoch) on, with their shares.
+    schedule: list[PhaseOptions] | None = None
 
 
 @dataclass
@@ -220,10 +234,12 @@ class SqliteData(DataOptions):
         return None if self.path else self.rows
 
 
+@with_fields_of(Stream, skip=("name", "reader"))
 @dataclass
 class StreamOptions:
-    """One stream of ``data=mixture``: files of one format and one share of the epoch (give one of
-    ``weight``, ``proportion``, ``repeat`` or ``choose``; none is ``weight=1``).
+    """One stream of ``data=mixture``: files of one format and its share of the epoch, a
+    :class:`~lightning_sharding.mixture.Stream`'s (give one of ``weight``, ``proportion``, ``repeat``
+    or ``choose``; none is ``weight=1``).
 
     With no ``urls``, ``num_items`` files of ``samples_per_item`` regression samples are generated.
     """
@@ -233,23 +249,6 @@ class StreamOptions:
     urls: list[str] | None = None  # paths, globs or URLs; none: generate
     num_items: int = 2
     samples_per_item: int = 256
-    weight: float | None = None
-    proportion: float | None = None
-    repeat: float | None = None
-    choose: int | None = None
-
-
-@dataclass
-class PhaseOptions:
-    """One phase of ``data.schedule``: from ``start`` (a fraction of the epoch), or from ``samples``
-    trained since the start of training, on, the streams draw at ``shares`` (stream name -> weight;
-    a stream not named draws nothing in the phase); ``ramp``: the shares move there linearly over
-    that much (of the epoch, or samples) after the start."""
-
-    start: float = 0.0
-    shares: dict[str, float] = MISSING
-    samples: int | None = None
-    ramp: float = 0.0
 
 
 @dataclass

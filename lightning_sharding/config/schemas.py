@@ -8,7 +8,6 @@ key. The ``data`` schemas are in :mod:`lightning_sharding.config.data`.
 from __future__ import annotations
 
 import inspect
-import types
 import typing
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from lightning_sharding.config.data import (
     SyntheticData,
     TokensData,
 )
+from lightning_sharding.config.generated import config_type
 
 if TYPE_CHECKING:
     from lightning_sharding.strategies import Strategy
@@ -45,25 +45,12 @@ def sharding_schema(strategy: type[Strategy]) -> type:
     for parameter in inspect.signature(strategy).parameters.values():
         if parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
             continue
-        fields.append((parameter.name, _config_type(hints[parameter.name]), field(default=parameter.default)))
+        fields.append((parameter.name, config_type(hints[parameter.name]), field(default=parameter.default)))
     doc = (strategy.__doc__ or "").strip().splitlines()[0]
     schema = make_dataclass(f"{strategy.__name__.removesuffix('Strategy')}Sharding", fields)
     schema.__doc__ = f"``sharding={strategy.name}``: {doc} (generated from {strategy.__name__})"
     schema.__module__ = __name__
     return schema
-
-
-def _config_type(hint: Any) -> Any:
-    """``hint`` as OmegaConf types it: ``Literal[...]`` -> ``str``, ``X | None`` -> ``Optional[X]``,
-    a union with ``str`` (a function or its dotted path) -> ``str``."""
-    origin = typing.get_origin(hint)
-    if origin is typing.Literal:
-        return type(typing.get_args(hint)[0])
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        inner: Any = str if str in args or len(args) > 1 else _config_type(args[0])
-        return typing.Optional[inner] if type(None) in typing.get_args(hint) else inner  # noqa: UP045 - a runtime type
-    return hint if hint in (int, float, str, bool) else Any
 
 
 def _sharding_schemas() -> dict[str, type]:

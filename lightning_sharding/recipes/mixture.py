@@ -8,7 +8,7 @@ from typing import Any
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.recipes.data import datamodule, file_reader
 
-_SHARES = ("weight", "proportion", "repeat", "choose")
+SHARES = ("weight", "proportion", "repeat", "choose", "tokens")  # a Stream's shares (a test holds them equal)
 
 
 def mixture(
@@ -44,7 +44,7 @@ def mixture(
             cache_dir=options["cache_dir"],
             key=key,
         )
-        shares = {k: spec[k] for k in _SHARES if spec.get(k) is not None}
+        shares = {k: spec[k] for k in SHARES if spec.get(k) is not None}
         try:
             built.append(Stream(spec["name"], reader, **shares))
         except ValueError as err:
@@ -62,15 +62,13 @@ def mixture(
         samples_per_epoch=samples_per_epoch,
         batch_composition=batch_composition,
         allow_mixture_change=allow_mixture_change,
-        schedule=None if schedule is None else [_phase(p) for p in schedule],
+        schedule=None if schedule is None else [phase_of(p) for p in schedule],
     )
 
 
-def _phase(phase: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``data.schedule`` phase as the mixture takes it (the keys a user set, ``shares`` a dict)."""
-    out: dict[str, Any] = {"start": phase.get("start") or 0.0, "shares": dict(phase["shares"])}
-    if phase.get("samples") is not None:
-        out["samples"] = int(phase["samples"])
-    if phase.get("ramp"):
-        out["ramp"] = phase["ramp"]
+def phase_of(phase: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``data.schedule`` phase as :class:`~lightning_sharding.mixture.Phase` takes it: the keys a user
+    set (``shares`` a dict)."""
+    out: dict[str, Any] = {key: value for key, value in phase.items() if value is not None}
+    out["shares"] = dict(phase.get("shares") or {})
     return out

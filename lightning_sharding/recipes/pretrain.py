@@ -21,6 +21,7 @@ import numpy as np
 from lightning_sharding.lightning.datamodule import ShardedDataModule
 from lightning_sharding.mixture import Stream
 from lightning_sharding.recipes.data import datamodule, generated
+from lightning_sharding.recipes.mixture import SHARES, phase_of
 from lightning_sharding.tokens import DocumentReader, IndexedTokens, Packing, ParquetTokens, write_indexed
 
 
@@ -69,6 +70,7 @@ def packed_documents(
     window: int,
     pad_id: int,
     sharding: Mapping[str, Any],
+    schedule: list[Mapping[str, Any]] | None = None,
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
@@ -84,7 +86,7 @@ def packed_documents(
             name = f"documents-{stream['name']}-{files}x{documents}-l{longest}-v{vocab_size}"
             where = generated(options["cache_dir"], name, partial(_write, files, documents, longest, vocab_size, k))
             prefixes = [str(where / "part-*.idx")]
-        share = {"tokens": stream["tokens"]} if stream.get("tokens") else {"repeat": 1.0}
+        share = {k: stream[k] for k in SHARES if stream.get(k) is not None} or {"repeat": 1.0}
         reader = stream_documents(stream["name"], list(prefixes), stream.get("column", "input_ids"))
         mixed.append(Stream(stream["name"], reader, **share))
     packing = Packing(
@@ -95,6 +97,7 @@ def packed_documents(
         window=window,
         pad_id=pad_id,
     )
-    if len(mixed) == 1 and mixed[0].tokens is None:  # one stream, one pass: no mixture to draw
+    if len(mixed) == 1 and mixed[0].repeat == 1.0 and not schedule:  # one stream, one pass: no mixture to draw
         return datamodule(options, sharding, reader=mixed[0].reader, packing=packing, audit_dir=audit_dir)
-    return datamodule(options, sharding, streams=mixed, packing=packing, audit_dir=audit_dir)
+    phases = None if schedule is None else [phase_of(p) for p in schedule]
+    return datamodule(options, sharding, streams=mixed, packing=packing, schedule=phases, audit_dir=audit_dir)

@@ -17,12 +17,15 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
 from lightning_sharding import NpyWindows, ShardedData, ShardedDataModule, SqliteSource, SyntheticReader
-from lightning_sharding.config.data import DataOptions
+from lightning_sharding.config.data import DataOptions, PhaseOptions, StreamOptions, TokenStreamOptions
 from lightning_sharding.config.schemas import CONF_DIR, SCHEMAS
 from lightning_sharding.loading.engine import LoadingEngine
+from lightning_sharding.mixture import Phase, Stream
+from lightning_sharding.recipes.mixture import SHARES
 from lightning_sharding.strategies import (
     BroadcastStrategy,
     DaliStrategy,
@@ -213,3 +216,41 @@ def test_a_hydra_sharding_config_goes_in_whole_and_its_settings_are_checked_wher
     assert "sharding.transport" in str(misspelt_key(["data.transport=torch"]))
     assert "sharding=NAME" in str(misspelt_key(["sharding.strategy=broadcast"]))
     assert "Did you mean sharding.transport?" in str(misspelt_key(["--cfg", "job", "sharding.transprot=torch"]))
+
+
+@pytest.mark.parametrize(
+    ("schema", "api", "skipped"),
+    [(StreamOptions, Stream, {"name", "reader"}), (TokenStreamOptions, Stream, {"name", "reader"})]
+    + [(PhaseOptions, Phase, {"note"})],
+    ids=["data=mixture streams", "data=pretrain streams", "schedule phases"],
+)
+def test_a_streams_and_a_phases_schema_hold_the_python_classes_fields_with_their_defaults(
+    schema: type, api: type, skipped: set[str]
+) -> None:
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for f in dataclasses.fields(api):
+        if f.name in skipped:
+            continue
+        assert f.name in fields, f"{schema.__name__} lacks {api.__name__}.{f.name}"
+        assert fields[f.name].default == f.default and fields[f.name].default_factory == f.default_factory, f.name
+    assert set(SHARES) == {f.name for f in dataclasses.fields(Stream)} - {"name", "reader"}
+
+
+def test_hydra_takes_a_streams_share_in_tokens_and_a_schedule_of_tokens_for_packed_streams(tmp_path: Path) -> None:
+    streams = "[{name: a, documents: 60, tokens: 1500}, {name: b, documents: 60, weight: 1.0}]"
+    schedule = "[{shares: {a: 1.0, b: 1.0}}, {tokens: 4000, shares: {a: 1.0}}]"
+    overrides = [f"out_dir={tmp_path}", f"data.cache_dir={tmp_path}", "recipe=pretrain"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("train", overrides=[*overrides, f"data.streams={streams}", f"data.schedule={schedule}"])
+    mixture = build_datamodule(cfg).make_reader()
+    assert [(s.name, s.tokens, s.weight) for s in mixture.streams] == [("a", 1500, None), ("b", None, 1.0)]
+    phases = [(p.tokens, dict(p.shares)) for p in mixture.phases if not p.note]
+    assert phases == [(0, {"a": 1.0, "b": 1.0}), (4000, {"a": 1.0})]  # the first phase starts at token 0
+    # A share in tokens on files that are not packed is the Python API's refusal, word for word.
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        more = ["recipe=mixture", "data.streams.0.weight=null", "data.streams.0.tokens=100"]
+        cfg = compose("train", overrides=[*overrides[:2], *more])
+    with pytest.raises(
+        InstantiationException, match=r"stream 'web': a share in tokens \(tokens=100\) needs packed token sequences"
+    ):
+        build_datamodule(cfg)
