@@ -11,6 +11,7 @@ modules, without paying for importing Lightning.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from lightning_sharding import _deprecated
@@ -99,10 +100,9 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:  # a name the root exported before: warned once (then cached), or an AttributeError
-        value = _deprecated.root_name(name)
-        globals()[name] = value
-        return value
+    if module is None:  # a name the root exported before: warned once, or an AttributeError
+        # Not cached in the root's namespace, so that a tool probing for import paths never finds it there.
+        return _deprecated.root_name(name, sys._getframe(1).f_globals.get("__name__", ""))
     value = getattr(importlib.import_module(f"lightning_sharding.{module}"), name)
     globals()[name] = value
     return value

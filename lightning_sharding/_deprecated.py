@@ -101,12 +101,24 @@ RENAMED: dict[str, tuple[str, str]] = {
 }
 
 
-def root_name(name: str) -> Any:
-    """``lightning_sharding.<name>`` for a name the root no longer exports, warned; else an AttributeError."""
+# Tools that look for the shortest import path of an object by probing its parent modules: they must find
+# its home, or what they save (LightningCLI's config.yaml, written by jsonargparse) names a path that the
+# next release removes. They get an AttributeError for a dropped name, as from 0.3 on.
+_PATH_PROBERS = ("jsonargparse.",)
+_warned: set[str] = set()
+
+
+def root_name(name: str, caller: str = "") -> Any:
+    """``lightning_sharding.<name>`` for a name the root no longer exports, warned once; else (or when
+    ``caller``, the calling module's name, is a tool that probes for import paths) an AttributeError."""
     home = ROOT_NAMES.get(name)
-    if home is None:
+    if home is None or caller.startswith(_PATH_PROBERS):
         raise AttributeError(f"module {_PACKAGE!r} has no attribute {name!r}")
     new = RENAMED[name][1] if name in RENAMED else name
+    value = getattr(importlib.import_module(f"{_PACKAGE}.{home}"), new)
+    if name in _warned:
+        return value
+    _warned.add(name)
     called = f" as {new}, its name since 0.2" if new != name else ""
     warnings.warn(
         f"lightning_sharding.{name} is no longer exported from the package root: import it from "
@@ -114,7 +126,7 @@ def root_name(name: str) -> Any:
         DeprecationWarning,
         stacklevel=3,
     )
-    return getattr(importlib.import_module(f"{_PACKAGE}.{home}"), new)
+    return value
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

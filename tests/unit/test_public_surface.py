@@ -13,6 +13,7 @@ import warnings
 import pytest
 
 import lightning_sharding
+from lightning_sharding import _deprecated
 from lightning_sharding._deprecated import RENAMED, ROOT_NAMES
 from tests.support.harness import ROOT
 
@@ -43,7 +44,7 @@ def test_every_exported_name_imports_without_a_warning() -> None:
 def test_a_name_the_root_no_longer_exports_still_imports_with_a_warning_naming_its_home(name: str) -> None:
     home = f"lightning_sharding.{ROOT_NAMES[name]}"
     assert name not in lightning_sharding.__all__
-    lightning_sharding.__dict__.pop(name, None)
+    _deprecated._warned.discard(name)  # warned once per process: as if for the first time
     with pytest.warns(DeprecationWarning, match=rf"lightning_sharding\.{name} .* import it from {home}"):
         value = getattr(lightning_sharding, name)
     new = RENAMED[name][1] if name in RENAMED else name  # a name 0.2 also gave a new word: the new name
@@ -55,3 +56,32 @@ def test_an_unknown_name_is_an_attribute_error_without_a_warning() -> None:
         warnings.simplefilter("error")
         with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
             lightning_sharding.NoSuchName  # noqa: B018
+
+
+def test_a_dropped_name_warns_once_and_a_tool_probing_for_import_paths_finds_the_home() -> None:
+    # jsonargparse (LightningCLI) writes a class by the shortest path its parents answer: were the root to
+    # answer a dropped name, a saved config.yaml would name a path that the next release removes.
+    from jsonargparse._util import get_import_path
+
+    code = (
+        "import warnings; warnings.simplefilter('always');"
+        "from jsonargparse._util import get_import_path;"
+        "from lightning_sharding.core.ledger import Ledger;"
+        "from lightning_sharding.strategies.shard import ShardedLoader;"
+        "from lightning_sharding.readers import FileReader;"
+        "print(*(get_import_path(c) for c in (Ledger, ShardedLoader, FileReader)));"
+        "import lightning_sharding as ls;"
+        "w = warnings.catch_warnings(record=True); seen = w.__enter__();"
+        "ls.Ledger; ls.Ledger; w.__exit__(None, None, None);"
+        "print(len(seen), ls.Ledger is Ledger, 'Ledger' in vars(ls))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    lines = proc.stdout.split("\n")
+    assert lines[0].split() == [
+        "lightning_sharding.core.ledger.Ledger",
+        "lightning_sharding.strategies.shard.ShardedLoader",
+        "lightning_sharding.readers.FileReader",
+    ], proc.stderr[-3000:]
+    assert "no longer exported" not in proc.stderr
+    assert lines[1] == "1 True False", proc.stderr[-3000:]  # one warning for two uses; never cached in the root
+    assert get_import_path(lightning_sharding.ShardedDataModule) == "lightning_sharding.ShardedDataModule"
