@@ -8,10 +8,11 @@ holds; :mod:`~lightning_sharding.tokens.reader` joins them for ``ShardedDataModu
 
 from lightning_sharding.tokens.batch import join_packed
 from lightning_sharding.tokens.documents import DocumentReader, IndexedTokens, ParquetTokens, TokenFiles, write_indexed
-from lightning_sharding.tokens.packing import MODES, PackedEpochs, PackedOrder, Packing
+from lightning_sharding.tokens.packing import FIELDS, MODES, PackedEpochs, PackedOrder, Packing
 from lightning_sharding.tokens.reader import PackedReader
 
 __all__ = [
+    "FIELDS",
     "MODES",
     "DocumentReader",
     "IndexedTokens",

@@ -1,8 +1,9 @@
-"""What a batch of packed sequences holds, built with array operations from the pieces' tokens.
+"""What a batch of packed sequences holds, built with array operations over the whole batch.
 
-For ``B`` sequences of ``L`` tokens (:func:`packed_batch`):
+For ``B`` sequences of ``L`` tokens (:func:`packed_batch`), the fields of
+:attr:`Packing.fields <lightning_sharding.tokens.packing.Packing>` (all by default):
 
-- ``input_ids`` ``(B, L)`` int64, ``pad_id`` at padding;
+- ``input_ids`` ``(B, L)`` int64, ``pad_id`` at padding (always built);
 - ``labels`` ``(B, L)`` int64: the next token of the same document; -100 at padding and where the
   document ends (unless ``labels_across_documents``: then the next document's first token in the
   sequence). A piece cut at a sequence's end is labelled with the document's next token, read
@@ -13,6 +14,14 @@ For ``B`` sequences of ``L`` tokens (:func:`packed_batch`):
   documents item after item), -1 at padding;
 - ``cu_seqlens`` ``(segments + 1,)`` int32 over the flattened batch (each piece a segment, and the
   padding at the end of a row one more), and ``max_seqlen``, for variable-length attention kernels.
+
+How: the pieces' tokens are read with one gather per file, in piece order, followed by the next
+token of each piece its document goes on after. In piece order a row's tokens follow the row
+before's, so when no row is padded (``concat`` but for an epoch's last batch) every field is built
+in its final layout: ``labels`` is the tokens shifted by one with one fix per piece, ``position_ids``
+a count minus each piece's start, ``document_ids`` each piece's document repeated. Padded rows get
+the same arrays spread over their rows by one mask. No step loops in Python over sequences,
+pieces or tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lightning_sharding.tokens.packing import Packing, ranges
+from lightning_sharding.tokens.packing import Packing, counting
 
 Int64Array = npt.NDArray[np.int64]
 IGNORE_INDEX = -100
@@ -39,96 +48,134 @@ def packed_batch(
     name: Callable[[int], str] = "document {}".format,
 ) -> dict[str, Any]:
     """The batch of ``rows`` sequences made of ``pieces`` (``(row, doc, start, stop)``, as
-    :meth:`~lightning_sharding.tokens.packing.PackedOrder.pieces` gives them).
+    :meth:`~lightning_sharding.tokens.packing.PackedOrder.pieces` gives them: row after row, each
+    row's pieces in their order), holding the fields of ``packing.fields``.
 
     ``lengths`` holds every document's token count; ``read(docs, starts, stops)`` returns the
-    tokens ``[starts[k], stops[k])`` of document ``docs[k]`` for every piece ``k``, one after another
-    (one token more than the piece when the document goes on after it); ``name(doc)`` says which
-    document a bad token is in.
+    tokens ``[starts[k], stops[k])`` of document ``docs[k]`` for every span ``k``, one after
+    another, of any integer dtype; ``name(doc)`` says which document a bad token is in.
     """
     row, doc, start, stop = pieces
-    seq_len = packing.seq_len
-    n = stop - start
-    extra = (stop < lengths[doc]).astype(np.int64)  # the document goes on: read its next token for the label
-    flat = np.asarray(read(doc, start, stop + extra)).astype(np.int64, copy=False)
-    if flat.size != int((n + extra).sum()):
-        raise ValueError(f"the reader returned {flat.size} tokens for pieces of {int((n + extra).sum())}")
-    if packing.vocab_size is not None and flat.size and (flat.min() < 0 or flat.max() >= packing.vocab_size):
-        k = int(np.flatnonzero((flat < 0) | (flat >= packing.vocab_size))[0])
-        piece = int(np.searchsorted(np.cumsum(n + extra), k, side="right"))
-        at = int(start[piece]) + k - int(np.concatenate(([0], np.cumsum(n + extra)))[piece])
-        raise ValueError(
-            f"token id {int(flat[k])} at token {at} of {name(int(doc[piece]))} is outside the vocabulary "
-            f"[0, {packing.vocab_size}): the data was tokenized for another vocabulary, or the vocabulary size "
-            "given (Packing(vocab_size=...), Hydra data.vocab_size) is not the tokenizer's"
-        )
-    # Where each piece starts in the read tokens, and in its row.
-    read_at = np.concatenate(([0], np.cumsum(n + extra)[:-1])).astype(np.int64)
-    first_of_row = np.concatenate(([True], row[1:] != row[:-1])) if row.size else np.zeros(0, dtype=bool)
-    before = np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64)
-    row_base = np.maximum.accumulate(np.where(first_of_row, before, 0)) if row.size else before
-    col = before - row_base
-    dest_at = row * seq_len + col
-    src = ranges(read_at, read_at + n)
-    dest = ranges(dest_at, dest_at + n)
+    seq_len, fields = packing.seq_len, packing.fields
     size = rows * seq_len
-    input_ids = np.full(size, packing.pad_id, dtype=np.int64)
-    input_ids[dest] = flat[src]
-    labels = np.full(size, IGNORE_INDEX, dtype=np.int64)
-    # The label of a token is the token after it in the read tokens, except after a piece's last
-    # token when the document ended there.
-    last = np.zeros(src.size, dtype=bool)
-    ends = np.cumsum(n) - 1
-    last[ends[n > 0]] = True
-    ended = np.repeat(extra == 0, n)
-    has_next = ~(last & ended)
-    labels[dest[has_next]] = flat[src[has_next] + 1]
-    if packing.labels_across_documents and row.size > 1:
-        follows = np.flatnonzero((extra[:-1] == 0) & (row[1:] == row[:-1]) & (n[:-1] > 0))
-        labels[dest_at[follows] + n[follows] - 1] = flat[read_at[follows + 1]]
-    position_ids = np.zeros(size, dtype=np.int64)
-    position_ids[dest] = dest - np.repeat(dest_at, n)
-    document_ids = np.full(size, -1, dtype=np.int64)
-    document_ids[dest] = np.repeat(doc, n)
-    used = np.bincount(row, weights=n, minlength=rows).astype(np.int64)
-    pads = np.flatnonzero(used < seq_len)
-    bounds = np.unique(np.concatenate(([0], dest_at[n > 0], pads * seq_len + used[pads], [size]))).astype(np.int32)
-    shape = (rows, seq_len)
-    return {
-        "input_ids": torch.from_numpy(input_ids.reshape(shape)),
-        "labels": torch.from_numpy(labels.reshape(shape)),
-        "position_ids": torch.from_numpy(position_ids.reshape(shape)),
-        "document_ids": torch.from_numpy(document_ids.reshape(shape)),
-        "cu_seqlens": torch.from_numpy(bounds),
-        "max_seqlen": int(np.diff(bounds).max()) if size else 0,
-    }
+    n = stop - start
+    if n.size and not n.all():  # an empty piece holds nothing to lay out
+        keep = n > 0
+        row, doc, start, stop, n = row[keep], doc[keep], start[keep], stop[keep], n[keep]
+    ends = np.cumsum(n)  # where each piece ends among the batch's tokens, in piece order
+    befores = ends - n
+    total = int(ends[-1]) if ends.size else 0
+    goes = stop < lengths[doc]  # the piece's document goes on after it: read its next token for the label
+    after = stop[goes]
+    spans = (np.concatenate((doc, doc[goes])), np.concatenate((start, after)), np.concatenate((stop, after + 1)))
+    flat = np.asarray(read(*spans))
+    if flat.shape != (total + after.size,):
+        raise ValueError(f"the reader returned {flat.size} tokens for pieces of {total + after.size}")
+    if packing.vocab_size is not None and flat.size and (int(flat.min()) < 0 or int(flat.max()) >= packing.vocab_size):
+        _refuse_token(flat, packing.vocab_size, ends, n, start, stop, np.flatnonzero(goes), doc, name)
+    tokens = flat[:total].astype(np.int64)  # in piece order; a copy (a reader may hand back its own memory)
+    full = total == size  # no padding: piece order is the batch's layout
+    if not full:
+        used = np.bincount(row, weights=n, minlength=rows).astype(np.int64)
+        inside = counting(seq_len)[None, :] < used[:, None]  # (rows, L): the tokens' places
+
+    def laid(values: Int64Array, fill: int) -> torch.Tensor:
+        """``values`` (piece order) in the batch's ``(rows, L)`` layout, ``fill`` at padding."""
+        if full:
+            return torch.from_numpy(values.reshape(rows, seq_len))
+        out = np.full((rows, seq_len), fill, dtype=np.int64)
+        out[inside] = values
+        return torch.from_numpy(out)
+
+    batch: dict[str, Any] = {"input_ids": laid(tokens, packing.pad_id)}
+    if "labels" in fields:
+        labels = np.empty(total, dtype=np.int64)
+        labels[:-1] = tokens[1:]  # the next token, right inside a piece
+        lasts = ends - 1  # each piece's last token
+        labels[lasts[goes]] = flat[total:]
+        ended = ~goes
+        if packing.labels_across_documents:  # the next piece of the same row keeps its first token as label
+            ended[:-1] &= row[1:] != row[:-1]
+        labels[lasts[ended]] = IGNORE_INDEX
+        batch["labels"] = laid(labels, IGNORE_INDEX)
+    if "position_ids" in fields:
+        batch["position_ids"] = laid(counting(total) - np.repeat(befores, n), 0)
+    if "document_ids" in fields:
+        batch["document_ids"] = laid(np.repeat(doc, n), -1)
+    if "cu_seqlens" in fields:
+        if full:  # every piece is a segment; no padding
+            bounds = np.empty(n.size + 1, dtype=np.int32)
+            bounds[:-1] = befores
+            bounds[-1] = size
+            batch["max_seqlen"] = int(n.max()) if size else 0
+        else:  # a piece starts at its row's start plus the row's tokens before it; padding follows a row's last
+            row_start = counting(rows) * seq_len
+            shift = row_start - (np.cumsum(used) - used)  # from piece order to the row's place
+            pads = np.flatnonzero(used < seq_len)
+            cut = np.concatenate((befores + shift[row], row_start[pads] + used[pads], [size]))
+            cut.sort()
+            bounds = cut.astype(np.int32)
+            batch["max_seqlen"] = int(np.diff(cut).max()) if size else 0
+        batch["cu_seqlens"] = torch.from_numpy(bounds)
+    return batch
+
+
+def _refuse_token(
+    flat: npt.NDArray[Any],
+    vocab_size: int,
+    ends: Int64Array,
+    n: Int64Array,
+    start: Int64Array,
+    stop: Int64Array,
+    goes_on: Int64Array,
+    doc: Int64Array,
+    name: Callable[[int], str],
+) -> None:
+    """Raise naming the first token outside ``[0, vocab_size)``, in the order the pieces' tokens
+    come (each piece, then the next token its document goes on with)."""
+    total = int(ends[-1])
+    bad = np.flatnonzero((flat < 0) | (flat >= vocab_size))
+    inner, outer = bad[bad < total], bad[bad >= total] - total
+    piece = np.searchsorted(ends, inner, side="right")
+    at = start[piece] + inner - (ends - n)[piece]
+    order = inner + np.searchsorted(goes_on, piece)  # counting the next tokens before each piece
+    piece = np.concatenate((piece, goes_on[outer]))
+    at = np.concatenate((at, stop[goes_on[outer]]))
+    order = np.concatenate((order, ends[goes_on[outer]] + outer))
+    k = int(np.argmin(order))
+    raise ValueError(
+        f"token id {int(flat[bad[k]])} at token {int(at[k])} of {name(int(doc[piece[k]]))} is outside the vocabulary "
+        f"[0, {vocab_size}): the data was tokenized for another vocabulary, or the vocabulary size "
+        "given (Packing(vocab_size=...), Hydra data.vocab_size) is not the tokenizer's"
+    )
 
 
 def join_packed(parts: list[tuple[Int64Array, dict[str, Any], int]], rows: int) -> dict[str, Any]:
     """One batch of ``rows`` sequences from batches of some of them (a mixture's streams):
     ``(where, batch, first_document)`` each, its rows going to rows ``where`` of the result and its
-    ``document_ids`` counted from ``first_document`` (documents numbered stream after stream).
-    ``cu_seqlens`` and ``max_seqlen`` are those of the joined batch."""
-    seq_len = int(parts[0][1]["input_ids"].shape[1])
-    fields = {key: torch.empty((rows, seq_len), dtype=torch.int64) for key in ("input_ids", "labels", "position_ids")}
-    document_ids = torch.empty((rows, seq_len), dtype=torch.int64)
+    ``document_ids`` counted from ``first_document`` (documents numbered stream after stream). The
+    parts hold the same fields (one packing); ``cu_seqlens`` and ``max_seqlen`` are those of the joined
+    batch: each part's segment bounds moved with their rows."""
+    first_batch = parts[0][1]
+    seq_len = int(first_batch["input_ids"].shape[1])
+    keys = [k for k in ("input_ids", "labels", "position_ids", "document_ids") if k in first_batch]
+    joined: dict[str, Any] = {key: torch.empty((rows, seq_len), dtype=torch.int64) for key in keys}
     for where, batch, first in parts:
         at = torch.from_numpy(where)
-        for key, out in fields.items():
-            out[at] = batch[key]
-        docs = batch["document_ids"]
-        document_ids[at] = torch.where(docs >= 0, docs + first, docs)
-    flat_docs = document_ids.reshape(-1).numpy()
-    flat_positions = fields["position_ids"].reshape(-1).numpy()
-    size = rows * seq_len
-    starts = np.zeros(size, dtype=bool)
-    starts[::seq_len] = True  # every row starts a segment
-    starts[1:] |= flat_docs[1:] != flat_docs[:-1]  # a document (or the padding) begins
-    starts[1:] |= (flat_positions[1:] == 0) & (flat_docs[1:] >= 0)  # a piece begins
-    bounds = np.concatenate((np.flatnonzero(starts), [size])).astype(np.int32)
-    return {
-        **fields,
-        "document_ids": document_ids,
-        "cu_seqlens": torch.from_numpy(bounds),
-        "max_seqlen": int(np.diff(bounds).max()) if size else 0,
-    }
+        for key in keys:
+            value = batch[key]
+            if key == "document_ids":
+                value = torch.where(value >= 0, value + first, value)
+            joined[key][at] = value
+    if "cu_seqlens" in first_batch:
+        size = rows * seq_len
+        moved = [np.array([size], dtype=np.int64)]
+        for where, batch, _ in parts:
+            bounds = batch["cu_seqlens"].numpy()[:-1].astype(np.int64)  # every segment's start in the part
+            row = bounds // seq_len
+            moved.append(bounds + (where[row] - row) * seq_len)
+        cu = np.concatenate(moved)
+        cu.sort()
+        joined["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32))
+        joined["max_seqlen"] = int(np.diff(cu).max()) if size else 0
+    return joined

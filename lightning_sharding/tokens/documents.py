@@ -156,7 +156,7 @@ class TokenFiles(DocumentReader):
                     f"{path!r} holds an array of shape {arr.shape} and dtype {arr.dtype}: "
                     "token files are 1-d arrays of integer token ids"
                 )
-            maps[path] = arr
+            maps[path] = arr.view(np.ndarray)  # a plain array: gathers skip memmap's Python
         return maps[path]  # type: ignore[no-any-return]
 
     def _ends(self, path: str) -> Int64Array:
@@ -194,7 +194,7 @@ class TokenFiles(DocumentReader):
 
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
         """One gather from the memory-mapped file."""
-        return np.asarray(self._map(item.key)[ranges(starts, stops)])
+        return np.take(self._map(item.key), ranges(starts, stops))
 
 
 class ParquetTokens(DocumentReader):
@@ -275,7 +275,7 @@ class ParquetTokens(DocumentReader):
 
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
         """One gather from the row group's token values."""
-        return np.asarray(self._row_group(*self._where(item))[1][ranges(starts, stops)])
+        return np.take(self._row_group(*self._where(item))[1], ranges(starts, stops))
 
 
 # Megatron-LM's indexed dataset: the .idx header and its dtype codes (megatron/core/datasets/indexed_dataset.py).
@@ -383,14 +383,15 @@ class IndexedTokens(DocumentReader):
 
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
         """One gather from the memory-mapped ``.bin``."""
-        return np.asarray(self._bin(item)[ranges(starts, stops)])
+        return np.take(self._bin(item), ranges(starts, stops))
 
     def _bin(self, item: Item) -> npt.NDArray[np.integer[Any]]:
         maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
         key = f"bin:{item.key}"
         if key not in maps:
             dtype, _, _ = self._index(item.key[: -len(".bin")])
-            maps[key] = np.memmap(item.key, dtype=dtype, mode="r")
+            # A plain array over the map: gathers skip memmap's Python.
+            maps[key] = np.memmap(item.key, dtype=dtype, mode="r").view(np.ndarray)
         return maps[key]  # type: ignore[no-any-return]
 
 

@@ -38,6 +38,8 @@ from lightning_sharding.core.order import EpochOrder, _rng
 Int64Array = npt.NDArray[np.int64]
 Mode = Literal["concat", "best_fit", "none"]
 MODES: tuple[str, ...] = ("concat", "best_fit", "none")
+# What a batch can hold (:mod:`~lightning_sharding.tokens.batch`); ``cu_seqlens`` comes with ``max_seqlen``.
+FIELDS: tuple[str, ...] = ("input_ids", "labels", "position_ids", "document_ids", "cu_seqlens")
 
 _SEQUENCE_STREAM = 0x5E9A
 
@@ -50,6 +52,12 @@ class Packing:
     ``pad_id`` fills padding (its labels are -100); ``labels_across_documents``: whether a
     document's last token is trained to predict the next document's first (default: it is not, its
     label is -100); ``vocab_size``: when given, a token at or above it is refused naming where it is.
+
+    ``fields``: what a batch holds, of :data:`FIELDS` (``input_ids``, ``labels``, ``position_ids``,
+    ``document_ids``, ``cu_seqlens`` with ``max_seqlen``); by default all of them, and ``input_ids``
+    always among them. A field left out is not computed at all (a model that masks attention by
+    ``cu_seqlens`` needs no ``document_ids``, one with plain causal attention needs neither). It
+    changes no sequence, so a checkpoint resumes under other fields.
     """
 
     seq_len: int
@@ -58,6 +66,7 @@ class Packing:
     pad_id: int = 0
     labels_across_documents: bool = False
     vocab_size: int | None = None
+    fields: tuple[str, ...] = FIELDS
 
     def __post_init__(self) -> None:
         where = "Packing"
@@ -73,15 +82,27 @@ class Packing:
             raise ValueError(f"{where}(vocab_size={self.vocab_size!r}) must be a positive number of token ids")
         if self.vocab_size is not None and not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"{where}(pad_id={self.pad_id}) must be a token id below vocab_size={self.vocab_size}")
+        given = self.fields
+        if isinstance(given, str) or not all(isinstance(f, str) for f in given):
+            raise ValueError(f"{where}(fields={given!r}) must be a list of field names out of {list(FIELDS)}")
+        unknown = [f for f in given if f not in FIELDS]
+        if unknown:
+            raise ValueError(
+                f"{where}(fields={list(given)!r}): {unknown} not a batch field; choose from {list(FIELDS)}"
+            )
+        if "input_ids" not in given:
+            raise ValueError(f"{where}(fields={list(given)!r}) must hold 'input_ids' (every batch has its tokens)")
+        object.__setattr__(self, "fields", tuple(f for f in FIELDS if f in given))  # one spelling, in FIELDS' order
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the packing (every field)."""
-        return asdict(self)
+        return {**asdict(self), "fields": list(self.fields)}
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide the sequences and what a batch holds: a resume with another of
-        them is refused (``vocab_size`` only checks tokens, ``window`` matters to ``best_fit`` only)."""
-        kept = {k: v for k, v in asdict(self).items() if k != "vocab_size"}
+        them is refused (``vocab_size`` only checks tokens, ``fields`` only chooses what is built,
+        ``window`` matters to ``best_fit`` only)."""
+        kept = {k: v for k, v in asdict(self).items() if k not in ("vocab_size", "fields")}
         if self.mode != "best_fit":
             kept.pop("window")
         return kept
@@ -322,15 +343,20 @@ class PackedOrder:
             return rows, docs[at], starts[at], stops[at]
         # concat: sequence s is tokens [s L, (s + 1) L) of the stream; documents d0..d1 cover it.
         ends = self._ends
-        lo_tok, hi_tok = pos * seq_len, np.minimum((pos + 1) * seq_len, int(ends[-1]))
+        lo_tok = pos * seq_len
+        hi_tok = np.minimum(lo_tok + seq_len, int(ends[-1]))
         d0 = np.searchsorted(ends, lo_tok, side="right")
-        d1 = np.searchsorted(ends, hi_tok, side="left") + 1
-        rows = np.repeat(np.arange(pos.size, dtype=np.int64), d1 - d0)
+        d1 = np.searchsorted(ends, hi_tok, side="left")
+        d1 += 1
+        rows = np.repeat(counting(pos.size), d1 - d0)
         slot = ranges(d0, d1)
         doc = self.documents[slot]
-        doc_start = ends[slot] - self.epochs.lengths[doc]  # where each document starts in the stream
-        start = np.maximum(lo_tok[rows] - doc_start, 0)
-        stop = np.minimum(hi_tok[rows] - doc_start, self.epochs.lengths[doc])
+        length = self.epochs.lengths[doc]
+        doc_start = ends[slot] - length  # where each document starts in the stream
+        start = lo_tok[rows] - doc_start
+        np.maximum(start, 0, out=start)
+        stop = hi_tok[rows] - doc_start
+        np.minimum(stop, length, out=stop)
         return rows, doc, start, stop
 
     def tokens(self, positions: npt.ArrayLike) -> int:
@@ -358,8 +384,25 @@ class PackedOrder:
 def ranges(lo: Int64Array, hi: Int64Array) -> Int64Array:
     """``concatenate([arange(l, h) for l, h in zip(lo, hi)])`` without a Python loop."""
     sizes = hi - lo
-    total = int(sizes.sum())
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if ends.size else 0
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    starts = np.repeat(lo - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
-    return starts + np.arange(total, dtype=np.int64)
+    out = np.repeat(lo - (ends - sizes), sizes)
+    out += counting(total)
+    return out
+
+
+_COUNTING: Int64Array = np.arange(1 << 16, dtype=np.int64)
+_COUNTING.flags.writeable = False
+
+
+def counting(n: int) -> Int64Array:
+    """``arange(n)`` (int64, read-only), sliced from one kept array grown as needed: a batch's index
+    arithmetic asks for one of its token count every time."""
+    global _COUNTING
+    if n > _COUNTING.size:
+        grown = np.arange(max(n, 2 * _COUNTING.size), dtype=np.int64)
+        grown.flags.writeable = False
+        _COUNTING = grown
+    return _COUNTING[:n]

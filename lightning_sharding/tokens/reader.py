@@ -78,11 +78,13 @@ class PackedReader(Reader):
             documents.ahead([items[i] for i in now.tolist()], [items[i] for i in np.asarray(later).tolist()])
 
         def read(docs: npt.NDArray[np.int64], starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Any:
-            """The pieces' tokens, one gather per file."""
+            """The spans' tokens, one gather per file (in the file's dtype when the batch reads one file)."""
             item = np.searchsorted(first, docs, side="right") - 1
             lo, hi = base[docs] + starts, base[docs] + stops
+            if item.size and item.min() == item.max():
+                return documents.read_spans(items[int(item[0])], lo, hi)
             sizes = hi - lo
-            at = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+            at = np.cumsum(sizes) - sizes
             out = np.empty(int(sizes.sum()), dtype=np.int64)
             for k in np.unique(item).tolist():
                 sel = np.flatnonzero(item == k)
