@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +48,19 @@ def run_batch_level(root: Path, samples: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def run_resume(repeats: int) -> dict[str, Any]:
-    fns = {OURS: resume_cost.ours_first_batch, "torchdata StatefulDataLoader": resume_cost.stateful_first_batch}
+def run_resume(repeats: int, total: int = resume_cost.TOTAL) -> dict[str, Any]:
+    """Time to the first batch after a resume at 0/50/90% of an epoch of ``total`` samples: ours (with
+    its 1.2x target), and torchdata's StatefulDataLoader beside it at 10^6 samples (at 10^8 its
+    sampler's permutation of the whole epoch takes seconds a run)."""
+    fns: dict[str, Callable[..., float]] = {OURS: resume_cost.ours_first_batch}
+    if total <= resume_cost.TOTAL:
+        fns["torchdata StatefulDataLoader"] = resume_cost.stateful_first_batch
     rows: dict[str, Any] = {}
     for name, fn in fns.items():
-        t = {str(f): resume_cost.median_time(fn, f, 0, repeats) for f in (0.0, 0.5, 0.9)}
-        ratio = t["0.9"] / t["0.0"]
-        rows[name] = {"seconds": t, "ratio_90_to_0": ratio}
-    rows[OURS].update(target=1.2, met=rows[OURS]["ratio_90_to_0"] <= 1.2)
-    return {"samples": resume_cost.TOTAL, "batch": resume_cost.BATCH, "workers": 0, "systems": rows}
+        rows[name] = resume_cost.measure(fn, 0, repeats, **({"total": total} if name == OURS else {}))
+    target = resume_cost.TARGET
+    rows[OURS].update(target=target, met=rows[OURS]["ratio_90_to_0"] <= target)
+    return {"samples": total, "items": resume_cost.ITEMS, "batch": resume_cost.BATCH, "workers": 0, "systems": rows}
 
 
 def machine() -> dict[str, Any]:
@@ -100,6 +105,7 @@ def main() -> None:
         results["worker_scaling"] = loaders.run_worker_scaling(root, samples, repeats, 8, wait, log)
     log("resume cost")
     results["resume"] = run_resume(5 if args.quick else 15)  # cheap: more runs tame the noise
+    results["resume_large"] = run_resume(5 if args.quick else 15, resume_cost.LARGE)
     log("planning scale")
     results["planning"] = scale.planning_seconds(max(3, repeats)) | {"target_seconds": 1.0}
     results["planning"]["met"] = results["planning"]["seconds"] < 1.0

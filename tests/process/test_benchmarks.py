@@ -179,3 +179,27 @@ def run_benchmark(module: str, *args: str, timeout: int) -> subprocess.Completed
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_benchmark_ledger_is_what_recording_every_batch_leaves(workers: int) -> None:
+    """``benchmarks.resume_cost`` restores the ledger of a resume at a fraction from ranges, without
+    recording each batch (10^8 samples would take minutes): the same positions as recording them."""
+    from benchmarks.resume_cost import WORLD, consumed_after
+    from lightning_sharding.core.ledger import Ledger
+    from lightning_sharding.core.plan import plan_epoch
+    from lightning_sharding.core.rangeset import RangeSet
+
+    total, batch = 10_007, 16
+    for fraction in (0.0, 0.5, 0.9):
+        ledger = Ledger(seed=1, total=total, manifest={"fingerprint": "-"})
+        plan = plan_epoch(total, RangeSet(), world_size=WORLD, num_workers=max(1, workers), batch_size=batch)
+        for rank in range(WORLD):
+            rank_plan = plan.rank(rank)
+            for worker in range(max(1, workers)):
+                run = rank_plan.worker_batches(worker)
+                for index in list(run)[: int(len(run) * fraction)]:
+                    task = rank_plan.batch(index)
+                    ledger.record(task.positions[: len(task.positions) - task.num_padding])
+        ledger.commit()
+        assert consumed_after(fraction, total, workers, batch) == ledger.consumed, fraction
