@@ -131,14 +131,17 @@ def test_a_strategy_says_what_it_takes_in_refusal_and_each_refusal_names_the_str
     assert get_strategy("dali").refusal("streams", "stratified") == "plans only ['mixed'] batches"
     assert get_strategy("dali").refusal("pin_memory", True) is not None
     for name in ("broadcast", "dispatch", "dali"):
-        with pytest.raises(ValueError, match=rf"on_error='skip'\)`: strategy '{name}' cannot .*; use sharding='shard'$"):
+        refused = rf"on_error='skip'\)`: strategy '{name}' cannot .*; use sharding='shard'$"
+        with pytest.raises(ValueError, match=refused):
             get_strategy(name).check(LoaderOptions(on_error="skip"))
-    with pytest.raises(ValueError, match=r"even_batches='sync'\)`: strategy 'shard' plans only .*; use sharding='dispatch'"):
+    refused = r"even_batches='sync'\)`: strategy 'shard' plans only .*; use sharding='dispatch'"
+    with pytest.raises(ValueError, match=refused):
         get_strategy("shard").check(LoaderOptions(even_batches="sync"))
 
 
 def test_a_strategy_of_0_1_that_declares_flags_still_works_and_is_told_the_new_spelling() -> None:
-    with pytest.warns(DeprecationWarning, match=r"declares \['fixed_options', 'fixed_reason', 'skips_errors'\].*refusal"):
+    flags = r"declares \['fixed_options', 'fixed_reason', 'skips_errors'\].*refusal"
+    with pytest.warns(DeprecationWarning, match=flags):
 
         class OldStyle(ShardStrategy):  # as docs/how-to/own-strategy.md wrote it in 0.1
             name = "test_old_style"
