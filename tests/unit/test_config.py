@@ -271,7 +271,7 @@ def test_a_key_appended_with_plus_that_a_schema_or_the_trainer_knows_passes(
         (["data=files", "sharding=broadcast"], ["sharding=broadcast", "data=files"]),
         (["data=sqlite"], ["data=sqlite", "sharding=shard"]),
         (["sharding=dispatch"], ["sharding=dispatch", "data=synthetic"]),
-        (["recipe=climate", "data.on_error=skip"], ["data.on_error='skip'", "broadcast cannot skip", "use sharding=shard"]),
+        (["recipe=climate", "data.on_error=skip"], ["data.on_error='skip'", "broadcast cannot skip", "sharding=shard"]),
         (["data.even_batches=sync"], ["data.even_batches='sync'", "sharding=shard"]),
         (["data.num_items=2", "data.samples_per_item=50", "data.batch_size=128"],
          ["data.batch_size=128", "100 samples"]),
