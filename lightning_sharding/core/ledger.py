@@ -54,6 +54,49 @@ def ledger_step_mismatch(state: Mapping[str, Any], global_step: int | None) -> s
     return None
 
 
+class RunBuffer:
+    """Runs ``[start, stop)`` of positions in plain lists, a run that continues the last one joined
+    to it: what a training step adds to the ledger, in O(1) Python. :meth:`take` gives them as one
+    :class:`RangeSet` (one vectorised merge) and empties the buffer; it holds at most :attr:`LIMIT`
+    runs, merging into one set past that, so a ledger never read keeps little."""
+
+    LIMIT = 4096
+
+    __slots__ = ("_held", "starts", "stops")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+        self._held: RangeSet | None = None  # runs merged already, past LIMIT
+
+    def __bool__(self) -> bool:
+        return bool(self.starts) or self._held is not None
+
+    def add(self, start: int, stop: int) -> None:
+        """One more run."""
+        if self.stops and self.stops[-1] == start:
+            self.stops[-1] = stop
+            return
+        self.starts.append(start)
+        self.stops.append(stop)
+        if len(self.starts) >= self.LIMIT:
+            self._held = self.take()
+
+    def extend(self, other: RunBuffer) -> None:
+        """The runs of ``other`` too."""
+        if other._held is not None:
+            self._held = other._held if self._held is None else self._held | other._held
+        for start, stop in zip(other.starts, other.stops, strict=True):
+            self.add(start, stop)
+
+    def take(self) -> RangeSet:
+        """Every run held, as one set; the buffer is left empty."""
+        runs = RangeSet(np.asarray(self.starts, dtype=np.int64), np.asarray(self.stops, dtype=np.int64))
+        held, self._held = self._held, None
+        self.starts, self.stops = [], []
+        return runs if held is None else held | runs
+
+
 class CheckpointMismatchError(ValueError):
     """A checkpoint's data ledger does not fit the data or this version of lightning_sharding."""
 
@@ -80,8 +123,10 @@ class Ledger:
         self.total = int(total)
         self.manifest: dict[str, Any] = dict(manifest)
         self.epoch = int(epoch)
-        self.consumed = RangeSet()
-        self.pending = RangeSet()
+        # Recorded and committed positions wait as runs ``[start, stop)`` in plain lists (O(1) a batch)
+        # until ``pending`` or ``consumed`` is read, which merges them into its range set at once.
+        self._consumed, self._consumed_runs = RangeSet(), RunBuffer()
+        self._pending, self._pending_runs = RangeSet(), RunBuffer()
         # A mixture under online control: every decision made so far, as Decision.state() dicts, in
         # the order made; kept across epochs (an epoch starts at the shares of the last one). None: not controlled.
         self.decisions: list[dict[str, Any]] | None = None
@@ -101,15 +146,48 @@ class Ledger:
             self.consumed = RangeSet()
             self.pending = RangeSet()
 
+    @property
+    def consumed(self) -> RangeSet:
+        """Positions whose gradients are in an applied optimizer step."""
+        if self._consumed_runs:
+            self._consumed = self._consumed | self._consumed_runs.take()
+        return self._consumed
+
+    @consumed.setter
+    def consumed(self, value: RangeSet) -> None:
+        self._consumed, self._consumed_runs = value, RunBuffer()
+
+    @property
+    def pending(self) -> RangeSet:
+        """Positions of completed training steps waiting for an optimizer step."""
+        if self._pending_runs:
+            self._pending = self._pending | self._pending_runs.take()
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: RangeSet) -> None:
+        self._pending, self._pending_runs = value, RunBuffer()
+
     def record(self, positions: npt.ArrayLike) -> None:
-        """Mark positions (shape ``(n,)``) of a completed training step as pending."""
-        self.pending = self.pending | RangeSet.from_positions(positions)
+        """Mark positions (shape ``(n,)``) of a completed training step as pending: a run of
+        consecutive positions (what a plan's batch holds) in O(1) Python, any others as a range set."""
+        p = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if p.size == 0:
+            return
+        first = int(p[0])
+        if int(p[-1]) - first == p.size - 1 and (p.size < 3 or bool((np.diff(p) == 1).all())):
+            self._pending_runs.add(first, first + p.size)
+        else:
+            self._pending = self.pending | RangeSet.from_positions(p)
 
     def commit(self) -> None:
         """An optimizer step has applied every pending position's gradient: they are consumed."""
-        if self.pending:
+        if self._pending:  # a range set recorded: merge all at once
             self.consumed = self.consumed | self.pending
             self.pending = RangeSet()
+        elif self._pending_runs:  # only runs: they move over as runs
+            self._consumed_runs.extend(self._pending_runs)
+            self._pending_runs = RunBuffer()
 
     def merge(self, consumed: RangeSet) -> None:
         """Add positions other ranks consumed (after a gather)."""

@@ -38,8 +38,10 @@ Every rank can compute every other rank's plan without communicating, so batch c
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -151,11 +153,29 @@ class RankPlan:
         if not 0 <= index < self.num_batches:
             raise IndexError(f"rank {self.rank} has {self.num_batches} batches, asked for batch {index}")
         lo, hi = self.bounds(index)
-        positions = self.positions.select(lo, hi).to_array()
+        positions = self._elements(lo, hi)
         pad = self.num_padding if index == self.num_batches - 1 else 0
         if pad:
             positions = np.concatenate((positions, np.full(pad, self.pad_position, dtype=np.int64)))
         return BatchTask(self.epoch, index, worker, positions, pad)
+
+    @cached_property
+    def _runs(self) -> tuple[list[int], list[int]]:
+        """The positions' ranges as plain lists: each range's start, and how many positions come
+        before each range (then all of them)."""
+        starts = self.positions.starts
+        before = np.concatenate(([0], np.cumsum(self.positions.ends - starts)))
+        return starts.tolist(), before.tolist()
+
+    def _elements(self, lo: int, hi: int) -> Int64Array:
+        """The positions ranked ``[lo, hi)`` (int64, increasing): an ``arange`` when they lie in one
+        range (a batch's usual case, O(1) in Python), else cut from the set."""
+        starts, before = self._runs
+        k = bisect.bisect_right(before, lo) - 1
+        if k < len(starts) and hi <= before[k + 1]:
+            first = starts[k] + lo - before[k]
+            return np.arange(first, first + max(hi - lo, 0), dtype=np.int64)
+        return self.positions.select(lo, hi).to_array()
 
     def tasks(self) -> Iterator[BatchTask]:
         """All batches, interleaved round-robin over workers (the DataLoader's dealing order)."""

@@ -143,3 +143,52 @@ def test_non_mapping_state_is_rejected() -> None:
 
 def test_checkpoint_mismatch_is_a_value_error() -> None:
     assert issubclass(CheckpointMismatchError, ValueError)
+
+
+runs = st.lists(
+    st.one_of(
+        st.tuples(st.integers(0, TOTAL - 1), st.integers(0, 24)).map(
+            lambda r: list(range(r[0], min(r[0] + r[1], TOTAL)))
+        ),
+        st.lists(st.integers(0, TOTAL - 1), max_size=8),  # any positions: not a run
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs, st.lists(st.booleans(), min_size=40, max_size=40), st.integers(2, 6))
+def test_runs_are_kept_as_lists_and_read_as_the_same_sets(
+    batches: list[list[int]], commit_after: list[bool], limit: int
+) -> None:
+    """A batch of consecutive positions is recorded in O(1) Python, as a run; whatever is read
+    (pending, consumed, done, the state) is the set a range set would hold, also past the buffer's limit."""
+    ledger = new_ledger()
+    consumed: set[int] = set()
+    pending: set[int] = set()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lightning_sharding.core.ledger.RunBuffer.LIMIT", limit)
+        for k, (batch, commit) in enumerate(zip(batches, commit_after, strict=False)):
+            ledger.record(np.asarray(batch, dtype=np.int64))
+            pending |= set(batch)
+            if commit:
+                ledger.commit()
+                consumed |= pending
+                pending = set()
+            if k % 3 == 0:  # read at times, not at others
+                assert set(ledger.pending.to_array().tolist()) == pending
+            assert set(ledger.consumed.to_array().tolist()) == consumed
+        assert set(ledger.trained.to_array().tolist()) == consumed | pending
+        assert ledger.state_dict()["consumed"].tolist() == RangeSet.from_positions(sorted(consumed)).to_state().tolist()
+
+
+def test_a_run_of_positions_is_recorded_without_a_range_set() -> None:
+    ledger = new_ledger()
+    ledger.record(np.arange(8, 16))
+    ledger.record(np.arange(16, 24))  # continues the last run: joined
+    assert ledger._pending_runs.starts == [8] and ledger._pending_runs.stops == [24]
+    ledger.commit()
+    ledger.record(np.array([30, 32, 31]))  # not a run: a range set
+    assert not ledger._pending_runs and ledger.pending == RangeSet([30], [33])
+    ledger.commit()
+    assert ledger.consumed == RangeSet([8, 30], [24, 33])

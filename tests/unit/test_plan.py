@@ -315,3 +315,16 @@ GOOD = {"epoch": 0, "world_size": 2, "num_workers": 1, "batch_size": 4, "even_ba
 def test_bad_arguments_are_named(total: int, consumed: RangeSet, override: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         plan_epoch(total, consumed, **{**GOOD, **override})  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_a_batchs_positions_are_the_ranks_cut_from_the_set(case: Case) -> None:
+    """The positions of a batch that lies in one range are an ``arange`` (O(1) in Python); every
+    batch holds what ``select`` cuts from the rank's positions."""
+    plan = case.plan()
+    for rank in range(case.world_size):
+        rank_plan = plan.rank(rank)
+        for index in range(rank_plan.num_batches):
+            lo, hi = rank_plan.bounds(index)
+            np.testing.assert_array_equal(rank_plan._elements(lo, hi), rank_plan.positions.select(lo, hi).to_array())
