@@ -17,7 +17,7 @@ of positions, which keeps each reader on one item at a time.
 from __future__ import annotations
 
 from collections import OrderedDict
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,6 +41,54 @@ def _seed_words(tag: int, words: tuple[int, ...]) -> list[int]:
 
 def _rng(tag: int, *words: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(_seed_words(tag, words))))
+
+
+# A permutation's tail from ``first`` on (see _permutation_tail) is drawn swap by swap in Python, about
+# as costly as _TAIL_SHARE elements of NumPy's whole shuffle: worth it only when the tail is that much
+# shorter than the item, and the item large enough to be worth a second path.
+_TAIL_SHARE = 64
+_TAIL_MIN = 1 << 16
+_LOW32 = 0xFFFFFFFF
+
+
+def _permutation_tail(rng: np.random.Generator, count: int, first: int) -> Int64Array:
+    """``rng.permutation(count)[first:]`` from a fresh ``rng``, in ``O(count - first)``.
+
+    NumPy's ``Generator.permutation(n)`` shuffles ``arange(n)`` by Fisher-Yates from the end: for
+    ``i = n - 1`` down to 1 it swaps places ``i`` and ``j``, ``j`` uniform in ``[0, i]`` (the next
+    32-bit output, a 64-bit output giving its low half then its high half, masked to the smallest
+    all-ones mask covering ``i``, drawn again while above ``i``). Place ``i`` is final after its own
+    swap, so the last ``count - first`` places need only the first ``count - first`` swaps and a map
+    of the places they moved. Exact only as long as NumPy shuffles so: :func:`_tails_exact` checks it.
+    """
+    bits = rng.bit_generator
+    swaps = count - max(first, 1)  # place 0 takes no swap of its own: it is what the others leave
+    moved: dict[int, int] = {}
+    raw: list[int] = bits.random_raw(swaps + swaps // 2 + 8).tolist()
+    at, high = 0, -1  # the next raw output; the high half left of the last one (-1: none)
+    for i in range(count - 1, count - 1 - swaps, -1):
+        mask = (1 << i.bit_length()) - 1
+        while True:
+            if high >= 0:
+                j, high = high & mask, -1
+            else:
+                if at == len(raw):
+                    raw, at = bits.random_raw(64).tolist(), 0
+                j, high = raw[at] & _LOW32 & mask, raw[at] >> 32
+                at += 1
+            if j <= i:
+                break
+        moved[i], moved[j] = moved.get(j, j), moved.get(i, i)
+    return np.fromiter((moved.get(k, k) for k in range(first, count)), dtype=np.int64, count=count - first)
+
+
+@cache
+def _tails_exact() -> bool:
+    """Whether :func:`_permutation_tail` gives what this NumPy's ``permutation`` gives (checked once a
+    process on a small case; where not, every permutation is drawn whole)."""
+    count, first = 5000, 4700
+    whole = _rng(_SAMPLE_STREAM, 1, 2, 3).permutation(count)
+    return bool(np.array_equal(whole[first:], _permutation_tail(_rng(_SAMPLE_STREAM, 1, 2, 3), count, first)))
 
 
 def derive_seed(seed: int, *words: int) -> int:
@@ -111,7 +159,7 @@ class EpochOrder:
         self.epoch = int(epoch)
         self.shuffle = bool(shuffle)
         self.total = int(self.counts.sum())
-        self._cache: OrderedDict[int, Int64Array] = OrderedDict()
+        self._cache: OrderedDict[int, tuple[int, Int64Array]] = OrderedDict()  # item -> _inner's (start, perm)
         self._cache_items = cache_items
 
     @cached_property
@@ -135,22 +183,28 @@ class EpochOrder:
         """Nothing beyond the manifest, seed and epoch."""
         return {}
 
-    def _inner(self, item: int) -> Int64Array:
-        """The permutation of an item's sample indices, shape ``(counts[item],)``."""
-        perm = self._cache.get(item)
-        if perm is None:
-            count = int(self.counts[item])
-            # One sample (a token window, a row per item) has one order: no generator to seed.
-            if count <= 1:
-                perm = np.arange(count)
-            else:
-                perm = _rng(_SAMPLE_STREAM, self.seed, self.epoch, item).permutation(count)
-            self._cache[item] = perm
-            if len(self._cache) > self._cache_items:
-                self._cache.popitem(last=False)
-        else:
+    def _inner(self, item: int, first: int = 0) -> tuple[int, Int64Array]:
+        """``(start, perm[start:])`` of the permutation ``perm`` of an item's sample indices (shape
+        ``(counts[item],)``), with ``start <= first``: the whole (start 0), or only its tail from
+        ``first`` when that is a small share of a large item (what a resume's first batch in the
+        last samples of an item asks; see :func:`_permutation_tail`). The same values either way."""
+        held = self._cache.get(item)
+        if held is not None and held[0] <= first:
             self._cache.move_to_end(item)
-        return perm
+            return held
+        count = int(self.counts[item])
+        # One sample (a token window, a row per item) has one order: no generator to seed.
+        if count <= 1:
+            held = (0, np.arange(count))
+        elif count >= _TAIL_MIN and (count - first) * _TAIL_SHARE <= count < 2**32 and _tails_exact():
+            held = (first, _permutation_tail(_rng(_SAMPLE_STREAM, self.seed, self.epoch, item), count, first))
+        else:
+            held = (0, _rng(_SAMPLE_STREAM, self.seed, self.epoch, item).permutation(count))
+        self._cache[item] = held
+        self._cache.move_to_end(item)
+        if len(self._cache) > self._cache_items:
+            self._cache.popitem(last=False)
+        return held
 
     def locate(self, positions: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """Item ids and sample indices for epoch positions.
@@ -168,7 +222,9 @@ class EpochOrder:
             return items, local
         index = local.copy()
         for group in self._by_item(items):
-            index[group] = self._inner(int(items[group[0]]))[local[group]]
+            inside = local[group]
+            start, perm = self._inner(int(items[group[0]]), int(inside.min()))
+            index[group] = perm[inside - start]
         return items, index
 
     def sample_order(self) -> Int64Array:
@@ -209,6 +265,6 @@ class EpochOrder:
         slot_of[self.item_order] = np.arange(self.item_order.size)
         local = index.copy()
         for group in self._by_item(items) if self.shuffle else []:
-            local[group] = np.argsort(self._inner(int(items[group[0]])))[index[group]]
+            local[group] = np.argsort(self._inner(int(items[group[0]]))[1])[index[group]]
         positions: Int64Array = self.starts[slot_of[items]] + local
         return positions

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.core.order import EpochOrder, derive_seed
+from lightning_sharding.core.order import EpochOrder, _permutation_tail, _rng, _tails_exact, derive_seed
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 
@@ -168,7 +168,7 @@ def test_random_streams_never_share_a_seed() -> None:
     """SeedSequence pads with zeros; tags and word counts keep the item, sample and derived streams apart."""
     from lightning_sharding.core.world import SampleContext, WorkerContext
 
-    ctx = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=2, epoch=3, seed=9)
+    ctx = WorkerContext(data_rank=0, data_size=1, worker_id=0, num_workers=2, epoch=3, seed=9)
     assert derive_seed(9, 3, 0) != derive_seed(9, 3, 0, 0)
     worker_seeds = {WorkerContext(r, 4, w, 2, 3, 9).worker_seed for r in range(4) for w in range(2)}
     sample_seeds = {SampleContext(ctx, p, 0, p).sample_seed for p in range(200)}
@@ -178,3 +178,35 @@ def test_random_streams_never_share_a_seed() -> None:
 PINNED_SEED_0 = 1092475843471438364
 PINNED_SEED_1234 = 4561600955283093070
 PINNED_ORDER = [(0, 2), (0, 1), (0, 0), (3, 1), (3, 3), (3, 0), (3, 2), (2, 1), (2, 0)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3000), st.data(), seeds)
+def test_a_permutations_tail_is_the_whole_permutations_tail(count: int, data: st.DataObject, seed: int) -> None:
+    """``_permutation_tail`` draws only the last swaps of NumPy's shuffle: the same values."""
+    first = data.draw(st.integers(0, count - 1))
+    whole = _rng(0x5A3B, seed, 1, 2).permutation(count)
+    assert np.array_equal(_permutation_tail(_rng(0x5A3B, seed, 1, 2), count, first), whole[first:])
+
+
+@pytest.mark.parametrize("count", [2**16, 2**16 + 1, 200_003, 2**20 + 5])
+def test_a_large_items_tail_is_located_as_the_whole_permutation_places_it(count: int) -> None:
+    """A resume whose first batch lies in the last samples of a large item draws only their tail; a
+    later batch further back in the item draws the whole permutation: every position where the
+    whole permutation puts it (the check once a process passes on this NumPy)."""
+    assert _tails_exact()
+    counts = [3, count, 5]
+    reference = EpochOrder(counts, 7, 1, cache_items=8)
+    slot = int(np.flatnonzero(reference.item_order == 1)[0])
+    start, end = int(reference.starts[slot]), int(reference.starts[slot + 1])
+    whole = _rng(0x5A3B, 7, 1, 1).permutation(count)
+    order = EpochOrder(counts, 7, 1)
+    tail = np.arange(end - 300, min(end + 2, order.total))
+    items, index = order.locate(tail)
+    inside = items == 1
+    assert np.array_equal(index[inside], whole[tail[inside] - start])
+    assert order._cache[1][0] == count - 300  # only the tail was drawn
+    back = np.arange(start + count // 2, start + count // 2 + 50)
+    assert np.array_equal(order.locate(back)[1], whole[count // 2 : count // 2 + 50])
+    assert order._cache[1][0] == 0
+    assert np.array_equal(order.locate(tail)[1], reference.locate(tail)[1])
