@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
@@ -25,7 +25,7 @@ from lightning_sharding.core.plan import EvenBatches
 from lightning_sharding.core.world import DataParallel, World
 from lightning_sharding.lightning.callbacks import ShardingCallback
 from lightning_sharding.lightning.controller import controllers_of
-from lightning_sharding.loading.engine import LoadingEngine
+from lightning_sharding.loading.engine import LoadingEngine, strategy_of
 from lightning_sharding.loading.keeper import LedgerKeeper
 from lightning_sharding.mixture import Phase, Stream
 from lightning_sharding.readers.base import Reader
@@ -55,6 +55,16 @@ class _EngineAttribute(Generic[T]):
         if not self.writable:
             raise AttributeError(f"{type(obj).__name__}.{self.attribute} is read-only")
         setattr(obj._engine, self.attribute, value)
+
+
+class _StrategyAttribute(_EngineAttribute[Strategy]):
+    """``dm.strategy``: set as ``sharding=`` is given (a name, a Strategy or its config), and checked."""
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        owner = type(obj).__name__
+        strategy = strategy_of(owner, value, {})
+        strategy.check(obj._engine.options, owner=owner)
+        obj._engine.strategy = strategy
 
 
 class ShardedDataModule(pl.LightningDataModule):
@@ -136,7 +146,7 @@ class ShardedDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         seed: int | None = None,
         shuffle: bool = True,
-        even_batches: EvenBatches = "pad",
+        even_batches: EvenBatches | Literal["sync"] = "pad",
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
@@ -176,7 +186,7 @@ class ShardedDataModule(pl.LightningDataModule):
 
     # What users and callbacks read (and the batch-size finder and ShardedData's resume set) lives on the engine.
     options: _EngineAttribute[LoaderOptions] = _EngineAttribute("options")
-    strategy: _EngineAttribute[Strategy] = _EngineAttribute("strategy")
+    strategy: _StrategyAttribute = _StrategyAttribute("strategy")
     seed: _EngineAttribute[int | None] = _EngineAttribute("seed")
     world: _EngineAttribute[World] = _EngineAttribute("world")
     source: _EngineAttribute[Source | None] = _EngineAttribute("source")

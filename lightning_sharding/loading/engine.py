@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from torch.utils.data import default_collate
@@ -93,7 +93,7 @@ class LoadingEngine:
         num_workers: int = 0,
         seed: int | None = None,
         shuffle: bool = True,
-        even_batches: EvenBatches = "pad",
+        even_batches: EvenBatches | Literal["sync"] = "pad",
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
@@ -160,6 +160,8 @@ class LoadingEngine:
         data = reader_of(reader, streams, samples_per_epoch, owner, batch_composition, batch_size, schedule)
         if packing is not None and streams is None:
             data = packed(data, packing, chosen, options, owner)
+        if data is not None:  # wrong data for the strategy is refused now, not at setup
+            chosen.check_data(data, owner)
         if data_parallel is not None and not callable(data_parallel):
             check_data_parallel(data_parallel, None, f"`{owner}(data_parallel={data_parallel!r})`")
         return cls(
@@ -223,8 +225,7 @@ class LoadingEngine:
         """Put the mixture's epochs under online control, from ``decisions`` to replay (after :meth:`setup`)."""
         reason = self.strategy.refusal("mixture_control", True)
         if reason is not None:
-            name = self.strategy.name
-            raise ValueError(f"a MixtureController: {refusal_message(name, 'mixture_control', True, reason)}")
+            raise ValueError(f"a MixtureController: {refusal_message(self.strategy, 'mixture_control', True, reason)}")
         self._keeper().start_control(decisions)
 
     def _shared_seed(self, broadcast: Broadcast | None) -> int:
@@ -329,10 +330,16 @@ def strategy_of(
             raise ValueError(f"`{owner}(sharding={config!r})`: a strategy's config needs its `name` (shard, ...)")
         sharding = config.pop("name")
         if sharding in strategy_names():
+            given = f"`{owner}(sharding={dict(name=sharding, **config)!r})`"
+            for key in config:
+                takers = strategies_taking(key)
+                if all(cls.name != sharding for cls in takers):
+                    where = " or ".join(f"sharding.name={cls.name}" for cls in takers) or "no strategy"
+                    raise ValueError(f"{given}: {key!r} is a setting of {where}, not of strategy {sharding!r}")
             try:
                 return get_strategy(sharding, **config)
-            except TypeError as err:
-                raise ValueError(f"`{owner}(sharding={dict(sharding=sharding, **config)!r})`: {err}") from None
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{given}: {err}") from None
     if not isinstance(sharding, Strategy) and sharding not in strategy_names():
         raise ValueError(f"`{owner}({keyword}={sharding!r})` is not a strategy; choose one of {list(strategy_names())}")
     if not settings:

@@ -39,7 +39,12 @@ from lightning_sharding.loading.engine import LoadingEngine
 from lightning_sharding.loading.keeper import LedgerKeeper
 from lightning_sharding.strategies.base import TrainLoader
 
-_TRAINER_ONLY = ("audit_dir",)  # written by the Trainer's callback
+# What only the Trainer's side does: its callback writes the audit, and its loops evaluate.
+_TRAINER_ONLY = {
+    "audit_dir": "is written by the Trainer's callback",
+    "val_reader": "is read by the Trainer's validation loop; evaluate in your loop from a loader of your own",
+    "test_reader": "is read by the Trainer's test loop; evaluate in your loop from a loader of your own",
+}
 
 
 class ShardedData:
@@ -80,9 +85,7 @@ class ShardedData:
     ) -> None:
         refused = [name for name in _TRAINER_ONLY if name in options]
         if refused:
-            raise TypeError(
-                f"ShardedData({refused[0]}=...) is written by the Trainer's callback: use ShardedDataModule"
-            )
+            raise TypeError(f"ShardedData({refused[0]}=...) {_TRAINER_ONLY[refused[0]]}, or use ShardedDataModule")
         optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
         if not optimizers or not all(hasattr(o, "register_step_post_hook") for o in optimizers):
             raise TypeError(

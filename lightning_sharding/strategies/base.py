@@ -190,9 +190,15 @@ class Strategy(ABC):
         Asked for every loader option whose value differs from its default (``even_batches``,
         ``on_error``, ``batch_transform``, ``persistent_workers``, ...), and for what the data asks:
         ``streams`` (a mixture; the value is its batch composition), ``packing`` (packed sequences)
-        and ``mixture_control`` (a ``MixtureController`` that replans a pass mid-way). The base
-        strategy takes every option at its default, ``even_batches`` ``"pad"`` or ``"drop"``, and
-        none of the rest. Override it to take more, and return ``super().refusal(...)`` for the rest.
+        and ``mixture_control`` (a ``MixtureController`` that replans a pass mid-way).
+
+        The base strategy refuses ``on_error="skip"``, an ``even_batches`` other than ``"pad"`` or
+        ``"drop"``, a ``batch_transform``, a mixture, packed sequences and mixture control; it takes
+        every other option, which configure the DataLoader a strategy builds (``num_workers``,
+        ``transform``, ``collate_fn``, ``persistent_workers``, ``prefetch_factor``, ``pin_memory``,
+        ``timeout``, ``multiprocessing_context``, ``padding_key``). A strategy that builds no DataLoader
+        refuses those itself. Override it to refuse or take more, and return ``super().refusal(...)``
+        for the rest.
         """
         if setting == "even_batches":
             return None if value in _PLAIN_EVEN_BATCHES else f"plans only {list(_PLAIN_EVEN_BATCHES)} batches"
@@ -218,10 +224,10 @@ class Strategy(ABC):
         from lightning_sharding.readers.sources import Source
         from lightning_sharding.readers.windows import WindowedReader
 
-        if isinstance(data, MixtureReader):
-            self._refuse(owner, "streams", "mixed", "streams=...")
+        if isinstance(data, MixtureReader):  # asked once, with its batch composition
             composition = getattr(data, "composition", "mixed")
-            self._refuse(owner, "streams", composition, f"batch_composition={composition!r}")
+            given = "streams=..." if composition == "mixed" else f"streams=..., batch_composition={composition!r}"
+            self._refuse(owner, "streams", composition, given)
         if getattr(data, "reads_sequences", False):
             self._refuse(owner, "packing", True, "packing=...")
         wanted: type = {"reader": Reader, "windows": WindowedReader, "source": Source}[self.takes]
@@ -237,7 +243,7 @@ class Strategy(ABC):
         """Raise when this strategy refuses ``setting=value``, naming ``owner(given)`` and the takers."""
         reason = self.refusal(setting, value)
         if reason is not None:
-            raise ValueError(f"`{owner}({given})`: {refusal_message(self.name, setting, value, reason)}")
+            raise ValueError(f"`{owner}({given})`: {refusal_message(self, setting, value, reason)}")
 
     def manifest(self, data: Any, batch_size: int | None = None) -> Manifest:
         """The manifest of the training data (a reader's items and mixture, whose blocks take
@@ -308,10 +314,17 @@ _REFUSED = {  # what the base strategy does not take, whatever the value (see St
 }
 
 
-def refusal_message(name: str, setting: str, value: Any, reason: str) -> str:
-    """``strategy NAME REASON; use sharding='shard'``: the strategies that take ``setting=value``."""
-    takers = strategies_where(lambda s: s.refusal(setting, value) is None)
-    return f"strategy {name!r} {reason}" + (f"; use {takers}" if takers != "no strategy" else "")
+def refusal_message(strategy: Strategy | type[Strategy], setting: str, value: Any, reason: str) -> str:
+    """``strategy NAME REASON; use sharding='shard'``: the strategies that take ``setting=value`` and
+    read the data ``strategy`` reads (a source goes to none of the readers' strategies)."""
+    kind = strategy.takes
+
+    def taker(other: type[Strategy]) -> bool:
+        reads = other.takes == kind or (other.takes == "reader" and kind == "windows")  # a window reader is a reader
+        return reads and other.refusal(setting, value) is None
+
+    takers = strategies_where(taker)
+    return f"strategy {strategy.name!r} {reason}" + (f"; use {takers}" if takers != "no strategy" else "")
 
 
 # The class attributes a strategy declared its rules with before 0.2 (now `Strategy.refusal`).

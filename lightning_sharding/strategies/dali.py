@@ -222,11 +222,12 @@ class DaliStrategy(Strategy):
     @classmethod
     @override
     def refusal(cls, setting: str, value: Any) -> str | None:
+        if setting in ("collate_fn", "batch_transform"):
+            return "assembles each batch in its pipeline: put batch-level work in its graph (DaliStrategy(graph=...))"
         if setting in cls._NOT_USED or setting == "multiprocessing_context":
             return (
-                "assembles batches and runs its own workers; set its pipeline with "
-                "DaliDataModule(prefetch_queue_depth=..., py_start_method=...) "
-                "or sharding=DaliStrategy(prefetch_queue_depth=..., py_start_method=...)"
+                "runs its own workers and queues; set them with "
+                "sharding=DaliStrategy(prefetch_queue_depth=..., py_start_method=...)"
             )
         if setting == "on_error":
             return None if value == "raise" else "cannot fill the place of a skipped sample in a DALI pipeline"

@@ -120,6 +120,8 @@ def test_bad_input_is_named() -> None:
         ShardedData(SyntheticReader(sizes=SIZES), optimizer=None)
     with pytest.raises(TypeError, match=r"audit_dir=...\) is written by the Trainer's callback"):
         ShardedData(SyntheticReader(sizes=SIZES), optimizer=sgd(), audit_dir="audit")
+    with pytest.raises(TypeError, match=r"val_reader=...\) is read by the Trainer's validation loop"):
+        ShardedData(SyntheticReader(sizes=SIZES), optimizer=sgd(), val_reader=SyntheticReader(sizes=SIZES))
     with pytest.raises(ValueError, match=r"gather_timeout=0\)"):
         ShardedData(SyntheticReader(sizes=SIZES), optimizer=sgd(), gather_timeout=0)
     data = make(sgd())

@@ -34,6 +34,7 @@ from lightning_sharding.strategies import (
     get_strategy,
     strategy_names,
 )
+from lightning_sharding.strategies.options import LoaderOptions
 from lightning_sharding.train import build_datamodule
 from tests.support.data.windows import write_months
 from tests.support.extras import require
@@ -254,3 +255,14 @@ def test_hydra_takes_a_streams_share_in_tokens_and_a_schedule_of_tokens_for_pack
         InstantiationException, match=r"stream 'web': a share in tokens \(tokens=100\) needs packed token sequences"
     ):
         build_datamodule(cfg)
+
+
+def test_the_loader_options_defaults_are_the_python_apis() -> None:
+    # LoaderOptions() is what Strategy.check takes for "not set": it must be the arguments' defaults.
+    from torch.utils.data import default_collate
+
+    for f in dataclasses.fields(LoaderOptions):
+        default = getattr(LoaderOptions(), f.name)
+        python = ARGUMENTS[f.name].default
+        assert default == python or (f.name == "collate_fn" and python is None and default is default_collate), f.name
+    assert "sync" in ARGUMENTS["even_batches"].annotation  # dispatch's policy is in the signature's type

@@ -130,11 +130,13 @@ def test_a_strategy_says_what_it_takes_in_refusal_and_each_refusal_names_the_str
     assert get_strategy("dali").refusal("streams", "mixed") is None
     assert get_strategy("dali").refusal("streams", "stratified") == "plans only ['mixed'] batches"
     assert get_strategy("dali").refusal("pin_memory", True) is not None
-    for name in ("broadcast", "dispatch", "dali"):
+    for name in ("broadcast", "dali"):
         refused = rf"on_error='skip'\)`: strategy '{name}' cannot .*; use sharding='shard'$"
         with pytest.raises(ValueError, match=refused):
             get_strategy(name).check(LoaderOptions(on_error="skip"))
-    refused = r"even_batches='sync'\)`: strategy 'shard' plans only .*; use sharding='dispatch'"
+    refused = (
+        r"even_batches='sync'\)`: strategy 'shard' plans only \['pad', 'drop'\] batches$"  # dispatch reads a source
+    )
     with pytest.raises(ValueError, match=refused):
         get_strategy("shard").check(LoaderOptions(even_batches="sync"))
 
@@ -155,3 +157,57 @@ def test_a_strategy_of_0_1_that_declares_flags_still_works_and_is_told_the_new_s
     assert OldStyle.refusal("streams", "mixed") is None  # inherited from the shard strategy
     with pytest.raises(ValueError, match=r"num_workers=2\)`: strategy 'test_old_style' reads in the training process"):
         OldStyle().check(LoaderOptions(num_workers=2))
+
+
+def test_a_refusal_names_only_strategies_that_read_the_data_given_and_wrong_data_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+
+    from lightning_sharding import NpyWindows, SqliteSource, Stream
+
+    with sqlite3.connect(tmp_path / "rows.db") as db:
+        db.execute("CREATE TABLE t (id INTEGER)")
+
+    # A source's refusal suggests no reader's strategy; a window reader's suggests the readers' shard.
+    refused = r"on_error='skip'\)`: strategy 'dispatch' cannot skip a sample: [^;]*$"
+    with pytest.raises(ValueError, match=refused):
+        ShardedDataModule(
+            source=SqliteSource(str(tmp_path / "rows.db"), "SELECT id FROM t ORDER BY id"),
+            sharding="dispatch",
+            on_error="skip",
+        )
+    with pytest.raises(ValueError, match=r"strategy 'broadcast' cannot skip a sample: .*; use sharding='shard'$"):
+        get_strategy("broadcast").check(LoaderOptions(on_error="skip"))
+    assert NpyWindows  # imported for the kinds above: a WindowedReader is a Reader
+    # The wrong kind of data for the strategy is refused when the DataModule is made, not in fit.
+    with pytest.raises(TypeError, match=r"strategy 'broadcast' needs a WindowedReader \(such as NpyWindows\)"):
+        ShardedDataModule(SyntheticReader(), sharding="broadcast")
+    # A strategy that takes only stratified batches takes a stratified mixture (asked once, with it).
+
+    class StratifiedOnly(ShardStrategy):
+        name = "test_stratified_only"
+
+        @classmethod
+        def refusal(cls, setting: str, value: object) -> str | None:
+            return "plans only ['stratified'] batches" if setting == "streams" and value != "stratified" else None
+
+    streams = [Stream("a", SyntheticReader(2, 8)), Stream("b", SyntheticReader(2, 8))]
+    stratified = ShardedDataModule(streams=streams, batch_composition="stratified", batch_size=4).make_reader()
+    StratifiedOnly().check_data(stratified, "ShardedDataModule")
+    mixed = ShardedDataModule(streams=streams, batch_size=4).make_reader()
+    with pytest.raises(ValueError, match=r"\(streams=...\)`: strategy 'test_stratified_only' plans only"):
+        StratifiedOnly().check_data(mixed, "ShardedDataModule")
+
+
+def test_the_strategy_attribute_is_set_as_sharding_is_given_and_checked() -> None:
+    dm = ShardedDataModule(SyntheticReader(), on_error="skip")
+    dm.strategy = {"name": "shard", "transport": "torch"}
+    assert isinstance(dm.strategy, ShardStrategy) and dm.strategy.transport == "torch"
+    with pytest.raises(ValueError, match=r"sharding='bogus'\)` is not a strategy"):
+        dm.strategy = "bogus"
+    with pytest.raises(ValueError, match=r"on_error='skip'\)`: strategy 'broadcast' cannot skip"):
+        dm.strategy = "broadcast"
+    assert dm.strategy == "shard"
+    with pytest.raises(ValueError, match=r"'prefetch_items' is a setting of sharding.name=broadcast, not of strategy"):
+        ShardedDataModule(SyntheticReader(), sharding={"name": "shard", "prefetch_items": 3})
