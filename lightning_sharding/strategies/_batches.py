@@ -21,6 +21,7 @@ from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import is_transient
 from lightning_sharding.strategies._delivery import NO_POSITIONS, Delivery
 from lightning_sharding.strategies._samples import Failed, SampleError, difference, structure
+from lightning_sharding.strategies._shipped import ship, unship
 from lightning_sharding.strategies._slots import SlotStates, WorkerSlots
 from lightning_sharding.strategies._worker import WorkerContexts
 from lightning_sharding.strategies.options import LoaderOptions
@@ -98,7 +99,12 @@ class PlannedBatches(Dataset[Delivery]):
         return self._order
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_slots": None}  # a worker maps its own slots
+        # A worker maps its own slots; a large state (a long manifest) goes to a new worker through a
+        # file, so that the DataLoader starts its workers at once, not one after the other (_shipped.py).
+        return ship({**self.__dict__, "_slots": None})
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unship(state))
 
     def __getitem__(self, task: BatchTask) -> Delivery:
         delivery = self._batch(task)
