@@ -16,6 +16,7 @@ from lightning_sharding.config.generated import with_fields_of
 from lightning_sharding.loading.engine import LoadingEngine
 from lightning_sharding.mixture import Phase, Stream
 from lightning_sharding.readers.decoding import IMAGE_EXTENSIONS
+from lightning_sharding.tokens.packing import Packing
 
 
 def _default(name: str) -> Any:
@@ -171,21 +172,18 @@ class PhaseOptions:
     draws nothing in the phase); ``ramp``: the shares move there linearly over that much after the start."""
 
 
+@with_fields_of(Packing)
 @dataclass
 class PretrainData(DataOptions):
     """Token streams of documents mixed by tokens and packed into sequences of ``seq_len`` tokens
-    (language-model pretraining). ``mode``: concat | best_fit | none."""
+    (language-model pretraining). The packing's fields are a :class:`~lightning_sharding.tokens.Packing`'s,
+    with its defaults (``mode``: concat | best_fit | none); ``seq_len``, which Packing requires, and the
+    ``vocab_size`` of the generated documents are stated in ``conf/data/pretrain.yaml``."""
 
     _target_: str = "lightning_sharding.recipes.pretrain.packed_documents"
     streams: list[TokenStreamOptions] = field(default_factory=list)
-    seq_len: int = 128
-    mode: str = "concat"  # concat | best_fit | none
-    vocab_size: int = 256
-    labels_across_documents: bool = False
-    window: int = 1024  # best_fit: documents packed together at most
-    pad_id: int = 0
     # A share schedule: phases from a number of tokens (or a fraction of the epoch) on, with their shares.
-    schedule: list[PhaseOptions] | None = None
+    schedule: list[PhaseOptions] | None = _default("schedule")
 
 
 @dataclass
@@ -258,13 +256,13 @@ class MixtureData(DataOptions):
 
     _target_: str = "lightning_sharding.recipes.mixture.mixture"
     streams: list[StreamOptions] = field(default_factory=list)
-    samples_per_epoch: int | None = None
-    batch_composition: str = "mixed"  # mixed | stratified | per_stream
+    samples_per_epoch: int | None = _default("samples_per_epoch")
+    batch_composition: str = _default("batch_composition")  # mixed | stratified | per_stream
     # A share schedule: phases, each from a fraction of the epoch on, with its own shares (recipe=anneal).
-    schedule: list[PhaseOptions] | None = None
+    schedule: list[PhaseOptions] | None = _default("schedule")
     # Resume a checkpoint of other shares or streams: its consumed samples stay consumed, the rest of
     # its epoch is drawn at the new shares (docs/how-to/mixtures.md).
-    allow_mixture_change: bool = False
+    allow_mixture_change: bool = _default("allow_mixture_change")
     storage_options: dict[str, Any] = field(default_factory=dict)
     dim: int = 16  # features of generated streams
 

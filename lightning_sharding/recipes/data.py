@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import shutil
 import uuid
@@ -9,24 +11,25 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_sharding.config.data import DataOptions
 from lightning_sharding.core.private import make_dirs, redact_url
 from lightning_sharding.lightning.datamodule import ShardedDataModule
+from lightning_sharding.loading.engine import LoadingEngine
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.sources import Source
 from lightning_sharding.readers.storage import scheme_of
 from lightning_sharding.strategies import get_strategy
 from lightning_sharding.strategies.options import BatchTransform, Transform
 
-# The loader options of config.DataOptions that go to ShardedDataModule unchanged.
-_PASSED = (
-    "batch_size",
-    "num_workers",
-    "seed",
-    "shuffle",
-    "even_batches",
-    "multiprocessing_context",
-    "on_error",
-    "allow_data_change",
+# The loader options of config.DataOptions built here rather than passed as they are.
+_BUILT_HERE = ("persistent_workers", "root_map")
+# The loader options of config.DataOptions that go to ShardedDataModule unchanged: its fields that are
+# arguments of LoadingEngine.from_arguments (the one definition of the loader options), less those built
+# here; so a loader option added to DataOptions reaches the datamodule with no second edit.
+_PASSED = tuple(
+    f.name
+    for f in dataclasses.fields(DataOptions)
+    if f.name in inspect.signature(LoadingEngine.from_arguments).parameters and f.name not in _BUILT_HERE
 )
 # The DataLoader settings of a recipe that a strategy with workers of its own (dali) does without.
 _WORKER_SETTINGS = ("persistent_workers", "multiprocessing_context")
@@ -78,7 +81,7 @@ def datamodule(
     the config's loader options."""
     settings = dict(sharding)  # the strategy's name and its own settings (config/schemas.py)
     strategy = get_strategy(settings.pop("name"), **settings)  # built here: its fixed options are left out
-    kwargs = {key: options[key] for key in _PASSED}
+    kwargs = {key: options[key] for key in _PASSED if key in options}  # one left out keeps its default
     kwargs["persistent_workers"] = bool(options["persistent_workers"]) and options["num_workers"] > 0
     for key in _WORKER_SETTINGS:  # DataLoader settings a strategy runs without (dali's own workers)
         if strategy.refusal(key, kwargs.get(key)) is not None:

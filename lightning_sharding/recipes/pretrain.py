@@ -11,6 +11,7 @@ a small model learns it and the loss falls.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -63,25 +64,27 @@ def stream_documents(name: str, paths: Sequence[str], column: str = "input_ids")
 def packed_documents(
     *,
     streams: list[Mapping[str, Any]],
-    seq_len: int,
-    mode: str,
-    vocab_size: int,
-    labels_across_documents: bool,
-    window: int,
-    pad_id: int,
     sharding: Mapping[str, Any],
     schedule: list[Mapping[str, Any]] | None = None,
     audit_dir: str | None = None,
     **options: Any,
 ) -> ShardedDataModule:
     """``data=pretrain``: token streams of Megatron or Parquet files (each generated when its ``prefixes``
-    are empty), each at its share in tokens (one pass without one), packed into ``seq_len``."""
+    are empty), each at its share in tokens (one pass without one), packed as the config's fields of
+    :class:`Packing` say (``seq_len``, ``mode``, ...: the schema holds every field of Packing)."""
     if not streams:
         raise ValueError("data.streams is empty: give one or more {name, prefixes or documents, tokens}")
+    packing = Packing(**{f.name: options.pop(f.name) for f in dataclasses.fields(Packing) if f.name in options})
+    vocab_size = packing.vocab_size
     mixed = []
     for k, stream in enumerate(streams):
         prefixes = stream.get("prefixes")
         if not prefixes:
+            if vocab_size is None:
+                raise ValueError(
+                    f"data.vocab_size=null: stream {stream['name']!r} has no prefixes, and its generated "
+                    "documents need a vocabulary size (set data.vocab_size)"
+                )
             files, documents, longest = stream["files"], stream["documents"], stream["longest"]
             name = f"documents-{stream['name']}-{files}x{documents}-l{longest}-v{vocab_size}"
             where = generated(options["cache_dir"], name, partial(_write, files, documents, longest, vocab_size, k))
@@ -89,14 +92,6 @@ def packed_documents(
         share = {k: stream[k] for k in SHARES if stream.get(k) is not None} or {"repeat": 1.0}
         reader = stream_documents(stream["name"], list(prefixes), stream.get("column", "input_ids"))
         mixed.append(Stream(stream["name"], reader, **share))
-    packing = Packing(
-        seq_len=seq_len,
-        mode=mode,  # type: ignore[arg-type]  # checked by Packing
-        vocab_size=vocab_size,
-        labels_across_documents=labels_across_documents,
-        window=window,
-        pad_id=pad_id,
-    )
     if len(mixed) == 1 and mixed[0].repeat == 1.0 and not schedule:  # one stream, one pass: no mixture to draw
         return datamodule(options, sharding, reader=mixed[0].reader, packing=packing, audit_dir=audit_dir)
     phases = None if schedule is None else [phase_of(p) for p in schedule]

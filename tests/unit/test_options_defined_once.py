@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from lightning_sharding import NpyWindows, ShardedData, ShardedDataModule, SqliteSource, SyntheticReader
-from lightning_sharding.config.data import DataOptions, PhaseOptions, StreamOptions, TokenStreamOptions
+from lightning_sharding.config.data import DataOptions, PhaseOptions, PretrainData, StreamOptions, TokenStreamOptions
 from lightning_sharding.config.schemas import CONF_DIR, SCHEMAS
 from lightning_sharding.loading.engine import LoadingEngine
 from lightning_sharding.mixture import Phase, Stream
@@ -35,6 +35,7 @@ from lightning_sharding.strategies import (
     strategy_names,
 )
 from lightning_sharding.strategies.options import LoaderOptions
+from lightning_sharding.tokens import Packing
 from lightning_sharding.train import build_datamodule
 from tests.support.data.windows import write_months
 from tests.support.extras import require
@@ -47,12 +48,25 @@ def test_the_data_schemas_loader_options_are_the_python_apis_field_by_field() ->
     shared = [f for f in dataclasses.fields(DataOptions) if f.name in ARGUMENTS]
     assert {f.name for f in dataclasses.fields(DataOptions)} - {f.name for f in shared} == {"cache_dir"}
     for f in shared:
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-        python = ARGUMENTS[f.name].default
-        assert default == python or (default == {} and python is None), f.name  # root_map: none given
         assert typing.get_type_hints(DataOptions)[f.name] in (str, *_plain(ARGUMENTS[f.name].annotation)), f.name
+    # Every data schema's fields that are engine arguments (data=mixture's samples_per_epoch,
+    # batch_composition, allow_mixture_change, schedule...) have the engine's default.
+    for name, schema in SCHEMAS["data"].items():
+        for f in dataclasses.fields(schema):
+            if f.name in ARGUMENTS:
+                default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+                python = ARGUMENTS[f.name].default
+                # root_map {} and streams []: none given
+                assert default == python or (default in ({}, []) and python is None), (name, f.name)
     # The Python API's own simple call and the defaults it documents.
     assert (ARGUMENTS["batch_size"].default, ARGUMENTS["num_workers"].default) == (32, 0)
+
+
+def test_the_loader_options_of_a_data_schema_go_to_the_datamodule_with_no_list_to_keep() -> None:
+    from lightning_sharding.recipes.data import _BUILT_HERE, _PASSED
+
+    loader_options = {f.name for f in dataclasses.fields(DataOptions) if f.name in ARGUMENTS}
+    assert set(_PASSED) == loader_options - set(_BUILT_HERE) and set(_BUILT_HERE) <= loader_options
 
 
 def _plain(annotation: str) -> tuple[type, ...]:
@@ -69,10 +83,10 @@ def test_a_data_option_states_the_loader_options_it_chooses_and_keeps_the_others
     stated = {line.split(":")[0] for line in (Path(CONF_DIR) / "data" / f"{option}.yaml").read_text().splitlines()}
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         data = compose("train", overrides=[f"data={option}", f"out_dir={tmp_path}"]).data
-    for f in dataclasses.fields(DataOptions):
-        if f.name in ARGUMENTS and f.name not in stated:
-            python = ARGUMENTS[f.name].default
-            assert data[f.name] == python or (python is None and data[f.name] == {}), (option, f.name)
+    for key in data:  # every field of the option's schema that is an engine argument
+        if key in ARGUMENTS and key not in stated:
+            python = ARGUMENTS[key].default
+            assert data[key] == python or (python is None and data[key] in ({}, [])), (option, key)
     assert {"batch_size", "num_workers", "persistent_workers"} <= stated  # the recipes' choices, visible
 
 
@@ -222,8 +236,8 @@ def test_a_hydra_sharding_config_goes_in_whole_and_its_settings_are_checked_wher
 @pytest.mark.parametrize(
     ("schema", "api", "skipped"),
     [(StreamOptions, Stream, {"name", "reader"}), (TokenStreamOptions, Stream, {"name", "reader"})]
-    + [(PhaseOptions, Phase, {"note"})],
-    ids=["data=mixture streams", "data=pretrain streams", "schedule phases"],
+    + [(PhaseOptions, Phase, {"note"}), (PretrainData, Packing, set())],
+    ids=["data=mixture streams", "data=pretrain streams", "schedule phases", "data=pretrain packing"],
 )
 def test_a_streams_and_a_phases_schema_hold_the_python_classes_fields_with_their_defaults(
     schema: type, api: type, skipped: set[str]
@@ -233,8 +247,33 @@ def test_a_streams_and_a_phases_schema_hold_the_python_classes_fields_with_their
         if f.name in skipped:
             continue
         assert f.name in fields, f"{schema.__name__} lacks {api.__name__}.{f.name}"
-        assert fields[f.name].default == f.default and fields[f.name].default_factory == f.default_factory, f.name
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = MISSING if required else f.default  # a required field: ???, which the option's YAML gives
+        assert fields[f.name].default == default and fields[f.name].default_factory == f.default_factory, f.name
     assert set(SHARES) == {f.name for f in dataclasses.fields(Stream)} - {"name", "reader"}
+
+
+def test_data_pretrain_builds_the_packing_of_its_yaml_and_packings_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_sharding.recipes import pretrain
+
+    built: list[typing.Any] = []
+    real = pretrain.datamodule
+    monkeypatch.setattr(pretrain, "datamodule", lambda *a, **kw: built.append(kw["packing"]) or real(*a, **kw))
+    stated = (Path(CONF_DIR) / "data" / "pretrain.yaml").read_text().splitlines()
+    assert {"seq_len: 128", "vocab_size: 256"} <= set(stated)  # the recipe's choices, visible
+    overrides = [f"out_dir={tmp_path}", f"data.cache_dir={tmp_path}", "data=pretrain"]
+    overrides.append("data.streams=[{name: web, documents: 20, longest: 30}]")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        build_datamodule(compose("train", overrides=overrides))
+        build_datamodule(compose("train", overrides=[*overrides, "data.mode=best_fit", "data.fields=[input_ids]"]))
+    assert built[0] == Packing(seq_len=128, vocab_size=256)
+    assert built[1] == Packing(seq_len=128, mode="best_fit", vocab_size=256, fields=("input_ids",))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("train", overrides=[*overrides, "data.vocab_size=null"])
+    with pytest.raises(InstantiationException, match=r"data\.vocab_size=null: stream 'web' has no prefixes"):
+        build_datamodule(cfg)
 
 
 def test_hydra_takes_a_streams_share_in_tokens_and_a_schedule_of_tokens_for_packed_streams(tmp_path: Path) -> None:
