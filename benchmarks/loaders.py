@@ -22,7 +22,8 @@ from benchmarks.throughput import OURS, OURS_BATCH, PLAIN
 # The issue's targets hold at 2 workers, batch 256: our per-sample path at least level with the
 # plain DataLoader and its stateful twin, ahead of the streaming peers, the batch path 1.3x ahead.
 TARGETS = {PLAIN: 1.0, "torchdata StatefulDataLoader": 1.0} | dict.fromkeys(peers.PEERS, 1.2)
-BATCH_PATH_TARGET, SCALING_TARGET, IDLE_LOAD = 1.3, 1.6, 1.5
+# Worker scaling: 1 -> 2 workers within 10 % of what two bare processes gain on the same machine.
+BATCH_PATH_TARGET, SCALING_OF_BARE, IDLE_LOAD = 1.3, 0.9, 1.5
 HEADLINE = (2, throughput.BATCH)
 Log = Callable[[str], None]
 
@@ -134,8 +135,11 @@ def run_worker_scaling(
     """Ours with a CPU-bound per-sample transform on 1 and then 2 workers, measured only when the load
     average has fallen to ``IDLE_LOAD`` (waiting up to ``wait_s``); above it, the reason instead of a
     figure, since two workers on a busy 2-core machine measure the other jobs, not the loader. Beside it,
-    the same burn in two bare processes against one: the most this machine gives that work."""
-    row: dict[str, Any] = {"samples": samples, "burn_rounds": burn_rounds, "target": SCALING_TARGET}
+    the same burn in two bare processes against one: the most this machine gives that work; the target
+    is 90 % of it. And where the rest goes: the CPU of a batch in the training process (``main_ms``) and
+    in the workers (``workers_ms``), and the most two cores give when the training process's share comes
+    out of the workers' (``ceiling``: 2 x one worker's CPU a batch / (two workers' + the training process's))."""
+    row: dict[str, Any] = {"samples": samples, "burn_rounds": burn_rounds, "target_of_bare": SCALING_OF_BARE}
     load = wait_for_idle(wait_s, log)
     row["load_average"] = load
     if load > IDLE_LOAD:
@@ -143,17 +147,38 @@ def run_worker_scaling(
         return row
     pattern = throughput.write_npy(root / "scaling", samples)
     work = throughput.Work(burn_rounds)
-    runs: dict[int, list[float]] = {1: [], 2: []}
-    for _ in range(repeats):
+    runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    bare: list[float] = []
+    for r in range(repeats):
         for workers in runs:
-            runs[workers].append(throughput.measure(throughput.ours, pattern, workers, work))
-    ratio = statistics.median(b / a for a, b in zip(runs[1], runs[2], strict=True))
-    ceiling = statistics.median(throughput.bare_scaling(samples // 10) for _ in range(repeats))
+            runs[workers].append(throughput.epoch_shares(pattern, workers, work))
+        bare.append(throughput.bare_scaling(samples // 10))
+        two = runs[2][-1]
+        log(
+            f"  scaling round {r + 1}/{repeats}: {runs[1][-1]['samples_per_s']:,.0f} -> {two['samples_per_s']:,.0f} "
+            f"samples/s, bare {bare[-1]:.2f}x; training process {two['main_ms']:.2f} ms CPU a batch"
+        )
+    rounds = [b["samples_per_s"] / a["samples_per_s"] for a, b in zip(runs[1], runs[2], strict=True)]
+    ratio, ceiling = statistics.median(rounds), statistics.median(bare)
+
+    def median(workers: int, key: str) -> float:
+        return statistics.median(run[key] for run in runs[workers])
+
+    main, spent, one = median(2, "main_ms"), median(2, "workers_ms"), median(1, "workers_ms")
     row.update(
-        samples_per_s={str(w): statistics.median(r) for w, r in runs.items()},
+        samples_per_s={str(w): median(w, "samples_per_s") for w in runs},
         ratio_2_to_1=ratio,
-        met=ratio >= SCALING_TARGET,
+        rounds=rounds,
         bare_processes_2_to_1=ceiling,
+        bare_rounds=bare,
+        target=SCALING_OF_BARE * ceiling,
+        met=ratio >= SCALING_OF_BARE * ceiling,
+        main_ms=main,
+        main_ms_1_worker=median(1, "main_ms"),
+        workers_ms=spent,
+        workers_ms_1_worker=one,
+        main_share=main / (main + spent),
+        ceiling=2 * one / (spent + main),
         load_average_after=load_average(),
     )
     return row

@@ -11,6 +11,7 @@ spawned workers. The clock starts at the first batch, so worker start-up is left
 from __future__ import annotations
 
 import glob
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -147,6 +148,44 @@ def _npy_loader(pattern: str, workers: int, batch: int, transport: str = "pool",
 
 def ours(pattern: str, workers: int, work: Work, batch: int = BATCH) -> Iterable[Any]:
     return _npy_loader(pattern, workers, batch, transform=work)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used (its threads too), from ``/proc`` (None
+    where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def epoch_shares(pattern: str, workers: int, work: Work, batch: int = BATCH) -> dict[str, float]:
+    """Our per-sample path over one epoch, as :func:`epoch_rate` counts it, and where the CPU of a
+    batch goes: ``main_ms`` a batch in the training process (every thread of it: receiving batches,
+    dealing tasks, unpacking slots, the provenance), ``workers_ms`` a batch in the workers (kept
+    alive to the end, so their CPU can be read; ``nan`` where ``/proc`` is missing)."""
+    loader = _npy_loader(pattern, workers, batch, transform=work, persistent_workers=workers > 0)
+    it = iter(loader)
+    for _ in range(max(1, workers)):
+        next(it)
+    pids = [p.pid for p in loader.helper_processes().values()]  # type: ignore[attr-defined]
+    before = [cpu_seconds(p) for p in pids]
+    n = batches = 0
+    start, main = time.perf_counter(), time.process_time()
+    for b in it:
+        n += len(b["id"])
+        batches += 1
+    wall, main = time.perf_counter() - start, time.process_time() - main
+    after = [cpu_seconds(p) for p in pids]
+    loader.close()  # type: ignore[attr-defined]
+    known = None not in before + after
+    spent = sum(a - b for a, b in zip(after, before, strict=True)) if known else float("nan")  # type: ignore[operator]
+    return {
+        "samples_per_s": n / wall,
+        "main_ms": 1000 * main / max(batches, 1),
+        "workers_ms": 1000 * spent / max(batches, 1),
+    }
 
 
 def rows_to_regression(batch: dict[str, torch.Tensor], ctx: Any = None) -> dict[str, torch.Tensor]:
