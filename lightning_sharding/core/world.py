@@ -7,6 +7,7 @@ variables: the trainer has already resolved them, whatever the launcher.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,14 +137,16 @@ class WorkerContext:
 
     Named ``ShardContext`` before 0.2; a *shard* is a file of the data set, and this is a worker's.
 
-    ``rank`` and ``world_size`` are the data-parallel ones (see :class:`World`): every rank of one
-    model replica gets the same context, so its readers and seeded transforms do the same work.
+    ``data_rank`` and ``data_size`` are the data-parallel rank and size, as :class:`World` names
+    them (``World.rank`` is the global rank): every rank of one model replica gets the same context,
+    so its readers and seeded transforms do the same work. Before 0.2 they were ``rank`` and
+    ``world_size``: those names still read them, and build a context, for this release, warned.
 
     ``worker_id`` is 0 and ``num_workers`` is 0 when loading runs in the main process.
     """
 
-    rank: int
-    world_size: int
+    data_rank: int
+    data_size: int
     worker_id: int
     num_workers: int
     epoch: int
@@ -151,8 +154,62 @@ class WorkerContext:
 
     @property
     def worker_seed(self) -> int:
-        """The seed of this (epoch, rank, worker); the loader seeds torch, NumPy and ``random`` with it."""
-        return derive_seed(self.seed, _WORKER_SEEDS, self.epoch, self.rank, self.worker_id)
+        """The seed of this (epoch, data rank, worker); the loader seeds torch, NumPy and ``random`` with it."""
+        return derive_seed(self.seed, _WORKER_SEEDS, self.epoch, self.data_rank, self.worker_id)
+
+    @property
+    def rank(self) -> int:
+        """The old name of :attr:`data_rank` (deprecated in 0.2, goes away in the next release)."""
+        _old_field("rank")
+        return self.data_rank
+
+    @property
+    def world_size(self) -> int:
+        """The old name of :attr:`data_size` (deprecated in 0.2, goes away in the next release)."""
+        _old_field("world_size")
+        return self.data_size
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A context pickled before 0.2 (``rank``, ``world_size``) unpickles under today's names."""
+        for old, new in _OLD_FIELDS.items():
+            if old in state:
+                state[new] = state.pop(old)
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+
+# WorkerContext's fields 0.2 renamed (one word per meaning: a rank is a global rank): old -> new.
+_OLD_FIELDS = {"rank": "data_rank", "world_size": "data_size"}
+
+
+def _old_field(old: str) -> None:
+    """Warn that ``WorkerContext.<old>`` is spelt ``WorkerContext.<new>`` since 0.2."""
+    new = _OLD_FIELDS[old]
+    warnings.warn(
+        f"WorkerContext.{old} is WorkerContext.{new} since lightning_sharding 0.2 (the data-parallel "
+        f"{new.removeprefix('data_')}; World.{old} is the global one); the old name goes away in the next release",
+        DeprecationWarning,
+        stacklevel=3,  # the caller of the property or of the constructor
+    )
+
+
+def _taking_old_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """``WorkerContext.__init__`` that also takes the old keywords ``rank=`` and ``world_size=``, warned."""
+
+    @functools.wraps(init)
+    def __init__(self: WorkerContext, *args: Any, **kwargs: Any) -> None:
+        for old, new in _OLD_FIELDS.items():
+            if old in kwargs:
+                _old_field(old)
+                if new in kwargs:
+                    raise TypeError(f"WorkerContext() got both {old}= and {new}=; give {new}= alone")
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+setattr(WorkerContext, "__init__", _taking_old_fields(WorkerContext.__init__))  # noqa: B010 - mypy: no method assignment
 
 
 @dataclass(frozen=True, slots=True)  # one per sample: slots make it cheap to build

@@ -188,14 +188,14 @@ class PlannedBatches(Dataset[Delivery]):
         if not odd:
             keys = sorted({self.items[int(k)].key for k in item_ids})
             raise SampleError(
-                f"collate_fn failed on batch {task.index} (epoch {task.epoch}, items {keys}, rank {ctx.rank}, "
+                f"collate_fn failed on batch {task.index} (epoch {task.epoch}, items {keys}, rank {ctx.data_rank}, "
                 f"worker {ctx.worker_id}): {type(err).__name__}: {err}"
             ) from err
         out = []
         for i in odd:
             failed = Failed(
                 f"sample {int(indices[i])} of item {self.items[int(item_ids[i])].key!r} (epoch {task.epoch}, "
-                f"position {int(task.positions[i])}, rank {ctx.rank}, worker {ctx.worker_id}) does not fit in a "
+                f"position {int(task.positions[i])}, rank {ctx.data_rank}, worker {ctx.worker_id}) does not fit in a "
                 f"batch with the others: {difference(shapes[i], common)} ({type(err).__name__}: {err})."
             )
             if self.on_error == "raise":
@@ -236,13 +236,13 @@ class PlannedBatches(Dataset[Delivery]):
             err = self.reader.scrubbed(raised)  # a URL's credentials: shown redacted, the chain dropped
             if is_transient(raised):  # storage down beyond the retry budget is not bad data: never skip it
                 raise SampleError(
-                    f"cannot read item {item.key!r} (rank {ctx.rank}, worker {ctx.worker_id}): the storage "
+                    f"cannot read item {item.key!r} (rank {ctx.data_rank}, worker {ctx.worker_id}): the storage "
                     f"failed beyond the retry budget: {err}. No sample of this batch counts as consumed; once "
                     "the storage is back, resume from the last checkpoint (or raise the reader's retry=RetryPolicy)."
                 ) from (err if err is raised else None)
             failed = Failed(
                 f"cannot read sample {index} of item {item.key!r} (epoch {ctx.epoch}, position {position}, "
-                f"rank {ctx.rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}."
+                f"rank {ctx.data_rank}, worker {ctx.worker_id}): {type(err).__name__}: {err}."
             )
             if self.on_error == "raise":
                 raise failed.error() from (err if err is raised else None)
@@ -303,7 +303,7 @@ class PlannedBatches(Dataset[Delivery]):
         """``batch_transform`` on the batch; a failure or a changed number of rows names the batch (a
         batch-level failure has no one sample to skip, so it is never skipped)."""
         assert self.batch_transform is not None
-        where = f"batch {task.index} (epoch {task.epoch}, rank {ctx.rank}, worker {ctx.worker_id})"
+        where = f"batch {task.index} (epoch {task.epoch}, rank {ctx.data_rank}, worker {ctx.worker_id})"
         try:
             out = self.batch_transform(batch, BatchContext(ctx, positions, num_padding, streams, self.stream_names))
         except Exception as err:
@@ -342,7 +342,7 @@ class PlannedBatches(Dataset[Delivery]):
     def _warn_skipped(self, failures: list[Failed], ctx: WorkerContext) -> None:
         """Name each skipped sample and why in a warning, the first :data:`SKIPS_NAMED` of this worker;
         after those, say how many it skipped at 100, 1000, ... (a data set of bad samples floods nothing)."""
-        where = f"rank {ctx.rank}, worker {ctx.worker_id}"
+        where = f"rank {ctx.data_rank}, worker {ctx.worker_id}"
         for failed in failures:
             self._skipped += 1
             count = self._skipped

@@ -154,7 +154,7 @@ def _deal_synced(source: Source, spec: Spec) -> Iterator[Chunk]:
             r += 1
         done = r < len(skip_ranges) and skip_ranges[r][0] <= position
         if not done:
-            if k % ctx.world_size == ctx.rank:
+            if k % ctx.data_size == ctx.data_rank:
                 positions.append(position)
                 elements.append(element)
             k += 1
@@ -170,8 +170,8 @@ def failure_message(ctx: WorkerContext, source: Source, err: BaseException) -> s
     """The error text workers raise: the rank, the dispatcher, the source and its exception."""
     trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     return (
-        f"rank {ctx.rank}: the dispatcher reading {source.describe()} failed in epoch {ctx.epoch}: the source raised "
-        f"{type(err).__name__}: {err}\n--- traceback in the dispatch process ---\n{trace}"
+        f"rank {ctx.data_rank}: the dispatcher reading {source.describe()} failed in epoch {ctx.epoch}: "
+        f"the source raised {type(err).__name__}: {err}\n--- traceback in the dispatch process ---\n{trace}"
     )
 
 

@@ -86,7 +86,7 @@ def make_batch(chunk: Chunk, ctx: WorkerContext, transform: Transform | None, co
         return collate_fn(elements)
     except Exception as err:
         raise SampleError(
-            f"rank {ctx.rank}, worker {ctx.worker_id}: collate_fn failed on the batch of positions "
+            f"rank {ctx.data_rank}, worker {ctx.worker_id}: collate_fn failed on the batch of positions "
             f"{chunk.positions.tolist()} (epoch {ctx.epoch}): {type(err).__name__}: {err}"
         ) from err
 
@@ -96,7 +96,7 @@ def _transform(transform: Transform, element: Any, ctx: WorkerContext, position:
         return transform(element, SampleContext(ctx, position, 0, position))
     except Exception as err:
         raise SampleError(
-            f"rank {ctx.rank}, worker {ctx.worker_id}: the transform failed on the element at position {position} "
+            f"rank {ctx.data_rank}, worker {ctx.worker_id}: the transform failed on the element at position {position} "
             f"of epoch {ctx.epoch}: {type(err).__name__}: {err}. Fix the source's data or the transform "
             "(strategy 'dispatch' cannot skip elements)."
         ) from err

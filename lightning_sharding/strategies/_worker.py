@@ -45,8 +45,8 @@ class WorkerContexts:
             info = get_worker_info()
             worker = self.worker_id if self.worker_id is not None else (info.id if info is not None else 0)
             self._context = WorkerContext(
-                rank=self.world.data_rank,
-                world_size=self.world.data_size,
+                data_rank=self.world.data_rank,
+                data_size=self.world.data_size,
                 worker_id=worker,
                 num_workers=self.num_workers,
                 epoch=epoch,

@@ -68,7 +68,8 @@ def rotated_id(position: int, epoch: int, n: int = N) -> int:
 def _dealt(source: SqliteSource, ctx: WorkerContext, spec_plan: bool, consumed: RangeSet) -> list[Chunk]:
     plan = None
     if spec_plan:
-        plan = plan_epoch(N, consumed, epoch=0, world_size=ctx.world_size, num_workers=2, batch_size=8).rank(ctx.rank)
+        epoch_plan = plan_epoch(N, consumed, epoch=0, world_size=ctx.data_size, num_workers=2, batch_size=8)
+        plan = epoch_plan.rank(ctx.data_rank)
     return [m for m in deal(source, Spec(1, ctx, 8, plan, consumed)) if isinstance(m, Chunk)]
 
 

@@ -31,8 +31,8 @@ class ContextReader(Reader):
         first = sum(self.sizes[: int(item.key.split("-")[1])])
         return {
             "id": first + index,
-            "rank": ctx.rank,
-            "world_size": ctx.world_size,
+            "rank": ctx.data_rank,
+            "world_size": ctx.data_size,
             "worker": ctx.worker_id,
             "num_workers": ctx.num_workers,
             "epoch": ctx.epoch,

@@ -297,7 +297,7 @@ def test_the_batch_path_decodes_at_the_scale_a_crop_allows_and_matches_a_full_de
         "__key__": [f"k{i}" for i in range(6)],
         "cls": torch.arange(6) % 4,
     }
-    worker = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=1, epoch=0, seed=3)
+    worker = WorkerContext(data_rank=0, data_size=1, worker_id=0, num_workers=1, epoch=0, seed=3)
     ctx = BatchContext(worker, positions=np.arange(6, dtype=np.int64), num_padding=0)
     decoded = DecodeCropBatch(16, scale=(0.5, 1.0))(batch, ctx)
     assert torch.equal(decoded["label"], batch["cls"]) and decoded["__key__"] == batch["__key__"]

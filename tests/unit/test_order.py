@@ -168,7 +168,7 @@ def test_random_streams_never_share_a_seed() -> None:
     """SeedSequence pads with zeros; tags and word counts keep the item, sample and derived streams apart."""
     from lightning_sharding.core.world import SampleContext, WorkerContext
 
-    ctx = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=2, epoch=3, seed=9)
+    ctx = WorkerContext(data_rank=0, data_size=1, worker_id=0, num_workers=2, epoch=3, seed=9)
     assert derive_seed(9, 3, 0) != derive_seed(9, 3, 0, 0)
     worker_seeds = {WorkerContext(r, 4, w, 2, 3, 9).worker_seed for r in range(4) for w in range(2)}
     sample_seeds = {SampleContext(ctx, p, 0, p).sample_seed for p in range(200)}

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from lightning_sharding.core.world import BatchContext, SampleContext, WorkerContext
 
-CONTEXT = WorkerContext(rank=1, world_size=2, worker_id=0, num_workers=2, epoch=3, seed=7)
+CONTEXT = WorkerContext(data_rank=1, data_size=2, worker_id=0, num_workers=2, epoch=3, seed=7)
 
 
 @pytest.mark.parametrize("module", ["lightning_sharding.core.world", "lightning_sharding.readers.base",
@@ -66,6 +66,38 @@ def test_a_context_pickled_under_its_old_name_unpickles_as_a_worker_context() ->
     assert b"ShardContext" in old
     with pytest.warns(DeprecationWarning, match="ShardContext"):
         assert pickle.loads(old) == CONTEXT  # noqa: S301 - our own bytes
+
+
+def test_a_worker_contexts_rank_and_world_size_are_its_data_rank_and_size_with_a_warning() -> None:
+    # A rank is a global rank (World.rank); a worker's context carries the data-parallel ones.
+    for old, new, value in (("rank", "data_rank", 1), ("world_size", "data_size", 2)):
+        said = rf"^WorkerContext\.{old} is WorkerContext\.{new} since lightning_sharding 0\.2 .*World\.{old} is"
+        with pytest.warns(DeprecationWarning, match=said) as warned:
+            assert getattr(CONTEXT, old) == getattr(CONTEXT, new) == value
+        assert warned[0].filename == __file__  # the warning points at the caller
+
+
+def test_a_worker_context_built_with_the_old_keywords_is_the_same_context_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match=r"^WorkerContext\.(rank|world_size) is WorkerContext\.data_") as warned:
+        old = WorkerContext(rank=1, world_size=2, worker_id=0, num_workers=2, epoch=3, seed=7)  # type: ignore[call-arg]
+    assert old == CONTEXT and old.worker_seed == CONTEXT.worker_seed
+    assert sorted(str(w.message).split()[0] for w in warned) == ["WorkerContext.rank", "WorkerContext.world_size"]
+    assert all(w.filename == __file__ for w in warned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(TypeError, match="got both rank= and data_rank="):
+            WorkerContext(data_rank=1, rank=1, data_size=2, worker_id=0, num_workers=2, epoch=3, seed=7)  # type: ignore[call-arg]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # today's names warn nowhere, also in the seed
+        assert WorkerContext(1, 2, 0, 2, 3, 7) == CONTEXT and CONTEXT.worker_seed == old.worker_seed
+
+
+def test_a_context_pickled_with_its_old_field_names_unpickles_with_the_new_ones() -> None:
+    pickled = pickle.dumps(CONTEXT, protocol=0)
+    old = pickled.replace(b"data_rank", b"rank").replace(b"data_size", b"world_size")
+    assert b"data_" not in old
+    assert pickle.loads(old) == CONTEXT  # noqa: S301 - our own bytes
+    assert pickle.loads(pickle.dumps(CONTEXT)) == CONTEXT  # noqa: S301
 
 
 def compose_train(tmp_path: Path, *overrides: str) -> DictConfig:

@@ -17,7 +17,7 @@ from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.windows import NpyWindows, WindowedReader
 from tests.support.data.windows import write_months
 
-CTX = WorkerContext(rank=0, world_size=1, worker_id=0, num_workers=0, epoch=0, seed=0)
+CTX = WorkerContext(data_rank=0, data_size=1, worker_id=0, num_workers=0, epoch=0, seed=0)
 
 
 class InMemory(WindowedReader):
