@@ -50,6 +50,10 @@ class DataOptions:
     persistent_workers: bool = _default("persistent_workers")  # with num_workers > 0 only
     # null: forkserver, modules preloaded (Linux) | spawn | fork
     multiprocessing_context: str | None = _default("multiprocessing_context")
+    pin_memory: bool = _default("pin_memory")  # the DataLoader's: batches in page-locked memory, for a GPU
+    prefetch_factor: int | None = _default("prefetch_factor")  # batches a worker loads ahead; none: the DataLoader's
+    timeout: float = _default("timeout")  # seconds to wait for a worker's batch; 0: no limit
+    padding_key: str | None = _default("padding_key")  # the flag of padded samples in a dict batch; none: not added
     on_error: str = _default("on_error")  # raise | skip (sharding=shard only)
     cache_dir: str | None = None  # file indexes and generated data; none: ~/.cache/lightning_sharding
     # {old prefix: new prefix}: a checkpoint of lightning_sharding 0.1 (which knew items by path) resumes

@@ -69,6 +69,32 @@ def test_the_loader_options_of_a_data_schema_go_to_the_datamodule_with_no_list_t
     assert set(_PASSED) == loader_options - set(_BUILT_HERE) and set(_BUILT_HERE) <= loader_options
 
 
+def test_hydra_sets_the_dataloader_options_of_the_python_api(tmp_path: Path) -> None:
+    from lightning_sharding.train import misspelt_key
+
+    assert misspelt_key(["trainer=gpu", "data.pin_memory=true"]) is None  # was: data has no key 'pin_memory'
+    overrides = [f"out_dir={tmp_path}", f"data.cache_dir={tmp_path}", "data.pin_memory=true", "data.prefetch_factor=4"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("train", overrides=[*overrides, "data.timeout=5", "data.padding_key=pad"])
+    options = build_datamodule(cfg).options
+    assert (options.pin_memory, options.prefetch_factor, options.timeout, options.padding_key) == (True, 4, 5.0, "pad")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("train", overrides=[f"out_dir={tmp_path}", "data.padding_key=null"])
+    assert build_datamodule(cfg).options.padding_key is None
+    defaults = build_datamodule(compose_default(tmp_path)).options
+    assert (defaults.pin_memory, defaults.prefetch_factor, defaults.timeout, defaults.padding_key) == (
+        ARGUMENTS["pin_memory"].default,
+        ARGUMENTS["prefetch_factor"].default,
+        ARGUMENTS["timeout"].default,
+        ARGUMENTS["padding_key"].default,
+    )
+
+
+def compose_default(tmp_path: Path) -> typing.Any:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("train", overrides=[f"out_dir={tmp_path}"])
+
+
 def _plain(annotation: str) -> tuple[type, ...]:
     """The OmegaConf types an annotation of the signature (a string) can be held as."""
     names = {"int": int, "bool": bool, "float": float, "str": str, "int | None": int | None}
