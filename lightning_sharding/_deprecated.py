@@ -139,20 +139,23 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        """The new module itself, so classes and functions are the same objects under both paths."""
-        new, release = MOVED[spec.name.partition(".")[2]]
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        """A throwaway module (the default) for importlib to stamp with the old path's spec: the new
+        module keeps its own ``__spec__``, so ``importlib.reload`` of it reloads its own file."""
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Put the new module itself under the old path, so classes and functions are the same objects
+        under both; importlib returns what ``sys.modules`` holds under the old path once this returns."""
+        new, release = MOVED[module.__name__.partition(".")[2]]
         new = f"{_PACKAGE}.{new}"
         warnings.warn(
-            f"{spec.name} moved to {new} in lightning_sharding {release}; import it from there "
+            f"{module.__name__} moved to {new} in lightning_sharding {release}; import it from there "
             "(the old path goes away in the next release)",
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(new)
-
-    def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the new module is already loaded."""
+        sys.modules[module.__name__] = importlib.import_module(new)
 
 
 def install() -> None:

@@ -155,6 +155,35 @@ def test_the_old_module_of_the_sqlite_recipe_imports_as_the_new_one_with_a_warni
     assert module is importlib.import_module("lightning_sharding.recipes.sqlite")
 
 
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("lightning_sharding.keeper", "lightning_sharding.loading.keeper"),
+        ("lightning_sharding.lightning.summary", "lightning_sharding.loading.summary"),
+    ],
+)
+def test_importing_an_old_module_path_leaves_the_new_module_its_own_spec_and_reload(old: str, new: str) -> None:
+    import sys
+
+    module = importlib.import_module(new)
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        assert importlib.import_module(old) is module
+    assert sys.modules[old] is module and sys.modules[new] is module
+    assert module.__spec__ is not None and module.__spec__.name == new and module.__spec__.origin == module.__file__
+    first = next(v for v in vars(module).values() if isinstance(v, type) and v.__module__ == new)
+    saved = dict(vars(module))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            assert importlib.reload(module) is module
+        assert getattr(module, first.__name__) is not first, "the reload ran the new module's own file again"
+        assert module.__spec__.name == new
+    finally:  # the classes other tests of this process hold
+        vars(module).clear()
+        vars(module).update(saved)
+
+
 def test_a_ledgers_done_is_its_trained_positions_with_a_warning() -> None:
     from lightning_sharding.core.ledger import Ledger
 
