@@ -10,11 +10,12 @@ twice as long as one; docs/performance.md, the first batch).
 
 So a large state (:data:`INLINE_BYTES` and up) is pickled as before, in the launch and with
 multiprocessing's own pickler (a shared array in it travels as it would have), into a file under
-``/dev/shm``; the pipe carries the file's name (a small state, the pickle itself). The worker reads the file and removes it: each
-launch writes its own, read once. A file whose worker never read it (killed while it imported) is
-removed when the training process exits, or, if that process was killed, by the next run's
-:func:`~lightning_sharding.strategies._shared_memory.sweep_dead` (the name carries the owner's pid
-and start time). Without ``/dev/shm``, or when it is full, the state goes through the pipe.
+``/dev/shm``; the pipe carries the file's name (a small state, the pickle itself). The worker reads
+the file and removes it: each launch writes its own, read once. A file whose worker never read it
+(killed while it imported) is removed when the training process exits, or, if that process was
+killed, by the next run's :func:`~lightning_sharding.strategies._shared_memory.sweep_dead` (the
+name carries the owner's pid and start time). Without ``/dev/shm``, or when it is full, the state
+goes through the pipe.
 """
 
 from __future__ import annotations
