@@ -1,15 +1,24 @@
-"""Packed token sequences (issue 35): ``python -m benchmarks.packing [--quick] [--repeats R]``.
+"""Packed token sequences (issues 35, 54): ``python -m benchmarks.packing [--quick] [--repeats R]``.
 
 Prints, measured side by side in this one run:
 
 1. Packed tokens per second delivered to the training step, ``seq_len`` 2048, batch 8, 0 and 2
-   workers: ours (``PackedReader`` over Megatron files, ``concat``: each batch also carries
-   ``labels``, ``position_ids``, ``document_ids`` and ``cu_seqlens``) against LitData's
-   ``TokensLoader`` over the same tokens (blocks of 2049 cut from one concatenated stream, no
-   document boundaries), when LitData is installed (``benchmarks/requirements.txt``). The systems
-   run alternately, round by round; the ratio is the median of the per-round ratios.
-2. Listing 10^6 documents from a Megatron index (``IndexedTokens``: items and lengths).
-3. Planning an epoch of 10^9 tokens in 10^7 documents (``concat``: the epoch's document order,
+   workers, one table in the suite's form (measure, system, figure, ratio, target, status):
+   - ours with every field (``PackedReader`` over Megatron files, ``concat``: ``input_ids``,
+     ``labels``, ``position_ids``, ``document_ids``, ``cu_seqlens``), each batch also accounted in
+     the ledger as the training callback does (``StepAccounting.sync``: recorded, committed);
+   - ours with ``Packing(fields=("input_ids", "labels"))``, the same way;
+   - LitData's ``TokensLoader`` over the same tokens (blocks of 2049 cut from one concatenated
+     stream, no document boundaries), when LitData is installed (``benchmarks/requirements.txt``);
+   - a bare copy of the same tokens: ``(8, 2048)`` int64 from 8 slices of the memory-mapped files
+     per batch, in a loop (0 workers) or through a plain ``DataLoader`` (2 workers).
+   The systems run alternately, round by round; a ratio is the median of the per-round ratios.
+   Target: ours with every field at least 1.5x LitData at 0 and at 2 workers.
+2. Where a batch's time goes at 0 workers, every field (the median over the batches of each part,
+   timed inside one loop): the plan's task, the sequences' pieces, reading the tokens and building
+   the fields, the ledger's bookkeeping, and the rest (the DataLoader, the delivery, the accounting).
+3. Listing 10^6 documents from a Megatron index (``IndexedTokens``: items and lengths).
+4. Planning an epoch of 10^9 tokens in 10^7 documents (``concat``: the epoch's document order,
    its token ends, the first batch's pieces), time and the bytes it holds; target under 2 s.
    ``best_fit`` packing of 10^6 documents, for scale (its packing is a Python loop over documents).
 """
@@ -23,7 +32,7 @@ import statistics
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,9 +41,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from benchmarks.report import _ratio, _status  # noqa: E402
 from lightning_sharding.core.ledger import Ledger  # noqa: E402
 from lightning_sharding.core.world import World  # noqa: E402
+from lightning_sharding.loading.accounting import StepAccounting, TrainerProgress  # noqa: E402
 from lightning_sharding.strategies import get_strategy  # noqa: E402
 from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
 from lightning_sharding.tokens import IndexedTokens, PackedEpochs, PackedReader, Packing, write_indexed  # noqa: E402
@@ -59,12 +72,72 @@ def write_corpus(root: Path, tokens: int, files: int = 4, seed: int = 0) -> list
     return per_file
 
 
-def ours(root: Path, workers: int) -> Iterable[Any]:
-    reader = PackedReader(IndexedTokens(f"{root}/part-*.idx"), Packing(SEQ_LEN, "concat"))
+EVERY_FIELD = "lightning_sharding, every field"
+IDS_LABELS = "lightning_sharding, input_ids + labels"
+LITDATA = "LitData TokensLoader"
+BARE = "bare copy of the same tokens"
+TARGET = 1.5  # ours with every field / LitData, at 0 and at 2 workers
+
+
+class Accounted:
+    """Our loader with each batch accounted in the ledger as the training callback does: its step
+    runs, an optimizer step applies it, ``StepAccounting.sync`` records and commits it."""
+
+    def __init__(self, loader: Any, ledger: Ledger) -> None:
+        self.loader, self.ledger = loader, ledger
+
+    def __iter__(self) -> Iterator[Any]:
+        accounting = StepAccounting()
+        accounting.start_run(0)
+        for step, batch in enumerate(self.loader):
+            accounting.batch_starts(TrainerProgress(step, step, step))
+            yield batch
+            accounting.sync(TrainerProgress(step + 1, step + 1, step + 1), self.loader.delivered.pop, self.ledger)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def ours(root: Path, workers: int, fields: tuple[str, ...] | None = None) -> Accounted:
+    packing = Packing(SEQ_LEN, "concat") if fields is None else Packing(SEQ_LEN, "concat", fields=fields)
+    reader = PackedReader(IndexedTokens(f"{root}/part-*.idx"), packing)
     manifest = reader.manifest()
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
     options = LoaderOptions(batch_size=BATCH, num_workers=workers, multiprocessing_context="spawn" if workers else None)
-    return get_strategy("shard").build(reader, manifest, ledger, World(), options, track=False)
+    loader = get_strategy("shard").build(reader, manifest, ledger, World(), options, track=True)
+    return Accounted(loader, ledger)
+
+
+class BareTokens(Dataset[torch.Tensor]):
+    """Batch ``b``: 8 consecutive slices of 2048 tokens of the Megatron ``.bin`` files, as one
+    ``(8, 2048)`` int64 tensor (the files memory-mapped in the process that reads)."""
+
+    def __init__(self, root: Path) -> None:
+        self.paths = sorted(str(p) for p in Path(root).glob("part-*.bin"))
+        self._maps: list[np.ndarray] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"paths": self.paths, "_maps": None}
+
+    def __len__(self) -> int:
+        return sum(os.path.getsize(p) // 2 for p in self.paths) // (BATCH * SEQ_LEN)
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        if self._maps is None:
+            self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+        tokens = self._maps[b % len(self._maps)]
+        at = (b // len(self._maps)) * BATCH * SEQ_LEN % (tokens.size - BATCH * SEQ_LEN)
+        out = np.empty((BATCH, SEQ_LEN), dtype=np.int64)
+        for row in range(BATCH):  # one slice per sequence, as a loader of sequences reads them
+            out[row] = tokens[at + row * SEQ_LEN : at + (row + 1) * SEQ_LEN]
+        return torch.from_numpy(out)
+
+
+def bare_copy(root: Path, workers: int) -> Iterable[Any]:
+    dataset = BareTokens(root)
+    if not workers:
+        return (dataset[b] for b in range(len(dataset)))
+    return DataLoader(dataset, batch_size=None, num_workers=workers, multiprocessing_context="spawn")
 
 
 def prepare_litdata(per_file: list[list[np.ndarray]], out: Path) -> None:
@@ -98,9 +171,10 @@ def litdata_loader(out: Path, workers: int) -> Iterable[Any]:
     from litdata.streaming.item_loader import TokensLoader
 
     dataset = StreamingDataset(str(out), item_loader=TokensLoader(block_size=SEQ_LEN + 1), shuffle=True, seed=0)
-    return StreamingDataLoader(
+    loader: Iterable[Any] = StreamingDataLoader(
         dataset, batch_size=BATCH, num_workers=workers, multiprocessing_context="spawn" if workers else None
     )
+    return loader
 
 
 def tokens_per_s(make: Callable[[], Iterable[Any]], batches: int) -> float:
@@ -125,27 +199,128 @@ def tokens_per_s(make: Callable[[], Iterable[Any]], batches: int) -> float:
 
 
 def throughput(root: Path, corpus_tokens: int, batches: int, repeats: int) -> list[dict[str, Any]]:
+    """One cell per worker count: each system's tokens/s (median of the rounds) and its ratios."""
     per_file = write_corpus(root / "corpus", corpus_tokens)
-    rows = []
+    systems: dict[str, Callable[[int], Iterable[Any]]] = {
+        EVERY_FIELD: partial(ours, root / "corpus"),
+        IDS_LABELS: partial(ours, root / "corpus", fields=("input_ids", "labels")),
+        BARE: partial(bare_copy, root / "corpus"),
+    }
+    missing: dict[str, str] = {}
     try:
         import litdata  # noqa: F401
 
-        has_litdata = True
         prepare_litdata(per_file, root / "litdata")
+        systems[LITDATA] = partial(litdata_loader, root / "litdata")
     except ImportError:
-        has_litdata = False
+        missing[LITDATA] = "LitData is not installed (benchmarks/requirements.txt)"
+    cells = []
     for workers in (0, 2):
-        runs: list[tuple[float, float | None]] = []
+        before = os.getloadavg()[0]
+        rounds: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(repeats):
-            a = tokens_per_s(partial(ours, root / "corpus", workers), batches)
-            b = tokens_per_s(partial(litdata_loader, root / "litdata", workers), batches) if has_litdata else None
-            runs.append((a, b))
-        row: dict[str, Any] = {"workers": workers, "ours": statistics.median(a for a, _ in runs)}
-        if has_litdata:
-            row["litdata"] = statistics.median(b for _, b in runs if b is not None)
-            row["ratio"] = statistics.median(a / b for a, b in runs if b is not None)
-        rows.append(row)
-    return rows
+            for name, make in systems.items():
+                rounds[name].append(tokens_per_s(partial(make, workers), batches))
+        rows: dict[str, dict[str, Any]] = {}
+        for name, values in rounds.items():
+            rows[name] = {"tokens_per_s": statistics.median(values), "runs": values}
+        if LITDATA in rounds:
+            for name in (EVERY_FIELD, IDS_LABELS):
+                per_round = [a / b for a, b in zip(rounds[name], rounds[LITDATA], strict=True)]
+                rows[name].update(ratio=statistics.median(per_round), rounds=per_round)
+            rows[EVERY_FIELD].update(target=TARGET, met=rows[EVERY_FIELD]["ratio"] >= TARGET)
+        per_round = [a / b for a, b in zip(rounds[EVERY_FIELD], rounds[BARE], strict=True)]
+        rows[BARE].update(ratio=statistics.median(per_round), rounds=per_round)
+        for name, why in missing.items():
+            rows[name] = {"unavailable": why}
+        load = (before, os.getloadavg()[0])
+        cells.append({"workers": workers, "batches": batches, "load_average": load, "systems": rows})
+    return cells
+
+
+def throughput_rows(cells: list[dict[str, Any]], corpus_tokens: int) -> list[str]:
+    """The cells in the suite's table form; the ratio of our rows is to LitData, the bare copy's is
+    ours (every field) to it."""
+    lines = ["| measure | system / setting | figure | ratio | target | status |", "|---|---|---:|---:|---|---|"]
+    for cell in cells:
+        before, after = cell["load_average"]
+        setting = (
+            f"packed tokens/s ({corpus_tokens / 1e6:.0f} M tokens in 4 Megatron files, seq_len {SEQ_LEN}, batch "
+            f"{BATCH}, 1 rank x {cell['workers']} workers, load average {before:.1f} -> {after:.1f})"
+        )
+        for name in (EVERY_FIELD, IDS_LABELS, LITDATA, BARE):
+            row = cell["systems"][name]
+            target = f">= {TARGET}x LitData" if name == EVERY_FIELD else "-"
+            if "unavailable" in row:
+                lines.append(f"| {setting} | {name} | not run: {row['unavailable']} | - | - | not measured |")
+                continue
+            shown = {EVERY_FIELD: f"{name} (ratio: / LitData)", IDS_LABELS: f"{name} (ratio: / LitData)"}.get(
+                name, name
+            )
+            if name == BARE:
+                shown = f"{name} (ratio: ours, every field / it)"
+            status = _status(row) or ("not measured" if name == EVERY_FIELD else "")
+            figure = f"{row['tokens_per_s']:,.0f} tokens/s"
+            ratio = _ratio(row) if "ratio" in row or name == LITDATA else "-"
+            lines.append(f"| {setting} | {shown} | {figure} | {ratio} | {target} | {status} |")
+    return lines
+
+
+PARTS = {
+    "plan": "the plan's task (RankPlan.batch)",
+    "pieces": "the sequences' pieces (PackedOrder.pieces)",
+    "read": "reading the tokens and building every field (read_sequences less its pieces)",
+    "ledger": "the ledger's bookkeeping (Ledger.record + commit)",
+    "rest": "the rest: DataLoader, task, delivery, padding flags, StepAccounting",
+    "whole": "the whole step",
+}
+
+
+def breakdown(root: Path, batches: int) -> dict[str, float]:
+    """Microseconds per batch at 0 workers, every field: the parts timed inside one loop (each call
+    wrapped in a clock), the median over the batches of each part (a median: a batch the machine
+    preempted does not count), the rest being the median of what the whole step spent outside them."""
+    from lightning_sharding.core.plan import RankPlan
+    from lightning_sharding.tokens.packing import PackedOrder
+
+    clock = time.perf_counter_ns
+    spent = dict.fromkeys(PARTS, 0)
+
+    def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += clock() - start
+
+        return wrapper
+
+    made = ours(root, 0)
+    dataset = made.loader._dataset
+    dataset.reader.read_sequences = timed("read", dataset.reader.read_sequences)
+    made.ledger.record = timed("ledger", made.ledger.record)  # type: ignore[method-assign]
+    made.ledger.commit = timed("ledger", made.ledger.commit)  # type: ignore[method-assign]
+    plain = (RankPlan.batch, PackedOrder.pieces)
+    RankPlan.batch = timed("plan", RankPlan.batch)  # type: ignore[method-assign]
+    PackedOrder.pieces = timed("pieces", PackedOrder.pieces)  # type: ignore[method-assign]
+    rows: list[dict[str, int]] = []
+    try:
+        iterator = iter(made)
+        next(iterator)
+        for _ in range(batches):
+            spent.update(dict.fromkeys(PARTS, 0))
+            start = clock()
+            next(iterator)  # the step's own accounting of the batch before runs in this call (Accounted)
+            spent["whole"] = clock() - start
+            rows.append(dict(spent))
+    finally:
+        RankPlan.batch, PackedOrder.pieces = plain  # type: ignore[method-assign]
+        made.close()
+    for row in rows:
+        row["read"] -= row["pieces"]
+        row["rest"] = row["whole"] - sum(row[k] for k in ("plan", "pieces", "read", "ledger"))
+    return {PARTS[k]: statistics.median(row[k] for row in rows) / 1000 for k in PARTS}
 
 
 def listing(root: Path, documents: int) -> dict[str, Any]:
@@ -211,19 +386,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     quick = args.quick
+    corpus_tokens = 2_000_000 if quick else 12_000_000
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        rows = throughput(root, 2_000_000 if quick else 12_000_000, 20 if quick else 120, 1 if quick else args.repeats)
+        cells = throughput(root, corpus_tokens, 100 if quick else 600, 1 if quick else args.repeats)
+        parts = breakdown(root / "corpus", 100 if quick else 600)
         listed = listing(root, 100_000 if quick else 1_000_000)
     plan = planning(10**6 if quick else 10**7, 100 if quick else 1000, 100)
     fit = best_fit_scale(10**5 if quick else 10**6)
-    print(f"## Packed tokens per second (seq_len {SEQ_LEN}, batch {BATCH}; ours with labels, positions, documents)")
-    print("| workers | ours tokens/s | LitData TokensLoader tokens/s | ours / LitData |")
-    print("|---|---|---|---|")
-    for row in rows:
-        lit = f"{row['litdata']:,.0f}" if "litdata" in row else "not installed"
-        ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
-        print(f"| {row['workers']} | {row['ours']:,.0f} | {lit} | {ratio} |")
+    print(f"## Packed tokens per second (median of {1 if quick else args.repeats} rounds)\n")
+    print("\n".join(throughput_rows(cells, corpus_tokens)))
+    print(
+        f"\nWhere a batch of {BATCH} x {SEQ_LEN} tokens goes at 0 workers, every field (us, the median over "
+        "the batches of each part, timed inside one loop):\n"
+    )
+    print("| part | us |")
+    print("|---|---:|")
+    for name, us in parts.items():
+        print(f"| {name} | {us:.1f} |")
     print(f"\nListing {listed['documents']:,} documents from a Megatron index: {listed['seconds']:.2f} s")
     status = "met" if plan["met"] else "NOT met"
     print(

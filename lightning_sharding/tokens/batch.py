@@ -99,7 +99,9 @@ def packed_batch(
         labels[lasts[ended]] = IGNORE_INDEX
         batch["labels"] = laid(labels, IGNORE_INDEX)
     if "position_ids" in fields:
-        batch["position_ids"] = laid(counting(total) - np.repeat(befores, n), 0)
+        positions = np.repeat(befores, n)
+        np.subtract(counting(total), positions, out=positions)  # the count since the piece's start
+        batch["position_ids"] = laid(positions, 0)
     if "document_ids" in fields:
         batch["document_ids"] = laid(np.repeat(doc, n), -1)
     if "cu_seqlens" in fields:

@@ -79,10 +79,12 @@ class PackedReader(Reader):
 
         def read(docs: npt.NDArray[np.int64], starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Any:
             """The spans' tokens, one gather per file (in the file's dtype when the batch reads one file)."""
-            item = np.searchsorted(first, docs, side="right") - 1
-            lo, hi = base[docs] + starts, base[docs] + stops
+            item = np.searchsorted(first, docs, side="right")  # each span's file, counted from 1
+            offset = base[docs]  # where each span's document starts in its file
+            lo, hi = offset + starts, offset + stops
             if item.size and item.min() == item.max():
-                return documents.read_spans(items[int(item[0])], lo, hi)
+                return documents.read_spans(items[int(item[0]) - 1], lo, hi)
+            item -= 1
             sizes = hi - lo
             at = np.cumsum(sizes) - sizes
             out = np.empty(int(sizes.sum()), dtype=np.int64)

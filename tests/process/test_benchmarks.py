@@ -91,11 +91,28 @@ def test_remote_benchmark_prints_the_wait_of_every_way_to_read() -> None:
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_packing_benchmark_prints_tokens_per_second_listing_and_planning() -> None:
-    """``python -m benchmarks.packing --quick``: tokens/s at 0 and 2 workers (beside LitData's
-    TokensLoader, or saying it is not installed), listing time, and planning with its target."""
+    """``python -m benchmarks.packing --quick``: tokens/s at 0 and 2 workers of ours (every field, and
+    input_ids + labels), LitData's TokensLoader (or why it did not run) and a bare copy of the same
+    tokens, in the suite's table form with the 1.5x target's verdict; where a batch's time goes;
+    listing time, and planning with its target."""
     out = run_benchmark("benchmarks.packing", "--quick", timeout=280).stdout
-    rows = re.findall(r"^\| ([02]) \| ([\d,]+) \| ([\d,]+|not installed) \| ([\d.]+|-) \|$", out, re.M)
-    assert [r[0] for r in rows] == ["0", "2"] and all(int(r[1].replace(",", "")) > 0 for r in rows), out
+    rows = re.findall(
+        r"^\| packed tokens/s \(.*, 1 rank x ([02]) workers, load average [\d.]+ -> [\d.]+\) \| ([^|]+) \| "
+        r"([\d,]+ tokens/s|not run: [^|]+) \| ([\d.]+x(?: \(rounds [\d.]+-[\d.]+\))?|-) \| ([^|]+) \| ([^|]*) \|$",
+        out,
+        re.M,
+    )
+    systems = [(w, name.split(" (ratio")[0]) for w, name, *_ in rows]
+    names = ["lightning_sharding, every field", "lightning_sharding, input_ids + labels", "LitData TokensLoader"]
+    assert systems == [(w, n) for w in "02" for n in [*names, "bare copy of the same tokens"]], out
+    for _, name, figure, ratio, target, status in rows:
+        if name.startswith("lightning_sharding, every field"):
+            assert target == ">= 1.5x LitData" and status in ("met", "**missed**", "not measured"), out
+        if not figure.startswith("not run"):
+            assert int(figure.split()[0].replace(",", "")) > 0, out
+        if name.startswith("bare copy"):  # ours, every field, over a bare copy: always measured
+            assert ratio.endswith(")"), out
+    assert re.search(r"^\| the whole step \| [\d.]+ \|$", out, re.M), out
     assert re.search(r"Listing 100,000 documents from a Megatron index: [\d.]+ s", out), out
     assert re.search(
         r"Planning an epoch of [\d,]+ tokens in 1,000,000 documents .*: [\d.]+ s \(target < 2 s: (met|NOT met)\)", out
