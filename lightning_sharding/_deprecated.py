@@ -2,7 +2,35 @@
 the new spelling: module paths that moved (``lightning_sharding.keeper`` -> ``lightning_sharding.loading.keeper``),
 names the package root no longer exports (``lightning_sharding.Ledger`` -> ``lightning_sharding.core.ledger``)
 and names given a new word (``ShardContext`` -> ``WorkerContext``).
-The CHANGELOG lists each; the next release removes them."""
+The CHANGELOG lists each; the next release removes them.
+
+This module holds the old module paths and the root's old names. The other old spellings live beside
+the code that answers them (the layers keep ``core/`` and ``readers/`` from importing this module, and
+an old argument is best refused where the new one is read). Every place, for the release that removes
+them (0.3):
+
+- here: :data:`MOVED` (old module paths, ``recipes.stream`` among them), :data:`ROOT_NAMES` and
+  :data:`RENAMED` (the root's old names); the package's ``__init__.py`` calls :func:`root_name`
+  from its ``__getattr__`` and :func:`install` at import;
+- ``core/world.py``: ``OLD_NAMES`` and ``old_name`` (``ShardContext``), ``SampleContext.shard`` and
+  ``BatchContext.shard`` (``_old_shard``), ``WorkerContext.rank`` and ``.world_size`` (``_OLD_FIELDS``:
+  the properties, the ``rank=``/``world_size=`` keywords, ``WorkerContext.__setstate__``);
+- ``readers/base.py`` and ``readers/sources.py``: the ``__getattr__`` that answers ``ShardContext``;
+- ``core/ledger.py``: ``Ledger.done``;
+- ``loading/engine.py``: ``RENAMED`` (``strategy=``, ``data_root_map=``) and ``STRATEGY_SETTINGS``
+  (``transport=``, ``prefetch_items=``), read by ``renamed_arguments`` and ``strategy_of``;
+- ``lightning/datamodule.py``: ``ShardedDataModule(**renamed)`` (passes them to the engine) and the
+  attribute ``dm.data_root_map`` (not warned);
+- ``strategies/base.py``: ``_FLAGS``, ``_FLAG_REASONS`` and ``_adopt_flags`` (a strategy's flags of 0.1);
+- ``train.py``: ``renamed_recipe`` and ``_INTERNAL_KEYS`` (the ``_renamed_recipe`` mark of
+  ``conf/recipe/stream.yaml``, also read by ``cli/plan.py``; its field in ``config/schemas.py``),
+  and ``MOVED_KEYS`` (refuses ``data.transport`` and ``sharding.strategy``, naming the new key: a
+  message, not a deprecation, which may stay);
+- ``conf/recipe/stream.yaml``: ``recipe=stream``;
+- ``cli/plan.py``: ``plan --strategy`` (the old name of ``--sharding``, not warned);
+- their tests: ``tests/unit/test_renamed_words.py`` and the old spellings' tests of ``test_public_surface.py``,
+  ``test_old_checkpoints.py`` (old module paths), ``test_options_defined_once.py`` and ``test_strategies.py``.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The package root exports what a user writes in an example, in one sorted ``__all__``; every other
-name lives in its module, and what 0.2 exported from the root still imports from there for one
-release, with a DeprecationWarning naming its home (lightning_sharding/_deprecated.py)."""
+name lives in its module, and what the root exported before 0.2 trimmed it (0.1's names, and those 0.2
+added before the trim) still imports from there for one release, with a DeprecationWarning naming its
+home (lightning_sharding/_deprecated.py)."""
 
 from __future__ import annotations
 

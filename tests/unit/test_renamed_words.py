@@ -195,3 +195,20 @@ def test_a_ledgers_done_is_its_trained_positions_with_a_warning() -> None:
     with pytest.warns(DeprecationWarning, match=r"Ledger\.done is Ledger\.trained since lightning_sharding 0\.2"):
         assert ledger.done == ledger.trained
     assert "trained" not in ledger.state_dict() and "done" not in ledger.state_dict()  # checkpoints as before
+
+
+def test_every_module_that_warns_of_an_old_spelling_is_in_the_index_of_deprecated() -> None:
+    from lightning_sharding import _deprecated
+
+    package = Path(_deprecated.__file__).parent
+    index = _deprecated.__doc__ or ""
+    warning = [
+        p.relative_to(package).as_posix()
+        for p in sorted(package.rglob("*.py"))
+        if "DeprecationWarning" in p.read_text()
+    ]
+    assert "core/world.py" in warning and "loading/engine.py" in warning
+    missing = [path for path in warning if path != "_deprecated.py" and f"``{path}``" not in index]
+    assert not missing, (
+        f"lightning_sharding/_deprecated.py's docstring does not name {missing}: the index of 0.3's removals"
+    )
