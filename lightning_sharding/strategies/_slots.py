@@ -40,6 +40,21 @@ from lightning_sharding.core.private import create_file
 # variable is there to measure again.
 MIN_BYTES = int(os.environ.get("LIGHTNING_SHARDING_POOL_MIN_BYTES", 0))
 _RUN = secrets.token_hex(3)
+# The torch dtypes NumPy has too: a slot's tensor of one of them is a NumPy view handed to torch, about
+# 2.5x cheaper in the training process than torch.frombuffer and two views (others take that way).
+_NUMPY_TWINS: dict[torch.dtype, np.dtype[Any]] = {
+    torch.bool: np.dtype(np.bool_),
+    torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
+}
 _pools = itertools.count()
 
 
@@ -200,8 +215,12 @@ class SlotPool:
         def tensor(leaf: Leaf) -> torch.Tensor:
             if not leaf.nbytes:
                 return torch.empty(leaf.shape, dtype=leaf.dtype)
-            raw = torch.frombuffer(base, dtype=torch.uint8, count=leaf.nbytes, offset=leaf.offset)
-            out = raw.view(leaf.dtype).view(leaf.shape)
+            twin = _NUMPY_TWINS.get(leaf.dtype)
+            if twin is not None:  # the view holds ``base``, as torch.frombuffer's does
+                out = torch.from_numpy(np.ndarray(leaf.shape, twin, base, leaf.offset))
+            else:
+                raw = torch.frombuffer(base, dtype=torch.uint8, count=leaf.nbytes, offset=leaf.offset)
+                out = raw.view(leaf.dtype).view(leaf.shape)
             return out.pin_memory() if self.pin_memory else out
 
         return _map_leaves(batch.tree, tensor)
