@@ -41,6 +41,36 @@ class Delivery(NamedTuple):
     stats: Mapping[str, float] | None = None
     generation: int = 0
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # From a worker to the training process, which unpickles every batch's: the position arrays
+        # travel as their bytes, an empty one as None (NumPy's own pickling of three arrays cost the
+        # training process about as much as everything else in the Delivery).
+        positions, skipped, used = _bytes(self.positions), _bytes(self.skipped), _bytes(self.used)
+        return _delivered, (self.batch, self.epoch, positions, skipped, used, self.num_padding, *self[6:])
+
+
+def _bytes(positions: Int64Array) -> bytes | None:
+    return np.ascontiguousarray(positions, dtype=np.int64).tobytes() if len(positions) else None
+
+
+def _array(raw: bytes | None) -> Int64Array:
+    return np.frombuffer(raw, dtype=np.int64).copy() if raw else NO_POSITIONS
+
+
+def _delivered(
+    batch: Any,
+    epoch: int,
+    positions: bytes | None,
+    skipped: bytes | None,
+    used: bytes | None,
+    num_padding: int,
+    end: bool,
+    stats: Mapping[str, float] | None,
+    generation: int,
+) -> Delivery:
+    """A :class:`Delivery` as its ``__reduce__`` sent it."""
+    return Delivery(batch, epoch, _array(positions), num_padding, _array(skipped), _array(used), end, stats, generation)
+
 
 @dataclass(frozen=True)
 class Provenance:
