@@ -121,9 +121,9 @@ class RankPlan:
     worker_layout: WorkerLayout = "runs"
     batch_edges: Int64Array | None = None  # blocked plans: batch i is [edges[i], edges[i+1]) of positions
 
-    @property
+    @cached_property
     def num_served(self) -> int:
-        """Real (non-padding) samples this rank yields."""
+        """Real (non-padding) samples this rank yields (counted once: every batch's bounds ask)."""
         return len(self.positions) - self.num_dropped
 
     def worker_batches(self, worker: int) -> range:
