@@ -229,7 +229,10 @@ def main() -> None:
     if typo is not None:
         print(f"{PROG}: error: {typo}", file=sys.stderr)
         sys.exit(2)
-    _hydra_main()
+    if _prints_config(sys.argv[1:]):
+        _print_config()
+    else:
+        _hydra_main()
 
 
 PROG = "lightning-sharding-train"
@@ -245,6 +248,11 @@ MOVED_KEYS = {
 }
 
 
+# The train config's keys that are the entry point's own, not the job's: what Hydra prints of the config
+# (--cfg, --help, --info) leaves them out, and what _renamed_recipe says goes to stderr, as a run says it.
+_INTERNAL_KEYS = ("_renamed_recipe",)
+
+
 def renamed_recipe(cfg: DictConfig) -> str | None:
     """What to tell the user of a recipe's old name, taken out of ``cfg`` (then the job is the new
     recipe's); None for any other config. The old name's file is an alias of the new recipe that sets
@@ -253,7 +261,54 @@ def renamed_recipe(cfg: DictConfig) -> str | None:
     if not said:
         return None
     cfg["_renamed_recipe"] = None
+    return _renamed(str(said))
+
+
+def _renamed(said: str) -> str:
     return f"{said} since lightning_sharding 0.2; the old name goes away in the next release"
+
+
+def _prints_config(args: list[str]) -> bool:
+    """Whether Hydra is asked to print the config (``--cfg``, ``--help``, ``--info``) rather than run the job."""
+    flags = ("-c", "--cfg", "-h", "--help", "-i", "--info")
+    return any(arg.split("=", 1)[0] in flags for arg in args)
+
+
+def _print_config() -> None:
+    """Hydra's printout of the config, less :data:`_INTERNAL_KEYS`: ``--cfg job`` shows the job, not
+    the entry point's marks (``_renamed_recipe: null`` in every job); a recipe's old name is said on
+    stderr, as a run says it. Hydra prints the config itself, with no hook to change it first, so its
+    output is taken and printed again."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            _hydra_main()
+    finally:
+        text, said = without_internal_keys(printed.getvalue())
+        if said is not None:
+            print(f"{PROG}: warning: {said}", file=sys.stderr)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def without_internal_keys(printed: str) -> tuple[str, str | None]:
+    """A printed config (YAML) less its top-level :data:`_INTERNAL_KEYS`, and what a recipe's old name
+    there says (None for any other config)."""
+    kept: list[str] = []
+    dropped: list[str] = []
+    dropping = False
+    for line in printed.splitlines(keepends=True):
+        if line.split(":", 1)[0] in _INTERNAL_KEYS:
+            dropping = True
+        elif not (dropping and line.startswith((" ", "\t"))):  # a long value folds onto indented lines
+            dropping = False
+        (dropped if dropping else kept).append(line)
+    values = OmegaConf.create("".join(dropped))
+    said = values.get("_renamed_recipe") if isinstance(values, DictConfig) else None
+    return "".join(kept), None if not said else _renamed(str(said))
 
 
 def misspelt_key(args: list[str]) -> str | None:
@@ -264,12 +319,14 @@ def misspelt_key(args: list[str]) -> str | None:
     if any(arg.split("=", 1)[0] in _HYDRA_FLAGS for arg in args):
         return None
     from hydra import compose, initialize_config_dir
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         try:
             compose("train", overrides=args)
+            return None
+        except OverrideParseException:  # not an override Hydra reads: Hydra says why
             return None
         except ConfigCompositionException as err:
             missing = err.__cause__
@@ -301,18 +358,19 @@ def misspelt_key(args: list[str]) -> str | None:
 
 
 def _without_cfg(args: list[str]) -> list[str]:
-    """``args`` without Hydra's ``--cfg``/``-c`` and its value (``job``, ``hydra``, ``all``)."""
+    """``args`` without Hydra's ``--cfg``/``-c`` and its value (``job``, ``hydra``, ``all``), and the
+    options of what it prints (``--package``/``-p`` and its value, ``--resolve``)."""
     out: list[str] = []
-    skip = False
+    skip = ""
     for arg in args:
         if skip:
-            skip = False
-            if arg in ("job", "hydra", "all"):
+            skipped, skip = skip, ""
+            if skipped == "package" or arg in ("job", "hydra", "all"):
                 continue
-        if arg in ("--cfg", "-c"):
-            skip = True
+        if arg in ("--cfg", "-c", "--package", "-p"):
+            skip = "package" if arg in ("--package", "-p") else "cfg"
             continue
-        if arg.startswith(("--cfg=", "-c=")):
+        if arg == "--resolve" or arg.startswith(("--cfg=", "-c=", "--package=", "-p=")):
             continue
         out.append(arg)
     return out

@@ -197,7 +197,8 @@ class TrainConfig:
     ckpt_path: str | None = None  # a file, or "last": the newest checkpoint in callbacks.dirpath
     out_dir: str = "outputs"
     # Set by a recipe's old name (conf/recipe/stream.yaml): what to tell the user. The train entry point
-    # and plan take it out, warning, before they build anything (lightning_sharding.train.renamed_recipe).
+    # and plan take it out, warning, before they build anything (lightning_sharding.train.renamed_recipe);
+    # what the train entry point's --cfg, --help and --info print leaves it out (train._INTERNAL_KEYS).
     _renamed_recipe: str | None = None
 
 

@@ -371,3 +371,33 @@ def test_a_misspelt_key_names_its_group_keys_and_the_closest_one() -> None:
     assert "+trainer.NAME=VALUE" in (misspelt_key(["trainer.max_epoch=1"]) or "")
     for fine in (["data.batch_size=3"], ["ckpt_path=last"], ["-m", "data.batch_sise=1,2"], ["data=nonexistent"]):
         assert misspelt_key(fine) is None  # composes, or Hydra alone reads it, or fails for another reason
+    # What Hydra alone can tell: an override it cannot parse, and its --cfg printing options around a typo.
+    assert misspelt_key(["data.batch_size=["]) is None
+    said = misspelt_key(["--cfg", "job", "--package", "data", "--resolve", "data.batch_sise=3"])
+    assert said is not None and "Did you mean data.batch_size?" in said
+
+
+@pytest.mark.parametrize("recipe", ["stream", "sqlite"])
+def test_cfg_job_prints_the_job_without_the_entry_points_marks_and_an_old_recipe_name_warns(
+    recipe: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_sharding import train
+    from lightning_sharding.core import spelling
+
+    monkeypatch.setenv(spelling.ENV, "python")  # main() sets it for the processes it starts
+    monkeypatch.setattr("sys.argv", [train.PROG, "--cfg", "job", f"recipe={recipe}", f"out_dir={tmp_path}"])
+    train.main()
+    out, err = capsys.readouterr()
+    assert "_renamed_recipe" not in out and "name: dispatch" in out and f"out_dir: {tmp_path}" in out
+    warned = [line for line in err.splitlines() if line.startswith(f"{train.PROG}: warning:")]
+    said = "recipe=stream is now recipe=sqlite since lightning_sharding 0.2; the old name goes away in the next release"
+    assert warned == ([f"{train.PROG}: warning: {said}"] if recipe == "stream" else [])
+
+
+def test_a_printed_config_loses_the_internal_keys_also_folded_and_says_an_old_recipe_name() -> None:
+    from lightning_sharding.train import without_internal_keys
+
+    text, said = without_internal_keys("a: 1\n_renamed_recipe: recipe=x is now\n  recipe=y\nb:\n  c: 2\n")
+    assert text == "a: 1\nb:\n  c: 2\n"
+    assert said == "recipe=x is now recipe=y since lightning_sharding 0.2; the old name goes away in the next release"
+    assert without_internal_keys("a: 1\n_renamed_recipe: null\n") == ("a: 1\n", None)
