@@ -117,6 +117,7 @@ class MixtureReader(Reader):
         self._listed: list[tuple[Item, ...]] | None = None
         self._origin: dict[str, tuple[int, Item]] = {}
         self.fetch_ahead = max(s.reader.fetch_ahead for s in streams)  # a stream that fetches ahead is told
+        self.read_threads = max(s.reader.read_threads for s in streams)  # a batch's items of remote streams at once
 
     def _list(self) -> list[tuple[Item, ...]]:
         """Every stream's items, listed once (in the main process; workers get them pickled)."""

@@ -29,6 +29,9 @@ class Reader(ABC):
     # Whether the reader builds whole batches from the epoch order's positions (:meth:`read_sequences`,
     # packed token sequences) instead of reading samples one item at a time.
     reads_sequences: bool = False
+    # How many items of one batch a worker reads at once, each in a thread: more than 1 for a reader
+    # whose reads wait on storage (remote files, :class:`~lightning_sharding.readers.files.FileReader`).
+    read_threads: int = 1
 
     @abstractmethod
     def items(self) -> Sequence[Item]:

@@ -199,7 +199,10 @@ def data_index_there(reader: FileReader, files: Sequence[FileInfo]) -> bool:
         return False
     try:
         fs, path = filesystem(location, reader.storage_options)
-        return bool(fs.exists(f"{path}/meta.json"))
+        fs.cat_file(f"{path}/meta.json", start=0, end=1)  # its first byte: a GET, as read_data_index asks
+        return True
+    except FileNotFoundError:
+        return False
     except Exception:  # noqa: BLE001 - read_data_index says what it is
         return True
 
@@ -218,7 +221,8 @@ def index_location(directory: str) -> str:
 def _read(reader: FileReader, location: str, shown: str) -> DataIndex | None:
     fs, path = filesystem(location, reader.storage_options)
     try:
-        raw = with_retries(lambda: fs.cat_file(f"{path}/meta.json"), f"reading {shown}", reader.retry)
+        # From byte 0: a range, for which s3fs asks no size (a HEAD, one more round trip) first.
+        raw = with_retries(lambda: fs.cat_file(f"{path}/meta.json", start=0), f"reading {shown}", reader.retry)
     except OSError as err:
         if isinstance(err, FileNotFoundError) or isinstance(err.__cause__, FileNotFoundError):
             raise _NoIndex from None  # missing, maybe after a transient error and a retry

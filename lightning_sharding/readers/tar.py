@@ -28,6 +28,7 @@ from lightning_sharding.readers.tar_headers import (
     local_table,
     members,
     plain_batch,
+    plain_members,
 )
 
 _BLOCK = 512
@@ -256,6 +257,11 @@ class TarReader(FileReader):
             found, data = local_table(path, where)
             if data is not None and len(data) <= DIGEST_WHOLE:
                 content = bytes_digest(data)
+        elif 0 < info.size <= READ_WHOLE:  # a small remote file: one request for all of it, walked in memory
+            data = fs.cat_file(path, start=0, end=info.size)  # a range: s3fs asks no size (HEAD) first
+            if len(data) != info.size:
+                raise OSError(f"{where} has {len(data)} bytes, not the {info.size} listed: it changed since")
+            found = plain_members(data) or members(_slicer(data), len(data), where)
         else:  # a remote file: seek from header to header (the file object reads ahead in blocks)
             with fs.open(path, "rb") as f:
                 found = file_members(f, info.size, where)

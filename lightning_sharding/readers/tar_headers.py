@@ -31,7 +31,7 @@ _SPARSE = b"S"  # GNU sparse file: its data is a map of holes
 _NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, FIFOs: no data follows
 _PAX_GLOBAL = b"g"
 _ZERO_BLOCK = bytes(BLOCK)
-READ_WHOLE = 4 << 20  # a local shard up to this size is read whole (and hashed whole); a larger one is mapped
+READ_WHOLE = 4 << 20  # a shard up to this size is read whole (one request if remote); a larger local one is mapped
 
 
 class Member(NamedTuple):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +30,7 @@ from lightning_sharding.strategies.options import LoaderOptions
 
 # The key of a mixture batch's stream rows (dict batches).
 STREAM_KEY = "stream"
+T = TypeVar("T")
 # Under on_error="skip", a worker names its first SKIPS_NAMED skipped samples in a warning each, then
 # says its count at 100, 1000, ... skipped (the epoch summary counts them all).
 SKIPS_NAMED = 10
@@ -63,6 +66,7 @@ class PlannedBatches(Dataset[Delivery]):
         # Set by the loader for the pooled transport (strategies/_slots.py); the worker's own slots.
         self.slot_states: SlotStates | None = None
         self._slots: WorkerSlots | None = None
+        self._readers: tuple[int, ThreadPoolExecutor] | None = None  # the threads reading a batch's items (pid, pool)
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
         self._order: Order | None = None
         self._change: Any = None  # the last change of the epochs a task brought (a mixture decision)
@@ -101,7 +105,7 @@ class PlannedBatches(Dataset[Delivery]):
     def __getstate__(self) -> dict[str, Any]:
         # A worker maps its own slots; a large state (a long manifest) goes to a new worker through a
         # file, so that the DataLoader starts its workers at once, not one after the other (_shipped.py).
-        return ship({**self.__dict__, "_slots": None})
+        return ship({**self.__dict__, "_slots": None, "_readers": None})
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(unship(state))
@@ -134,9 +138,8 @@ class PlannedBatches(Dataset[Delivery]):
             batch = self._read_columns(runs, item_ids, indices, ctx)
             if batch is not None:
                 return self._deliver(batch, task, task.positions, task.num_padding, ctx)
-        samples: list[Any] = []
-        for lo, hi in runs:
-            samples.extend(self._read_run(self.items[int(item_ids[lo])], indices[lo:hi], task.positions[lo:hi], ctx))
+        reads = [(self.items[int(item_ids[lo])], indices[lo:hi], task.positions[lo:hi]) for lo, hi in runs]
+        samples = [s for got in self._each(lambda r: self._read_run(*r, ctx), reads) for s in got]
         if self.transform is not None:
             transform = self._transform  # the per-sample loop is the hot path: plain ints, no lookups
             names = self._stream_names_of(item_ids)
@@ -209,10 +212,23 @@ class PlannedBatches(Dataset[Delivery]):
         """The batch from the reader's columns, one read per run; ``None`` (read sample by sample,
         which names a bad sample) when a read fails or the runs' columns do not line up."""
         try:
-            parts = [self.reader.read_columns(self.items[int(item_ids[lo])], indices[lo:hi], ctx) for lo, hi in runs]
+            read = self.reader.read_columns
+            parts = self._each(lambda r: read(self.items[int(item_ids[r[0]])], indices[r[0] : r[1]], ctx), runs)
         except Exception:  # noqa: BLE001 - the per-sample path reads again and names the failing sample
             return None
         return join_columns(parts, len(item_ids))
+
+    def _each(self, read: Callable[[T], Any], runs: Sequence[T]) -> list[Any]:
+        """``read`` of each run, in order: at once, in threads, when the reader's reads wait on storage
+        (:attr:`~lightning_sharding.readers.base.Reader.read_threads`), else one after the other."""
+        threads = self.reader.read_threads
+        if threads < 2 or len(runs) < 2:
+            return [read(r) for r in runs]
+        pid, pool = self._readers or (None, None)
+        if pool is None or pid != os.getpid():  # a forked worker has no thread of its parent's: its own pool
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="lsh-read")  # threads start as needed
+            self._readers = (os.getpid(), pool)
+        return list(pool.map(read, runs))
 
     def _read_run(
         self, item: Item, indices: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], ctx: WorkerContext

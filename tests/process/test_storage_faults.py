@@ -95,10 +95,13 @@ def test_a_fifth_of_requests_failing_costs_retries_and_the_epochs_stay_exactly_o
     assert_exactly_once(served_per_epoch(records(log)), TOTAL, epochs=2)
     assert [(e["consumed"], e["skipped"]) for e in report(trainer)] == [(TOTAL, 0)] * 2
     assert [(e.consumed, e.duplicates, e.missing) for e in audit([tmp_path / "audit"])] == [(TOTAL, 0, 0)] * 2
-    # Faults really happened, of both kinds, and every failed request was tried again. botocore's
-    # own retries are off (see FaultProxy.storage_options) and s3fs does not retry a 503, so the
-    # 503s were recovered by lightning_sharding's RetryPolicy, in the workers.
-    assert proxy.counts["503"] >= 10 and proxy.counts["dropped"] >= 5, proxy.counts
+    # Faults really happened, of both kinds, about a fifth of the requests, and every failed request
+    # was tried again. botocore's own retries are off (see FaultProxy.storage_options) and s3fs does
+    # not retry a 503, so the 503s were recovered by lightning_sharding's RetryPolicy, in the workers.
+    # (A batch reads each shard's samples with one request, so the job makes about 50 requests.)
+    failed = proxy.counts["503"] + proxy.counts["dropped"]
+    assert failed >= 0.1 * (failed + proxy.counts["forwarded"]), proxy.counts
+    assert proxy.counts["503"] >= 3 and proxy.counts["dropped"] >= 2, proxy.counts
     assert proxy.counts["retried"] >= proxy.counts["503"] + proxy.counts["dropped"] - 2, proxy.counts
 
 

@@ -1,0 +1,84 @@
+"""How a job's first start and first batch read small remote shards, on the S3-protocol server on
+loopback behind a proxy that counts requests (and adds latency): each shard indexed with one
+request, a batch's shards read at once, each shard's samples with one request. Every added request
+costs a store's latency (50 ms and more), and the first batch of a fresh job waits for all of them
+(docs/performance.md, the first batch)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.manifest import Manifest
+from lightning_sharding.core.world import World
+from lightning_sharding.readers import TarReader
+from lightning_sharding.readers.storage import cut_ranges, merged_ranges
+from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
+from lightning_sharding.strategies.options import LoaderOptions
+from lightning_sharding.strategies.shard import ShardedLoader
+from tests.support.fault_proxy import FaultProxy
+from tests.support.s3 import S3Server
+
+SIZES = [5, 7, 4, 6, 5, 8, 3, 6]  # eight small shards, 44 samples
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    p = FaultProxy(s3_server.endpoint)
+    yield p
+    p.close()
+
+
+def shard_requests(proxy: FaultProxy, since: int = 0) -> Counter[tuple[str, str]]:
+    """The requests for the shards themselves (not listings) since ``since`` in the proxy's log."""
+    return Counter((m, p) for m, p in proxy.log[since:] if p.endswith(".tar"))
+
+
+def test_a_first_start_indexes_each_small_shard_with_one_request(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    bucket = s3_server.bucket("first-start")
+    write_regression(f"{bucket}/wds", "tar", SIZES, storage_options=s3_server.storage_options)
+    reader = TarReader("s3://first-start/wds/*.tar", storage_options=proxy.storage_options(), cache_dir=tmp_path)
+    assert [it.num_samples for it in reader.items()] == SIZES
+    asked = shard_requests(proxy)
+    assert len(asked) == len(SIZES) and set(asked.values()) == {1}, f"not one GET a shard: {asked}"
+    assert {m for m, _ in asked} == {"GET"}, "no HEAD before the read: the listing gave the size"
+
+
+def test_a_batch_reads_its_shards_at_once_each_with_one_request(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    bucket = s3_server.bucket("first-batch")
+    write_regression(f"{bucket}/wds", "tar", SIZES, storage_options=s3_server.storage_options)
+    reader = TarReader("s3://first-batch/wds/*.tar", storage_options=proxy.storage_options(), cache_dir=tmp_path)
+    manifest = Manifest.from_items(reader.items())
+    ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
+    options = LoaderOptions(batch_size=manifest.total, num_workers=0, shuffle=False, transform=to_regression)
+    loader = ShardedLoader.build(reader, manifest, ledger, world=World(), options=options)
+    since, delay = len(proxy.log), 0.4
+    proxy.delay = delay
+    start = time.perf_counter()
+    batch = next(iter(loader))
+    took = time.perf_counter() - start
+    assert batch["id"].tolist() == list(range(manifest.total)), "every sample once, in the plan's order"
+    asked = shard_requests(proxy, since)
+    assert len(asked) == len(SIZES) and set(asked.values()) == {1}, f"not one request a shard: {asked}"
+    # One after the other, the 8 reads would take 8 x 0.4 s; at once, about one delay.
+    assert took < len(SIZES) * delay / 2, f"the batch took {took:.2f} s: its shards were not read at once"
+
+
+def test_ranges_close_together_are_read_as_one_and_cut_back_in_the_order_asked() -> None:
+    starts, ends = [5_000_000, 0, 1024, 600_000, 1024], [5_000_512, 512, 2048, 600_100, 1536]
+    lo, hi = merged_ranges(starts, ends, gap=256 << 10)
+    assert (lo, hi) == ([0, 600_000, 5_000_000], [2048, 600_100, 5_000_512]), "gaps under 256 KiB are read"
+    data = np.arange(5_000_512, dtype=np.int64).astype(np.uint8).tobytes()
+    spans = [data[a:b] for a, b in zip(lo, hi, strict=True)]
+    assert cut_ranges(spans, lo, starts, ends) == [data[a:b] for a, b in zip(starts, ends, strict=True)]
+    assert cut_ranges([spans[0][:1000], *spans[1:]], lo, [1024], [2048]) == [b""], "a short read stays short"
