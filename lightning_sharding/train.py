@@ -347,14 +347,31 @@ def misspelt_key(args: list[str]) -> str | None:
     if not isinstance(node, DictConfig):
         return None
     keys = sorted(str(k) for k in node.keys() if not str(k).startswith("_"))
-    close = difflib.get_close_matches(key, keys, n=1)
+    where = _strategy_setting(parent, key)  # a strategy's setting, exactly: no closest key to guess
+    close = [] if where else difflib.get_close_matches(key, keys, n=1)
     hint = f"Did you mean {'.'.join(filter(None, [parent, close[0]]))}? " if close else ""
     more = (
         " (any other argument of lightning.pytorch.Trainer goes in as +trainer.NAME=VALUE)"
         if parent == "trainer"
         else ""
     )
-    return f"{full_key}: {parent or 'the train config'} has no key {key!r}. {hint}Its keys are {', '.join(keys)}{more}"
+    return (
+        f"{full_key}: {parent or 'the train config'} has no key {key!r}{where}. {hint}Its keys are {', '.join(keys)}"
+        f"{more}"
+    )
+
+
+def _strategy_setting(parent: str, key: str) -> str:
+    """`` (a setting of sharding=broadcast)`` when ``key``, missing from ``parent`` (``sharding`` or
+    ``data``), is a setting of other strategies: the options that take it; else ``""``."""
+    if parent not in ("sharding", "data"):
+        return ""
+    from lightning_sharding.strategies.base import strategies_taking
+
+    takers = " or ".join(f"sharding={cls.name}" for cls in strategies_taking(key))
+    if not takers:
+        return ""
+    return f" (a setting of {takers})" if parent == "sharding" else f" (a setting of {takers}, as sharding.{key})"
 
 
 def _without_cfg(args: list[str]) -> list[str]:

@@ -259,6 +259,22 @@ def test_a_hydra_sharding_config_goes_in_whole_and_its_settings_are_checked_wher
     assert "Did you mean sharding.transport?" in str(misspelt_key(["--cfg", "job", "sharding.transprot=torch"]))
 
 
+def test_hydras_message_for_a_strategy_setting_of_another_option_names_the_option_that_takes_it() -> None:
+    from lightning_sharding.train import misspelt_key
+
+    said = misspelt_key(["sharding.prefetch_items=2"])  # sharding=shard takes none
+    assert said == (
+        "sharding.prefetch_items: sharding has no key 'prefetch_items' (a setting of sharding=broadcast). "
+        "Its keys are name, transport"
+    )
+    said = str(misspelt_key(["sharding=dispatch", "sharding.transport=torch"]))
+    assert "has no key 'transport' (a setting of sharding=shard or sharding=broadcast)." in said
+    assert "(a setting of sharding=dali)" in str(misspelt_key(["sharding.num_threads=2"]))
+    said = str(misspelt_key(["data.prefetch_items=2"]))  # under data: its place is sharding's
+    assert "has no key 'prefetch_items' (a setting of sharding=broadcast, as sharding.prefetch_items). Its" in said
+    assert "(a setting" not in str(misspelt_key(["sharding.transprot=torch"]))  # a typo keeps its closest key
+
+
 @pytest.mark.parametrize(
     ("schema", "api", "skipped"),
     [(StreamOptions, Stream, {"name", "reader"}), (TokenStreamOptions, Stream, {"name", "reader"})]
