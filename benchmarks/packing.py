@@ -12,7 +12,9 @@ Prints, measured side by side in this one run:
      stream, no document boundaries), when LitData is installed (``benchmarks/requirements.txt``);
    - a bare copy of the same tokens: ``(8, 2048)`` int64 from 8 slices of the memory-mapped files
      per batch, in a loop (0 workers) or through a plain ``DataLoader`` (2 workers).
-   The systems run alternately, round by round; a ratio is the median of the per-round ratios.
+   In each round every system is started, then they serve in turns of 100 batches, so a change in
+   the machine's load falls on all alike; a figure is the median of the rounds, a ratio the median
+   of the per-round ratios.
    Target: ours with every field at least 1.5x LitData at 0 and at 2 workers.
 2. Where a batch's time goes at 0 workers, every field (the median over the batches of each part,
    timed inside one loop): the plan's task, the sequences' pieces, reading the tokens and building
@@ -177,25 +179,40 @@ def litdata_loader(out: Path, workers: int) -> Iterable[Any]:
     return loader
 
 
-def tokens_per_s(make: Callable[[], Iterable[Any]], batches: int) -> float:
-    """Tokens of ``batches`` batches over the time they took, after the first (start-up) batch."""
-    loader = make()
-    iterator = iter(loader)
-    first = next(iterator)
-    del first
-    start = time.perf_counter()
-    tokens = 0
-    for _ in range(batches):
-        batch = next(iterator)
-        ids = batch["input_ids"] if isinstance(batch, dict) else batch
-        tokens += int(ids.shape[0]) * SEQ_LEN
-    elapsed = time.perf_counter() - start
-    close = getattr(iterator, "close", None) or getattr(loader, "close", None)
-    if close is not None:
-        close()
-    del iterator, loader
+# Batches a system serves before the next one's turn. With workers, a turn starts with the few
+# batches its workers prepared meanwhile (prefetch_factor 2 x 2 workers for every system): 4 % of a turn.
+CHUNK = 100
+
+
+def one_round(systems: dict[str, Callable[[], Iterable[Any]]], batches: int) -> dict[str, float]:
+    """Each system's tokens/s over ``batches`` batches after its first (start-up) one, all of them
+    started first and then served in turns of :data:`CHUNK` batches, so that a change in the
+    machine's load (other work on it) falls on every system alike."""
+    loaders = {name: make() for name, make in systems.items()}
+    iterators = {name: iter(loader) for name, loader in loaders.items()}
+    for iterator in iterators.values():
+        next(iterator)
+    seconds = dict.fromkeys(systems, 0.0)
+    tokens = dict.fromkeys(systems, 0)
+    served = 0
+    while served < batches:
+        turn = min(CHUNK, batches - served)
+        for name, iterator in iterators.items():
+            start = time.perf_counter()
+            for _ in range(turn):
+                batch = next(iterator)
+                ids = batch["input_ids"] if isinstance(batch, dict) else batch
+                tokens[name] += int(ids.shape[0]) * SEQ_LEN
+            seconds[name] += time.perf_counter() - start
+        served += turn
+    for name, iterator in iterators.items():
+        for held in (loaders[name], iterator):  # our loader stops its workers; a generator ends
+            close = getattr(held, "close", None)
+            if close is not None:
+                close()
+    del iterators, loaders
     gc.collect()
-    return tokens / elapsed
+    return {name: tokens[name] / seconds[name] for name in systems}
 
 
 def throughput(root: Path, corpus_tokens: int, batches: int, repeats: int) -> list[dict[str, Any]]:
@@ -219,8 +236,9 @@ def throughput(root: Path, corpus_tokens: int, batches: int, repeats: int) -> li
         before = os.getloadavg()[0]
         rounds: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(repeats):
-            for name, make in systems.items():
-                rounds[name].append(tokens_per_s(partial(make, workers), batches))
+            measured = one_round({name: partial(make, workers) for name, make in systems.items()}, batches)
+            for name, value in measured.items():
+                rounds[name].append(value)
         rows: dict[str, dict[str, Any]] = {}
         for name, values in rounds.items():
             rows[name] = {"tokens_per_s": statistics.median(values), "runs": values}

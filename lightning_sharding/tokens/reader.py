@@ -13,7 +13,7 @@ from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.tokens.batch import packed_batch
 from lightning_sharding.tokens.documents import DocumentReader
-from lightning_sharding.tokens.packing import PackedEpochs, Packing, ranges
+from lightning_sharding.tokens.packing import PackedEpochs, Packing, distinct, ranges
 
 
 class PackedReader(Reader):
@@ -73,7 +73,7 @@ class PackedReader(Reader):
         first, base, documents = epochs.first_document, epochs.token_start_in_item, self.documents
         pieces = order.pieces(positions)
         if documents.fetch_ahead:  # this batch's files, then those of the sequences after it
-            now = np.unique(np.searchsorted(first, pieces[1], side="right") - 1)
+            now = distinct(np.searchsorted(first, pieces[1], side="right") - 1)
             later = order.items_from(int(positions.max()) + 1, 8 * documents.fetch_ahead + 1) if len(positions) else []
             documents.ahead([items[i] for i in now.tolist()], [items[i] for i in np.asarray(later).tolist()])
 
@@ -88,7 +88,7 @@ class PackedReader(Reader):
             sizes = hi - lo
             at = np.cumsum(sizes) - sizes
             out = np.empty(int(sizes.sum()), dtype=np.int64)
-            for k in np.unique(item).tolist():
+            for k in distinct(item).tolist():
                 sel = np.flatnonzero(item == k)
                 out[ranges(at[sel], at[sel] + sizes[sel])] = documents.read_spans(items[k], lo[sel], hi[sel])
             return out

@@ -22,6 +22,7 @@ from lightning_sharding.core.manifest import Item
 from lightning_sharding.mixture import MixtureReader, Stream
 from lightning_sharding.tokens import FIELDS, DocumentReader, PackedReader, Packing
 from lightning_sharding.tokens.batch import join_packed, packed_batch
+from lightning_sharding.tokens.packing import distinct
 
 Int64Array = npt.NDArray[np.int64]
 IGNORE_INDEX = -100
@@ -309,3 +310,9 @@ def test_fields_are_checked_and_keep_one_spelling() -> None:
         Packing(8, fields=("labels",))
     with pytest.raises(ValueError, match=r"must be a list of field names"):
         Packing(8, fields="input_ids")  # type: ignore[arg-type]
+
+
+@given(st.lists(st.integers(-5, 5), max_size=30))
+def test_distinct_values_are_np_uniques(values: list[int]) -> None:
+    array = np.asarray(values, dtype=np.int64)
+    np.testing.assert_array_equal(distinct(array), np.unique(array))
