@@ -45,7 +45,7 @@ def main(config_path: str) -> None:
     out, segment = Path(cfg["out"]), cfg["segment"]
     fabric = None
     if cfg["launcher"] == "fabric":
-        from lightning.fabric import Fabric
+        from lightning_fabric import Fabric  # as docs/how-to/own-loop.md imports it
 
         ranks = cfg["ranks"]
         fabric = Fabric(accelerator="cpu", devices=ranks, strategy="ddp" if ranks > 1 else "auto")
@@ -181,7 +181,7 @@ def kill_inside_saves(kill: dict[str, Any], rank: int, saving: dict[str, int]) -
 
     import torch
     import torch.distributed.checkpoint.filesystem as dcp_files
-    from lightning.fabric.plugins.io import torch_io
+    from lightning_fabric.plugins.io import torch_io
 
     def due() -> bool:
         return rank == kill["rank"] and saving.get("step") == kill["step"]

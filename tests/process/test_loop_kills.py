@@ -101,3 +101,6 @@ def test_the_pages_examples_save_and_resume_with_the_helpers_the_job_runs() -> N
         assert f"from checkpoints import {kind}_resume, {kind}_save" in text, script
         assert f"{kind}_resume(" in text and text.count(f"{kind}_save(") == 2, script
         assert ".save(" not in text, f"{script} saves other than by checkpoints.py"
+    # lightning.fabric would import lightning.pytorch with it (the lightning package imports both)
+    assert "from lightning_fabric import Fabric" in scripts["fabric_loop.py"]
+    assert "lightning.fabric" not in scripts["fabric_loop.py"]
