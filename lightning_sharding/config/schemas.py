@@ -129,7 +129,7 @@ class CausalLM:
 
 @dataclass
 class TokenModel:
-    """A tiny next-token model (embedding, MLP, logits) for the token stream."""
+    """A tiny next-token model (embedding, MLP, logits) for the token files of ``recipe=tokens``."""
 
     _target_: str = "lightning_sharding.recipes.models.TokenModel"
     vocab_size: int = II("data.vocab_size")

@@ -27,7 +27,7 @@ class NpyReader(FileReader):
 
     Args:
         urls: files (see :class:`FileReader`).
-        sample_length: for 1-d arrays (token streams), cut the array into consecutive samples of
+        sample_length: for 1-d arrays (token files), cut the array into consecutive samples of
             this many elements; a tail shorter than that is not served.
         key: the sample dict's key; ``None`` makes each sample the bare array.
         **options: :class:`FileReader` options.

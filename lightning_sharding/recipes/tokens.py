@@ -1,4 +1,4 @@
-"""Recipe ``tokens``: an LLM-style token stream in 1-d ``.npy`` files, strategy ``shard``.
+"""Recipe ``tokens``: LLM-style token files (each a 1-d ``.npy`` array of tokens), strategy ``shard``.
 
 Each file is one item; a sample is ``sample_length + 1`` consecutive tokens (inputs and the
 shifted targets). The checkpoint's ledger counts samples, not ranks or workers, so a run can

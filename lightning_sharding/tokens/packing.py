@@ -302,7 +302,7 @@ class PackedOrder:
 
     @cached_property
     def _ends(self) -> Int64Array:
-        """``concat``: where each of :attr:`documents` ends in the epoch's stream of tokens."""
+        """``concat``: where each of :attr:`documents` ends in the epoch's tokens, laid end to end."""
         return np.cumsum(self.epochs.lengths[self.documents])
 
     @cached_property
