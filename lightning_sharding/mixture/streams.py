@@ -250,6 +250,10 @@ class MixtureReader(Reader):
         s, original = self._origin_of(item)
         return self.streams[s].reader, original
 
+    def worker_modules(self) -> list[str]:
+        """What every stream's reader's workers import."""
+        return list(dict.fromkeys(m for s in self.streams for m in s.reader.worker_modules()))
+
     def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
         """Each stream's reader that fetches ahead is told its own items of ``now`` and ``upcoming``."""
         for s, stream in enumerate(self.streams):

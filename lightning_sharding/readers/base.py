@@ -50,6 +50,12 @@ class Reader(ABC):
         whole (only when :attr:`reads_sequences`; no ``transform`` or ``collate_fn`` runs on it)."""
         raise NotImplementedError(f"{type(self).__name__} reads samples, not sequences")
 
+    def worker_modules(self) -> list[str]:
+        """Modules a worker imports to read, beyond the reader's own (a storage's package): a
+        forkserver imports them once, before its workers start, instead of each worker at its first
+        read. Name only modules whose import starts no thread. None by default."""
+        return []
+
     def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
         """The items of this worker's current batch, and the items the plan reads after it, nearest
         first (from the next ``fetch_ahead`` on): a reader may start fetching them. Nothing by default."""

@@ -49,6 +49,7 @@ from lightning_sharding.readers.shared_index import (
     shared_items,
 )
 from lightning_sharding.readers.storage import (
+    STORAGES,
     FileInfo,
     RetryPolicy,
     content_digest,
@@ -178,6 +179,12 @@ class FileReader(Reader):
         remote (each read waits on the store; with 16 items a batch on a store 50 ms away, the first
         batch waited 16 x 50 ms and more), else 1 (a local read waits on nothing a thread would overlap)."""
         return REMOTE_READ_THREADS if any(scheme_of(url) != "file" for url in self.urls) else 1
+
+    def worker_modules(self) -> list[str]:
+        """The package of each remote storage of the URLs (``s3fs``...: each imports in a second and
+        starts no thread), which a forkserver then imports while the training process lists."""
+        schemes = dict.fromkeys(scheme_of(url) for url in self.urls)
+        return list(dict.fromkeys(STORAGES[s][0] for s in schemes if s in STORAGES))
 
     # -- what subclasses provide ------------------------------------------------------------
 

@@ -82,13 +82,15 @@ def check_start_method(requested: Any, owner: str) -> None:
 
 def preload_modules(*used: Any) -> list[str]:
     """The modules a forkserver imports for workers that run ``used`` (readers, transforms, datasets):
-    :data:`BASE_PRELOAD`, the module of each object's class or function, and the modules of the
-    training script's imports from :data:`SAFE_TO_PRELOAD`. ``__main__`` is left out (a worker runs
-    it again)."""
+    :data:`BASE_PRELOAD`, the module of each object's class or function, what a reader names in its
+    ``worker_modules()`` (a storage's package, such as ``s3fs``), and the modules of the training
+    script's imports from :data:`SAFE_TO_PRELOAD`. ``__main__`` is left out (a worker runs it again)."""
     names = list(BASE_PRELOAD)
     for obj in used:
         if obj is not None:
             names.append(_module_of(obj))
+            asked = getattr(obj, "worker_modules", None)  # a reader's storage package (Reader.worker_modules)
+            names += list(asked()) if callable(asked) else []
     names += _imported_by_main()
     return [n for n in dict.fromkeys(names) if n and n not in ("__main__", "__mp_main__", "builtins")]
 

@@ -106,6 +106,18 @@ def test_the_multiprocessing_internals_the_forkserver_start_relies_on_are_there(
         assert hasattr(server, name), name
 
 
+def test_a_forkserver_preloads_the_storage_package_a_reader_of_remote_files_reads_with() -> None:
+    """A worker's first read of s3:// imports s3fs (a second); the server imports it instead, while
+    the training process lists (Reader.worker_modules)."""
+    from lightning_sharding.readers import TarReader
+    from lightning_sharding.strategies._start import preload_modules
+
+    remote = TarReader(["s3://bucket/a/*.tar", "gs://bucket/b.tar", "/data/c.tar"])
+    assert remote.worker_modules() == ["s3fs", "gcsfs"]
+    assert {"s3fs", "gcsfs", "lightning_sharding.readers.tar"} <= set(preload_modules(remote))
+    assert TarReader("/data/*.tar").worker_modules() == [], "local files need no storage package"
+
+
 def test_a_class_of_a_fileless_main_is_refused_for_new_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
