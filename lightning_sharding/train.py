@@ -16,6 +16,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import hydra
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,6 +29,7 @@ from lightning_sharding.config import (
     resolve_ckpt_path,
 )
 from lightning_sharding.core import spelling
+from lightning_sharding.strategies.base import DataKindError
 
 # Lightning is imported inside the functions, not here: spawned processes (DataLoader workers, the
 # dispatch process, DALI's) re-import the main module, and `import lightning` costs seconds each.
@@ -59,10 +61,22 @@ def build_datamodule(cfg: DictConfig) -> ShardedDataModule:
         warnings.warn(said, DeprecationWarning, stacklevel=2)
     sharding = OmegaConf.to_container(cfg.sharding, resolve=True)
     audit_dir = cfg.audit.dir if cfg.audit.enabled else None
-    dm = instantiate(cfg.data, sharding=sharding, audit_dir=audit_dir, _convert_="all")
+    try:
+        dm = instantiate(cfg.data, sharding=sharding, audit_dir=audit_dir, _convert_="all")
+    except InstantiationException as err:  # the DataModule refuses data its strategy cannot read when made
+        if isinstance(err.__cause__, DataKindError):
+            raise ConfigError(_wrong_data(cfg, err.__cause__)) from err.__cause__
+        raise
     if not isinstance(dm, ShardedDataModule):
         raise ConfigError(f"data._target_={cfg.data._target_} returned {type(dm).__name__}, not a ShardedDataModule")
     return dm
+
+
+def _wrong_data(cfg: DictConfig, err: Exception) -> str:
+    return (
+        f"sharding={cfg.sharding.name} cannot read what data._target_={cfg.data._target_} built "
+        f"({err}): choose the sharding option that fits the data, or data that fits the strategy"
+    )
 
 
 def _check_data(cfg: DictConfig, dm: ShardedDataModule) -> None:
@@ -73,10 +87,7 @@ def _check_data(cfg: DictConfig, dm: ShardedDataModule) -> None:
     try:
         dm.strategy.check_data(dm.source if reader is None else reader, type(dm).__name__)
     except TypeError as err:
-        raise ConfigError(
-            f"sharding={dm.strategy.name} cannot read what data._target_={cfg.data._target_} built "
-            f"({err}): choose the sharding option that fits the data, or data that fits the strategy"
-        ) from err
+        raise ConfigError(_wrong_data(cfg, err)) from err
     if dm.source is not None:
         length = dm.source.length()
         total = UNKNOWN_LENGTH if length is None else length

@@ -16,7 +16,7 @@ from lightning_sharding.config.generated import with_fields_of
 from lightning_sharding.loading.engine import LoadingEngine
 from lightning_sharding.mixture import Phase, Stream
 from lightning_sharding.readers.decoding import IMAGE_EXTENSIONS
-from lightning_sharding.tokens.packing import Packing
+from lightning_sharding.tokens import Packing
 
 
 def _default(name: str) -> Any:

@@ -139,6 +139,10 @@ class TrainLoader(ABC, Generic[SamplerT]):
         """The checkpoint noted last is saved."""
 
 
+class DataKindError(TypeError):
+    """The data is not the kind a strategy reads (a plain reader for ``broadcast``, a reader for ``dispatch``)."""
+
+
 class Strategy(ABC):
     """How one rank reads: the rules of a strategy and the builder of its loaders.
 
@@ -234,7 +238,7 @@ class Strategy(ABC):
         if not isinstance(data, wanted):
             example = {"reader": "", "windows": " (such as NpyWindows)", "source": " (such as SqliteSource)"}
             argument = "source" if self.takes == "source" else "reader"
-            raise TypeError(
+            raise DataKindError(
                 f"`{owner}({argument}=...)`: strategy {self.name!r} needs a {wanted.__name__}{example[self.takes]}, "
                 f"got {type(data).__name__}"
             )
