@@ -104,7 +104,7 @@ def main() -> None:
         wait = 0 if args.quick else 180
         results["worker_scaling"] = loaders.run_worker_scaling(root, samples, repeats, 8, wait, log)
     log("resume cost")
-    results["resume"] = run_resume(5 if args.quick else 15)  # cheap: more runs tame the noise
+    results["resume"] = run_resume(5 if args.quick else 31)  # cheap: more runs tame the noise of 1.5 ms runs
     results["resume_large"] = run_resume(5 if args.quick else 15, resume_cost.LARGE)
     log("planning scale")
     results["planning"] = scale.planning_seconds(max(3, repeats)) | {"target_seconds": 1.0}
