@@ -132,7 +132,8 @@ class ShardedDataModule(pl.LightningDataModule):
             ``reader``'s tokenized documents (a :class:`~lightning_sharding.tokens.documents.DocumentReader`)
             packed into sequences of ``seq_len`` tokens; the ledger counts sequences and a batch holds
             ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, ``cu_seqlens`` and
-            ``max_seqlen`` (see :mod:`lightning_sharding.tokens.batch`). Strategy ``shard``.
+            ``max_seqlen``, or those of ``Packing(fields=...)`` (see :mod:`lightning_sharding.tokens.batch`).
+            Strategy ``shard``.
         **renamed: the spellings of 0.1 for one release, with a ``DeprecationWarning`` naming the new
             one: ``strategy=`` (now ``sharding=``), ``data_root_map=`` (``root_map=``), ``transport=``
             and ``prefetch_items=`` (settings of the strategy: ``sharding=ShardStrategy(transport=...)``).
