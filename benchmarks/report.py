@@ -198,5 +198,5 @@ def plot(results: dict[str, Any], path: Path) -> None:
     right.set_xlabel("resume position (% of epoch)")
     right.set_ylabel("time to first batch (ms)")
     right.set_title("resume cost", fontsize=10)
-    right.legend(fontsize=8)
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))  # under the axes: lines span them
     fig.savefig(path, dpi=100)
