@@ -46,7 +46,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from benchmarks.report import _ratio, _status  # noqa: E402
 from lightning_sharding.core.ledger import Ledger  # noqa: E402
 from lightning_sharding.core.world import World  # noqa: E402
 from lightning_sharding.loading.accounting import StepAccounting, TrainerProgress  # noqa: E402
@@ -254,6 +253,21 @@ def throughput(root: Path, corpus_tokens: int, batches: int, repeats: int) -> li
         load = (before, os.getloadavg()[0])
         cells.append({"workers": workers, "batches": batches, "load_average": load, "systems": rows})
     return cells
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    """A ratio as the suite's table writes it: the median, then the rounds' range."""
+    if "ratio" not in row:
+        return "1x"
+    rounds = row.get("rounds") or [row["ratio"]]
+    return f"{row['ratio']:.2f}x (rounds {min(rounds):.2f}-{max(rounds):.2f})"
+
+
+def _status(row: dict[str, Any]) -> str:
+    """A target's verdict as the suite's table writes it."""
+    if "met" not in row:
+        return ""
+    return "met" if row["met"] else "**missed**"
 
 
 def throughput_rows(cells: list[dict[str, Any]], corpus_tokens: int) -> list[str]:
