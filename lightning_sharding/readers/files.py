@@ -389,9 +389,15 @@ class FileReader(Reader):
                     done.append((got[0], files[i].content or got[1] or self._digest(files[i]), True))
             return done
 
-        batches = self._batches([i for i, idx in enumerate(known) if idx is None and i not in maybe], files)
-        alone = [i for i, idx in enumerate(known) if idx is not None or i in maybe or not batches]
         indexed: list[Indexed] = [None] * len(files)  # type: ignore[list-item]
+        for i, k in enumerate(known):  # known with its content id (a data index's, a store's): nothing to read
+            if k is not None and k[1] and i not in maybe:
+                indexed[i] = (k[0], k[1], False)
+        progress.step(sum(1 for got in indexed if got is not None))
+        batches = self._batches([i for i, idx in enumerate(known) if idx is None and i not in maybe], files)
+        alone = [
+            i for i, idx in enumerate(known) if indexed[i] is None and (idx is not None or i in maybe or not batches)
+        ]
         with ThreadPoolExecutor(max_workers=threads) as pool:
             scanned = [(batch, pool.submit(many, batch)) for batch in batches]
             for i, result in zip(alone, pool.map(one, alone), strict=False):

@@ -94,10 +94,10 @@ class Progress:
         self.last = self.start  # when progress was last printed
         self._lock = threading.Lock()
 
-    def step(self) -> None:
-        """One more done; print if the last print is a while ago."""
+    def step(self, count: int = 1) -> None:
+        """``count`` more done; print if the last print is a while ago."""
         with self._lock:
-            self.count += 1
+            self.count += count
             now = time.monotonic()
             if now - self.last >= self.every:
                 self.last = now

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import warnings
 from collections.abc import Callable
 from typing import IO, NamedTuple
@@ -187,6 +188,7 @@ _OCTAL_PLACES = 8 ** np.arange(10, -1, -1, dtype=np.int64)
 # PAX records that change what an index keeps (a member's name or size, sparse data, how names decode):
 # an archive with one of these words anywhere is walked header by header.
 _PAX_CHANGES = (b" path=", b" size=", b"GNU.sparse", b" hdrcharset=")
+_PAX_CHANGING = re.compile(b"|".join(re.escape(word) for word in _PAX_CHANGES))
 
 
 def plain_batch(data: bytes | bytearray, spans: list[tuple[int, int]]) -> tuple[MemberTable, npt.NDArray[np.bool_]]:
@@ -239,10 +241,11 @@ def plain_batch(data: bytes | bytearray, spans: list[tuple[int, int]]) -> tuple[
     bad |= ~pax & (~np.isin(kinds, _PLAIN_KINDS) | (headers[:, 345] != 0))  # links, long names, a ustar prefix
     bad |= ~checksums_hold(headers)  # a signed checksum, or a bad header: the full walk decides
     ok[file[bad]] = False
-    for j in np.unique(file[pax]).tolist():
-        start, length = spans[j]
-        if ok[j] and any(data.find(word, start, start + length) >= 0 for word in _PAX_CHANGES):
-            ok[j] = False  # maybe a PAX path or size: walked header by header (any member's text may say it)
+    for i in np.flatnonzero(pax & ok[file]).tolist():  # each PAX header's records (webdataset writes one a member)
+        lo = (int(heads[i]) + 1) * BLOCK
+        hi = min(lo + int(sizes[i]), int(last[file[i]]) * BLOCK)
+        if _PAX_CHANGING.search(data, lo, hi):
+            ok[file[i]] = False  # a PAX path or size, maybe: walked header by header
 
     starts = np.where(np.append(False, pax[:-1]), np.append(heads[:1], heads[:-1]), heads)  # the PAX header's
     names = headers[:, :100]

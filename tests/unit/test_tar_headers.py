@@ -228,3 +228,21 @@ def test_a_batch_of_shards_is_indexed_as_each_alone(tmp_path: Path) -> None:
         patch.setattr("lightning_sharding.readers.tar.READ_WHOLE", big.size - 1)
         assert reader.scan_batch([big]) == [None]  # a large shard: walked alone, through a map
     assert tar_headers.plain_members((tmp_path / "b-long.tar").read_bytes()) is None
+
+
+def test_only_a_pax_record_that_renames_or_resizes_a_member_turns_the_array_walk_away(tmp_path: Path) -> None:
+    """The array walk looks for ``path=`` and ``size=`` in the PAX records alone: a member whose bytes
+    say them (a text about tar) keeps its shard on the fast walk, a PAX path does not."""
+    text = tmp_path / "text.tar"
+    with tarfile.open(text, "w", format=tarfile.PAX_FORMAT) as tar:
+        for i, body in enumerate([b"a 20 path=x/y\n record", b"12 size=99\n GNU.sparse"]):
+            info = tarfile.TarInfo(f"s{i}.txt")
+            info.size, info.mtime = len(body), 1.5  # a float time: a PAX record, as webdataset writes
+            tar.addfile(info, io.BytesIO(body))
+    assert assert_walks_agree(text, plain=True) == 2
+    renamed = tmp_path / "renamed.tar"
+    with tarfile.open(renamed, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("s0.txt")
+        info.size, info.pax_headers = 2, {"path": "s0.txt"}
+        tar.addfile(info, io.BytesIO(b"ok"))
+    assert assert_walks_agree(renamed, plain=False) == 1
