@@ -68,10 +68,12 @@ def _scaling_row(ws: dict[str, Any]) -> str:
             f"; the training process: {ws['main_ms']:.2f} ms CPU a batch, {ws['main_share']:.1%} of a batch's CPU "
             f"(workers {ws['workers_ms']:.2f} ms), which leaves two cores at most {ws['ceiling']:.2f}x"
         )
+    bare = ws.get("bare_rounds") or [ws["bare_processes_2_to_1"]]
+    ratio = _ratio({"ratio": ws["ratio_2_to_1"], "rounds": ws.get("rounds")})
     return (
         f"| {setting} -> {ws['load_average_after']:.1f}) | lightning_sharding 1 -> 2 workers | "
         f"{sps['1']:,.0f} -> {sps['2']:,.0f} samples/s (the same burn in 2 bare processes: "
-        f"{ws['bare_processes_2_to_1']:.2f}x{share}) | {ws['ratio_2_to_1']:.2f}x | "
+        f"{ws['bare_processes_2_to_1']:.2f}x, rounds {min(bare):.2f}-{max(bare):.2f}{share}) | {ratio} | "
         f">= {of_bare:.0%} of bare = {ws['target']:.2f}x | {_status(ws)} |"
     )
 
