@@ -157,6 +157,9 @@ class FileReader(Reader):
         self._opened_listing: ListingIndex | None = None
         self._lock = threading.Lock()
         self.last_scan: dict[str, int] = {"files": 0, "scanned": 0, "cached": 0}
+        # This process's last listing: its items and files (for _attach_listing), and its files' JSON.
+        self._listed: tuple[Sequence[Item], Sequence[FileInfo]] | None = None
+        self._listing_memo: tuple[Sequence[FileInfo], str] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -167,6 +170,7 @@ class FileReader(Reader):
         state["_shards"] = None
         state["_prefetcher"] = None
         state["_stats"] = defaultdict(float)
+        state["_listed"] = state["_listing_memo"] = None  # the listing's files: the main process's alone
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -181,10 +185,11 @@ class FileReader(Reader):
         return REMOTE_READ_THREADS if any(scheme_of(url) != "file" for url in self.urls) else 1
 
     def worker_modules(self) -> list[str]:
-        """The package of each remote storage of the URLs (``s3fs``...: each imports in a second and
-        starts no thread), which a forkserver then imports while the training process lists."""
+        """fsspec, through which every read opens its file, and the package of each remote storage of
+        the URLs (``s3fs``: a second to import), which a forkserver then imports while the training
+        process lists. None of them starts a thread when imported."""
         schemes = dict.fromkeys(scheme_of(url) for url in self.urls)
-        return list(dict.fromkeys(STORAGES[s][0] for s in schemes if s in STORAGES))
+        return list(dict.fromkeys(["fsspec", *(STORAGES[s][0] for s in schemes if s in STORAGES)]))
 
     # -- what subclasses provide ------------------------------------------------------------
 
@@ -250,6 +255,7 @@ class FileReader(Reader):
     def _list_and_index(self) -> Sequence[Item]:
         files, cached = self._listing()
         if cached is not None:
+            self._listed = (cached, files)
             return cached
         indexed = self._index_files(files, f"indexing {len(files)} {self.format} file(s)")
         return self._assemble(files, indexed, write=True)
@@ -303,8 +309,12 @@ class FileReader(Reader):
 
     def _listing_path(self, files: Sequence[FileInfo], suffix: str = ".json") -> Path:
         # The listing's items with their names and content ids (a version-2 listing: 0.1's had neither);
-        # with suffix ".d", the directory of its files' indexes.
-        return self._cache_path("listing-2", json.dumps([(f.url, f.fingerprint) for f in files]), suffix)
+        # with suffix ".d", the directory of its files' indexes. A start asks for it three times of the
+        # same files: their JSON (10,000 files: 20 ms) is kept for the last list asked about.
+        memo = getattr(self, "_listing_memo", None)
+        if memo is None or memo[0] is not files:
+            memo = self._listing_memo = (files, json.dumps([(f.url, f.fingerprint) for f in files]))
+        return self._cache_path("listing-2", memo[1], suffix)
 
     def _latest_path(self) -> Path:
         """Where the last listing's index of these URLs is named (a changed file makes a new listing)."""
@@ -334,6 +344,13 @@ class FileReader(Reader):
     def _attach_listing(self, items: Sequence[Item]) -> None:
         """Where this process and its workers find the listing's index: computed from the items, so
         every rank finds its own machine's copy under its own ``cache_dir``."""
+        listed = getattr(self, "_listed", None)
+        self._listed = None
+        if listed is not None and listed[0] is items:  # this process's own listing: its files are known
+            directory = self._listing_path(listed[1], ".d")
+            self._listing_index = (str(directory), {f.url: i for i, f in enumerate(listed[1])})
+            self._opened_listing = None
+            return
         files: dict[str, FileInfo] = {}
         for item in items:
             url = self.split_key(item)[0]
@@ -453,6 +470,7 @@ class FileReader(Reader):
                         idx.save(self._cache_path(info.url, info.fingerprint), self.cache_mode)
             rows = [[it.key, it.num_samples, it.fingerprint, it.name, it.content] for it in items]
             write_atomically(self._listing_path(files), json.dumps(rows).encode(), self.cache_mode)
+        self._listed = (items, files)
         return items
 
     def indexing_threads(self, files: Sequence[FileInfo], ranks_here: int = 1) -> int:

@@ -113,9 +113,9 @@ def test_a_forkserver_preloads_the_storage_package_a_reader_of_remote_files_read
     from lightning_sharding.strategies._start import preload_modules
 
     remote = TarReader(["s3://bucket/a/*.tar", "gs://bucket/b.tar", "/data/c.tar"])
-    assert remote.worker_modules() == ["s3fs", "gcsfs"]
+    assert remote.worker_modules() == ["fsspec", "s3fs", "gcsfs"]
     assert {"s3fs", "gcsfs", "lightning_sharding.readers.tar"} <= set(preload_modules(remote))
-    assert TarReader("/data/*.tar").worker_modules() == [], "local files need no storage package"
+    assert TarReader("/data/*.tar").worker_modules() == ["fsspec"], "local files need no storage package"
 
 
 def test_a_class_of_a_fileless_main_is_refused_for_new_processes(monkeypatch: pytest.MonkeyPatch) -> None:
