@@ -6,12 +6,15 @@ WebDataset tar shards (``webdataset.ShardWriter``) of 4 small JPEGs and labels e
 in a local directory, and the first ``--s3-shards`` of them in a bucket of a real S3-protocol
 server (moto) on loopback, behind a proxy that adds ``--latency-ms`` to every request. Each system
 starts from where the data is, as a new job does, and the clock runs to the first batch of 64
-decoded images at 1 rank x 2 spawned workers (their start is the same for every system, and
-counted):
+decoded images at 1 rank x 2 workers, their start counted:
 
+- ours runs what ``trainer.fit`` runs for data (``ShardedDataModule.setup("fit")``, then
+  ``train_dataloader()``), without a Trainer, with the default start method: on Linux a forkserver,
+  which ``setup`` starts before it lists so that its imports overlap the listing and the indexing
+  (``--ours-start spawn`` starts ours as the peers). Each round starts a new server, as a new job does;
 - ours, first start: ``TarReader`` on the glob lists the shards and reads each one's tar headers
-  (local: in batches with array operations, a thread per core; S3: 16 threads), then the manifest,
-  the plan and the workers. The file indexes go to ``cache_dir``;
+  (local: in batches with array operations, a thread per core; S3: each small shard in one request,
+  16 threads), then the manifest, the plan and the workers. The file indexes go to ``cache_dir``;
 - ours, from the data's index: the same with an empty cache, where ``lightning-sharding index``
   wrote an index beside the shards (once, timed apart): one listing and the index's few files;
 - ours, started again: the first start's job again: the indexes come from its cache (a shard's size
@@ -28,8 +31,11 @@ counted):
   ``index.json``); ``StreamingDataset`` (``remote=`` on S3, into an empty local directory) and a
   DataLoader.
 
-Figures are seconds, the median of R rounds run alternately, and how many times longer each takes
-than webdataset. The target: a start from the data's index within 2x of webdataset's first batch.
+The peers' workers are spawned, as a CUDA job's must be (``fork`` copies the training process, its
+CUDA context too, into each worker). Figures are seconds, the median of R rounds run alternately,
+and how many times longer each takes than webdataset; ours is also split into its setup (listing,
+indexing, planning) and what follows (the workers' start, the first reads). Printed last: the
+targets (issue 54) with the ratios of ours to the peers, round by round, and whether each is met.
 The one-off conversions (our index, LitData's ``optimize``, Streaming's MDS) are printed apart.
 """
 
@@ -58,19 +64,21 @@ os.environ.setdefault("AWS_ALLOW_HTTP", "true")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import peers  # noqa: E402
 from lightning_sharding import TarReader  # noqa: E402
-from lightning_sharding.core.ledger import Ledger  # noqa: E402
-from lightning_sharding.core.manifest import Manifest  # noqa: E402
-from lightning_sharding.core.world import World  # noqa: E402
 from lightning_sharding.readers.data_index import write_data_index  # noqa: E402
-from lightning_sharding.strategies.options import LoaderOptions  # noqa: E402
-from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402
-from tests.support.s3 import S3Server  # noqa: E402
+
+# What the timed systems need and the benchmark's own machinery (the S3 server, the peers' modules)
+# is imported in the functions that use them: every worker runs this module's top level again (as
+# ``__mp_main__``), and an import here (pytest, through the tests' S3 helper, took a second) would be
+# in every system's worker start.
 
 BATCH, SIDE = 64, 32
 WORKERS = 2  # --workers
+OURS_START: str | None = None  # --ours-start: ours' start method (None: the default, a forkserver on Linux)
 BUCKET = "first-batch"
+# Ours' last run, split: seconds of setup (listing, indexing, planning) and of what follows to the
+# first batch (the workers' start, the first reads).
+SPLIT: dict[str, float] = {}
 
 
 @dataclass
@@ -109,7 +117,7 @@ def write_tars(root: Path, shards: int, per_shard: int) -> list[str]:
     return sorted(glob.glob(str(root / "tar" / "*.tar")))
 
 
-def upload(s3: S3Server, local_root: Path, prefix: str) -> None:
+def upload(s3: Any, local_root: Path, prefix: str) -> None:
     """Every file under ``local_root`` to ``s3://BUCKET/prefix/`` (16 threads: moto is slow one at a time)."""
     client = s3.client()
     files = [p for p in local_root.rglob("*") if p.is_file()]
@@ -121,6 +129,9 @@ def upload(s3: S3Server, local_root: Path, prefix: str) -> None:
 
 
 def ours(where: Where, cache: Path, data_index: bool = False) -> Any:
+    from lightning_sharding.lightning.datamodule import ShardedDataModule
+
+    start = time.perf_counter()
     reader = TarReader(
         where.tars,
         decode="torchrgb8",
@@ -129,13 +140,26 @@ def ours(where: Where, cache: Path, data_index: bool = False) -> Any:
         storage_options=where.storage_options,
         data_index=None if data_index else False,
     )
-    manifest = Manifest.from_items(reader.items())
-    ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
-    options = LoaderOptions(batch_size=BATCH, num_workers=WORKERS, multiprocessing_context="spawn" if WORKERS else None)
-    loader = ShardedLoader.build(reader, manifest.items, ledger, world=World(), options=options)
-    batch = next(iter(loader))
-    loader.close()
+    start_method = OURS_START if WORKERS else None
+    dm = ShardedDataModule(reader, batch_size=BATCH, num_workers=WORKERS, seed=0, multiprocessing_context=start_method)
+    dm.setup("fit")  # as trainer.fit: the forkserver starts, then the listing, the indexes, the plan
+    SPLIT["setup"] = time.perf_counter() - start
+    batch = next(iter(dm.train_dataloader()))
+    SPLIT["first batch"] = time.perf_counter() - start - SPLIT["setup"]
+    dm.teardown("fit")
     return batch["jpg"]
+
+
+def new_job() -> None:
+    """Forget the forkserver a round of ours started (untimed): each round starts as a new job."""
+    from multiprocessing import forkserver
+
+    from lightning_sharding.strategies import _start
+
+    server: Any = getattr(forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
+    _start._started_by = None
 
 
 def wds_first(where: Where, cache: Path) -> Any:
@@ -168,6 +192,8 @@ class Decode:
 
 
 def litdata_first(where: Where, cache: Path) -> Any:
+    from benchmarks import peers
+
     module, reason = peers.load("LitData")
     assert module is not None and where.litdata is not None, reason
     options = dict(where.litdata_options)
@@ -185,6 +211,8 @@ def ours_indexed(where: Where, cache: Path) -> Any:
 
 
 def streaming_first(where: Where, cache: Path) -> Any:
+    from benchmarks import peers
+
     module, reason = peers.load("MosaicML Streaming")
     assert module is not None and where.streaming is not None, reason
     local = str(cache / "mds") if where.streaming.startswith("s3://") else None
@@ -195,9 +223,9 @@ def streaming_first(where: Where, cache: Path) -> Any:
     return batch
 
 
-def set_workers(workers: int) -> None:
-    global WORKERS
-    WORKERS = workers
+def set_workers(workers: int, ours_start: str | None = None) -> None:
+    global WORKERS, OURS_START
+    WORKERS, OURS_START = workers, ours_start
 
 
 def time_first(first: Callable[[Where, Path], Any], where: Where, cache: Path) -> float:
@@ -217,6 +245,8 @@ def time_first(first: Callable[[Where, Path], Any], where: Where, cache: Path) -
 
 def prepare(tars: list[str], out: Path, per_shard: int) -> dict[str, float]:
     """The peers' own formats of ``tars`` under ``out`` (``litdata/``, ``mds/``): seconds each took."""
+    from benchmarks import peers
+
     took: dict[str, float] = {}
     for name, write in (
         ("LitData", lambda m: m.prepare_tars(tars, out / "litdata", chunk_bytes=None, chunk_size=per_shard)),
@@ -230,6 +260,38 @@ def prepare(tars: list[str], out: Path, per_shard: int) -> dict[str, float]:
     return took
 
 
+# The targets: on each kind of place, (ours, the peer ours must take at most the time of).
+TARGETS = {
+    "local": [
+        ("lightning_sharding, first start", "MosaicML Streaming"),
+        ("lightning_sharding, started again", "MosaicML Streaming"),
+    ],
+    "S3": [
+        ("lightning_sharding, from the data's index", "LitData"),
+        ("lightning_sharding, from the data's index", "MosaicML Streaming"),
+    ],
+}
+
+
+def _target(place: str, times: dict[str, list[float]], ours_name: str, peer: str) -> str:
+    """One target's line: ours / the peer, the median of the rounds' ratios, and met or missed."""
+    if not times[peer]:
+        return f"- {place}: {ours_name} <= {peer}: not measured ({_unavailable(peer)})"
+    ratios = [a / b for a, b in zip(times[ours_name], times[peer], strict=True)]
+    ratio = statistics.median(ratios)
+    return (
+        f"- {place}: {ours_name} {statistics.median(times[ours_name]):.2f} s, {peer} "
+        f"{statistics.median(times[peer]):.2f} s: {ratio:.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}); "
+        f"target <= 1x: {'met' if ratio <= 1 else 'MISSED'}"
+    )
+
+
+def _unavailable(name: str) -> str:
+    from benchmarks import peers
+
+    return (peers.load(name)[1] if name in peers.PEERS else None) or "not prepared"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=10_000, help="local shards")
@@ -241,26 +303,46 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=WORKERS, help="DataLoader workers (0: a smoke run)")
     parser.add_argument("--local-only", action="store_true", help="no S3 rows")
+    parser.add_argument(
+        "--data", help="write the shards and the peers' formats into this directory once, and reuse them after"
+    )
+    parser.add_argument(
+        "--ours-start", choices=("forkserver", "spawn", "fork"), help="ours' start method (default: the package's)"
+    )
     args = parser.parse_args()
-    set_workers(args.workers)
+    set_workers(args.workers, args.ours_start)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    import lightning_sharding.lightning.datamodule  # noqa: F401 - ours' import (Lightning), not timed
+    from tests.support.s3 import S3Server
+
     root = Path(tempfile.mkdtemp(prefix="first-batch-"))
     server = proxy = None
     one_off: list[str] = []
     try:
-        tars = write_tars(root / "data", args.shards, args.per_shard)
-        took = prepare(tars, root / "data", args.per_shard)
-        one_off += [f"{name} ({args.shards} local shards): {t:.1f} s" for name, t in took.items()]
-        start = time.perf_counter()
-        write_data_index(TarReader(str(root / "data" / "tar" / "*.tar"), cache_dir=root / "index-cache"))
-        one_off.append(f"lightning-sharding index ({args.shards} local shards): {time.perf_counter() - start:.1f} s")
+        data = Path(args.data) if args.data else root
+        if (data / "data" / "tar").is_dir():  # written by an earlier run with --data: the same sizes
+            tars = sorted(glob.glob(str(data / "data" / "tar" / "*.tar")))
+            took = {
+                n: 0.0
+                for n, d in (("LitData", "litdata"), ("MosaicML Streaming", "mds"))
+                if (data / "data" / d).is_dir()
+            }
+        else:
+            tars = write_tars(data / "data", args.shards, args.per_shard)
+            took = prepare(tars, data / "data", args.per_shard)
+            one_off += [f"{name} ({args.shards} local shards): {t:.1f} s" for name, t in took.items()]
+            start = time.perf_counter()
+            write_data_index(TarReader(str(data / "data" / "tar" / "*.tar"), cache_dir=root / "index-cache"))
+            one_off.append(
+                f"lightning-sharding index ({args.shards} local shards): {time.perf_counter() - start:.1f} s"
+            )
         places = [
             Where(
                 "local",
-                str(root / "data" / "tar" / "*.tar"),
-                lambda: sorted(glob.glob(str(root / "data" / "tar" / "*.tar"))),
-                str(root / "data" / "litdata") if "LitData" in took else None,
-                str(root / "data" / "mds") if "MosaicML Streaming" in took else None,
+                str(data / "data" / "tar" / "*.tar"),
+                lambda: sorted(glob.glob(str(data / "data" / "tar" / "*.tar"))),
+                str(data / "data" / "litdata") if "LitData" in took else None,
+                str(data / "data" / "mds") if "MosaicML Streaming" in took else None,
             )
         ]
         if not args.local_only:
@@ -268,12 +350,16 @@ def main() -> None:
 
             from tests.support.fault_proxy import FaultProxy
 
-            remote = root / "s3data"
-            (remote / "tar").mkdir(parents=True)
-            for tar in tars[: args.s3_shards]:
-                shutil.copy(tar, remote / "tar")
-            subset = sorted(glob.glob(str(remote / "tar" / "*.tar")))
-            took = prepare(subset, remote, args.per_shard)
+            remote = data / "s3data"
+            if (remote / "tar").is_dir():
+                took = {
+                    n: 0.0 for n, d in (("LitData", "litdata"), ("MosaicML Streaming", "mds")) if (remote / d).is_dir()
+                }
+            else:
+                (remote / "tar").mkdir(parents=True)
+                for tar in tars[: args.s3_shards]:
+                    shutil.copy(tar, remote / "tar")
+                took = prepare(sorted(glob.glob(str(remote / "tar" / "*.tar"))), remote, args.per_shard)
             server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
             server.start()
             host, port = server.get_host_and_port()
@@ -331,16 +417,19 @@ def main() -> None:
             "LitData": litdata_first,
             "MosaicML Streaming": streaming_first,
         }
+        started = f"ours: {OURS_START or 'the default start method (a forkserver on Linux)'}, the peers: spawned"
         print(
             f"tar shards of {args.per_shard} JPEGs ({args.shards} local, {args.s3_shards} on S3), 1 rank x {WORKERS} "
-            f"spawned workers, batch {BATCH}: seconds from the data's location to the first batch (median of "
-            f"{args.repeats})\n"
+            f"workers ({started}), batch {BATCH}: seconds from the data's location to the first batch (median of "
+            f"{args.repeats}, systems alternated round by round); ours split into setup (listing, indexes, plan) "
+            "+ the rest (workers' start, first reads)\n"
         )
-        print("| data | system | seconds | it / webdataset |")
-        print("|---|---|---:|---:|")
-        verdicts = []
+        print("| data | system | seconds | it / webdataset | ours: setup + the rest |")
+        print("|---|---|---:|---:|---|")
+        verdicts, status = [], []
         for where in places:
             times: dict[str, list[float]] = {name: [] for name in systems}
+            splits: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
             for r in range(args.repeats):
                 cache = root / f"cache-{where.name[:5]}-{r}"
                 for name, first in systems.items():
@@ -350,14 +439,23 @@ def main() -> None:
                         continue
                     if name != "lightning_sharding, started again":  # it reuses the first start's cache
                         shutil.rmtree(cache, ignore_errors=True)
+                    if first in (ours, ours_indexed):
+                        new_job()
                     times[name].append(time_first(first, where, cache))
+                    if first in (ours, ours_indexed):
+                        splits[name].append((SPLIT["setup"], SPLIT["first batch"]))
+                    print(f"  {where.name}, round {r + 1}: {name}: {times[name][-1]:.2f} s", flush=True)
             wds = times["webdataset.WebLoader"]
             for name, values in times.items():
                 if not values:
-                    print(f"| {where.name} | {name} | {peers.load(name)[1] or 'not prepared'} | |")
+                    print(f"| {where.name} | {name} | {_unavailable(name)} | | |")
                     continue
                 ratio = statistics.median(v / w for v, w in zip(values, wds, strict=True))
-                print(f"| {where.name} | {name} | {statistics.median(values):.2f} | {ratio:.2f} |")
+                split = ""
+                if splits[name]:
+                    setup = statistics.median(a for a, _ in splits[name])
+                    split = f"{setup:.2f} + {statistics.median(b for _, b in splits[name]):.2f}"
+                print(f"| {where.name} | {name} | {statistics.median(values):.2f} | {ratio:.2f} | {split} |")
             ratio = statistics.median(
                 v / w for v, w in zip(times["lightning_sharding, from the data's index"], wds, strict=False)
             )
@@ -365,7 +463,13 @@ def main() -> None:
                 f"{where.name}: a start from the data's index takes {ratio:.2f}x webdataset's time to its first batch; "
                 f"target <= 2x: {'met' if ratio <= 2 else 'NOT MET'}"
             )
+            targets = TARGETS["local" if where.name == "local" else "S3"]
+            status += [_target(where.name, times, ours_name, peer) for ours_name, peer in targets]
         print("\n" + "\n".join(verdicts))
+        print(
+            "\ntargets (issue 54): ours at most the peer's time to the first batch (ours / peer <= 1, round by round)"
+        )
+        print("\n".join(status))
         print("\none-off conversions: " + "; ".join(one_off))
     finally:
         if proxy is not None:

@@ -145,7 +145,8 @@ def test_image_benchmarks_print_every_decoder_and_every_system_with_ratios() -> 
 def test_first_batch_benchmark_times_every_system_local_and_on_s3() -> None:
     """``benchmarks.first_batch``: ours (first start, from the data's index, started again),
     webdataset, LitData and Streaming (or why not), from a local directory and from the loopback S3
-    server behind added latency, each a time and its ratio to webdataset; and the 2x target's verdict."""
+    server behind added latency, each a time and its ratio to webdataset, ours also split into its
+    setup and the rest; the 2x target's verdict, and each target of issue 54 with its status."""
     out = run_benchmark(
         "benchmarks.first_batch",
         *("--shards", "24", "--s3-shards", "16", "--latency-ms", "10", "--repeats", "1", "--workers", "0"),
@@ -163,16 +164,28 @@ def test_first_batch_benchmark_times_every_system_local_and_on_s3() -> None:
     ]
     assert [(where, name) for where, name, _ in rows] == [(w, s) for w in places for s in systems], out
     for _, name, figures in rows:  # a time and a ratio, or (a peer not installed here) the reason, never a figure
-        timed = re.fullmatch(r"([\d.]+) \| ([\d.]+)", figures)
+        timed = re.fullmatch(r"([\d.]+) \| ([\d.]+) \| (.*)", figures)
         assert timed is not None or (not name.startswith(("lightning", "webdataset")) and not figures[0].isdigit())
         if timed is not None:
             assert float(timed.group(1)) > 0 and float(timed.group(2)) > 0, out
+            split = re.fullmatch(r"[\d.]+ \+ [\d.]+", timed.group(3).strip())
+            assert (split is not None) == name.startswith("lightning"), out  # ours: setup + the rest
     for place in places:
         assert re.search(
             rf"^{re.escape(place)}: a start from the data's index takes [\d.]+x .*target <= 2x: (met|NOT MET)$",
             out,
             re.M,
         )
+    targets = re.findall(
+        r"^- (local|S3 \(loopback, \+10 ms\)): lightning_sharding, ([^<]+?) (?:[\d.]+ s, |<= )", out, re.M
+    )
+    assert targets == [
+        ("local", "first start"),
+        ("local", "started again"),
+        ("S3 (loopback, +10 ms)", "from the data's index"),
+        ("S3 (loopback, +10 ms)", "from the data's index"),
+    ], out
+    assert re.findall(r"target <= 1x: (?:met|MISSED)$|: not measured \(.+\)$", out, re.M), out
 
 
 @pytest.mark.processes
