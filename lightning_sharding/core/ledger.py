@@ -175,7 +175,7 @@ class Ledger:
         if p.size == 0:
             return
         first = int(p[0])
-        if int(p[-1]) - first == p.size - 1 and (p.size < 3 or bool((np.diff(p) == 1).all())):
+        if int(p[-1]) - first == p.size - 1 and (p.size < 3 or bool((p[1:] - p[:-1] == 1).all())):
             self._pending_runs.add(first, first + p.size)
         else:
             self._pending = self.pending | RangeSet.from_positions(p)

@@ -22,6 +22,11 @@ in its final layout: ``labels`` is the tokens shifted by one with one fix per pi
 a count minus each piece's start, ``document_ids`` each piece's document repeated. Padded rows get
 the same arrays spread over their rows by one mask. No step loops in Python over sequences,
 pieces or tokens.
+
+Consecutive full sequences of ``concat`` (a batch's usual case: a worker reads a run of positions)
+are one stretch of the epoch's token stream. :class:`ConcatRun` builds every field of such a stretch
+of several batches at once, in the same layout, and hands each batch its slice: the calls a batch
+costs (about forty, of a microsecond or so each) are paid once for the stretch.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lightning_sharding.tokens.packing import Packing, counting
+from lightning_sharding.tokens.packing import Packing, counting, distinct
 
 Int64Array = npt.NDArray[np.int64]
 IGNORE_INDEX = -100
@@ -181,3 +186,94 @@ def join_packed(parts: list[tuple[Int64Array, dict[str, Any], int]], rows: int) 
         joined["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32))
         joined["max_seqlen"] = int(np.diff(cu).max()) if size else 0
     return joined
+
+
+class ConcatRun:
+    """Every field of the full ``concat`` sequences ``[first, stop)`` of ``order`` (a packed order),
+    built at once over their stretch of the epoch's token stream; :meth:`batch` hands out a run of
+    them, as :func:`packed_batch` builds it (the same values, as views of the stretch's arrays).
+
+    ``read`` as :func:`packed_batch` takes it; ``name(doc)`` names a document in an error.
+    """
+
+    def __init__(
+        self,
+        order: Any,
+        first: int,
+        stop: int,
+        read: Callable[[Int64Array, Int64Array, Int64Array], npt.NDArray[Any]],
+        packing: Packing,
+        name: Callable[[int], str] = "document {}".format,
+    ) -> None:
+        seq_len = packing.seq_len
+        self.order, self.first, self.stop, self.packing = order, first, stop, packing
+        lo, hi = first * seq_len, stop * seq_len  # the stretch of the stream; whole sequences, so hi <= its end
+        size = hi - lo
+        ends = order._ends
+        d0 = int(ends.searchsorted(lo, side="right"))
+        d1 = int(ends.searchsorted(hi, side="left")) + 1
+        docs = order.documents[d0:d1]
+        doc_end = ends[d0:d1]
+        length = order.epochs.lengths[docs]
+        doc_start = doc_end - length
+        start = np.maximum(lo - doc_start, 0)
+        stop_at = np.minimum(hi - doc_start, length)
+        goes = int(doc_end[-1]) > hi  # the last document goes on: read its next token for the last label
+        n = stop_at - start
+        if goes:
+            stop_at = stop_at.copy()
+            stop_at[-1] += 1
+        flat = np.asarray(read(docs, start, stop_at))
+        if flat.shape != (size + goes,):
+            raise ValueError(f"the reader returned {flat.size} tokens for pieces of {size + goes}")
+        vocab = packing.vocab_size
+        if vocab is not None and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
+            positions = np.arange(first, stop, dtype=np.int64)  # the general path names the token at fault
+            packed_batch(stop - first, order.pieces(positions), order.epochs.lengths, read, packing, name)
+        fields = packing.fields
+        self.tokens = flat[:size].astype(np.int64)
+        if "labels" in fields:
+            labels = np.empty(size, dtype=np.int64)
+            labels[:-1] = self.tokens[1:]
+            labels[-1] = flat[size] if goes else IGNORE_INDEX
+            last = doc_end[doc_end <= hi] - (lo + 1)  # the last token of each document that ends here
+            if packing.labels_across_documents:  # only where a sequence ends too
+                last = last[(last + 1) % seq_len == 0]
+            labels[last] = IGNORE_INDEX
+            self.labels = labels
+        # Pieces start where a document or a sequence starts.
+        cuts = np.concatenate((doc_start[1:] - lo, counting(size)[::seq_len]))
+        cuts.sort()
+        self.cuts = distinct(cuts)
+        self.pieces = np.diff(self.cuts, append=size)
+        if "position_ids" in fields:
+            positions = np.repeat(self.cuts, self.pieces)
+            np.subtract(counting(size), positions, out=positions)
+            self.positions = positions
+        if "document_ids" in fields:
+            self.documents = np.repeat(docs, n)
+
+    def holds(self, order: Any, first: int, rows: int) -> bool:
+        """Whether the sequences ``[first, first + rows)`` of ``order`` are built here."""
+        return order is self.order and self.first <= first and first + rows <= self.stop
+
+    def batch(self, first: int, rows: int) -> dict[str, Any]:
+        """The batch of the sequences ``[first, first + rows)`` (:meth:`holds` them)."""
+        seq_len, fields = self.packing.seq_len, self.packing.fields
+        a = (first - self.first) * seq_len
+        b = a + rows * seq_len
+        batch: dict[str, Any] = {"input_ids": torch.from_numpy(self.tokens[a:b].reshape(rows, seq_len))}
+        if "labels" in fields:
+            batch["labels"] = torch.from_numpy(self.labels[a:b].reshape(rows, seq_len))
+        if "position_ids" in fields:
+            batch["position_ids"] = torch.from_numpy(self.positions[a:b].reshape(rows, seq_len))
+        if "document_ids" in fields:
+            batch["document_ids"] = torch.from_numpy(self.documents[a:b].reshape(rows, seq_len))
+        if "cu_seqlens" in fields:
+            i, j = self.cuts.searchsorted((a, b)).tolist()  # a sequence's start is a cut
+            bounds = np.empty(j - i + 1, dtype=np.int32)
+            np.subtract(self.cuts[i:j], a, out=bounds[:-1], casting="unsafe")
+            bounds[-1] = b - a
+            batch["cu_seqlens"] = torch.from_numpy(bounds)
+            batch["max_seqlen"] = int(self.pieces[i:j].max())
+        return batch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +11,7 @@ import numpy.typing as npt
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Reader
-from lightning_sharding.tokens.batch import packed_batch
+from lightning_sharding.tokens.batch import ConcatRun, packed_batch
 from lightning_sharding.tokens.documents import DocumentReader
 from lightning_sharding.tokens.packing import PackedEpochs, Packing, distinct, ranges
 
@@ -35,6 +35,10 @@ class PackedReader(Reader):
         self.documents = documents
         self.packing = packing
         self.fetch_ahead = documents.fetch_ahead
+        self._run: ConcatRun | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_run": None}  # a worker builds its own stretches
 
     def scrub(self, text: str) -> str:
         """``text`` without the secrets of the documents' reader."""
@@ -70,12 +74,35 @@ class PackedReader(Reader):
         """The batch of the sequences at ``positions`` of ``order`` (a packed order), over the
         manifest's ``items``."""
         epochs: PackedEpochs = order.epochs
-        first, base, documents = epochs.first_document, epochs.token_start_in_item, self.documents
+        documents, seq_len = self.documents, self.packing.seq_len
+        rows = len(positions)
+        start = int(positions[0]) if rows else 0
+        if rows and order.mode == "concat" and not documents.fetch_ahead and _consecutive(positions):
+            run = self._run
+            if run is not None and run.holds(order, start, rows):
+                return run.batch(start, rows)
+            if (start + rows) * seq_len <= epochs.tokens:  # no sequence of it is the epoch's last, padded
+                # This batch and the next ones, built at once: about 2^16 tokens (a larger stretch builds
+                # slower a token on this project's machine), up to the epoch's last full sequence.
+                ahead = max(1, min(16, (1 << 16) // (rows * seq_len)))
+                stop = min(start + ahead * rows, epochs.tokens // seq_len)
+                read, name = self._spans(items, epochs), self._namer(items, epochs)
+                self._run = ConcatRun(order, start, stop, read, self.packing, name)
+                return self._run.batch(start, rows)
+        first = epochs.first_document
         pieces = order.pieces(positions)
         if documents.fetch_ahead:  # this batch's files, then those of the sequences after it
             now = distinct(np.searchsorted(first, pieces[1], side="right") - 1)
             later = order.items_from(int(positions.max()) + 1, 8 * documents.fetch_ahead + 1) if len(positions) else []
             documents.ahead([items[i] for i in now.tolist()], [items[i] for i in np.asarray(later).tolist()])
+        read, name = self._spans(items, epochs), self._namer(items, epochs)
+        return packed_batch(rows, pieces, epochs.lengths, read, self.packing, name)
+
+    def _spans(
+        self, items: Sequence[Item], epochs: PackedEpochs
+    ) -> Callable[[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], Any]:
+        """``read(docs, starts, stops)`` over ``items``, as :func:`packed_batch` takes it."""
+        first, base, documents = epochs.first_document, epochs.token_start_in_item, self.documents
 
         def read(docs: npt.NDArray[np.int64], starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Any:
             """The spans' tokens, one gather per file (in the file's dtype when the batch reads one file)."""
@@ -93,8 +120,17 @@ class PackedReader(Reader):
                 out[ranges(at[sel], at[sel] + sizes[sel])] = documents.read_spans(items[k], lo[sel], hi[sel])
             return out
 
+        return read
+
+    @staticmethod
+    def _namer(items: Sequence[Item], epochs: PackedEpochs) -> Callable[[int], str]:
         def name(doc: int) -> str:
             item, index = epochs.document(doc)
             return f"document {index} of {items[item].key!r}"
 
-        return packed_batch(len(positions), pieces, epochs.lengths, read, self.packing, name)
+        return name
+
+
+def _consecutive(positions: npt.NDArray[np.int64]) -> bool:
+    """Whether ``positions`` are ``p, p + 1, ...``."""
+    return positions.size < 2 or bool((positions[1:] - positions[:-1] == 1).all())
