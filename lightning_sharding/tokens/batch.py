@@ -31,6 +31,7 @@ costs (about forty, of a microsecond or so each) are paid once for the stretch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -188,12 +189,38 @@ def join_packed(parts: list[tuple[Int64Array, dict[str, Any], int]], rows: int) 
     return joined
 
 
+class Buffers:
+    """``int64`` arrays for :class:`ConcatRun`, each used again once nothing else holds it (every
+    batch sliced from it is gone): fresh memory for every stretch costs page faults, several times
+    the time of writing the fields on this project's machine. At most :attr:`LIMIT` are kept; a
+    batch held on to for long only makes another array be allocated."""
+
+    LIMIT = 16
+
+    def __init__(self) -> None:
+        self._held: list[Int64Array] = []
+
+    def take(self, size: int) -> Int64Array:
+        """An array of ``size`` elements (of undefined values) that nothing else uses."""
+        for base in self._held:
+            # Three references when free: this list, the loop's name and getrefcount's argument;
+            # every array sliced from it (a batch's tensor holds one) adds one.
+            if base.size >= size and sys.getrefcount(base) == 3:
+                return base[:size]
+        base = np.empty(size, dtype=np.int64)
+        if len(self._held) < self.LIMIT:
+            self._held.append(base)
+        return base[:size]
+
+
 class ConcatRun:
     """Every field of the full ``concat`` sequences ``[first, stop)`` of ``order`` (a packed order),
     built at once over their stretch of the epoch's token stream; :meth:`batch` hands out a run of
     them, as :func:`packed_batch` builds it (the same values, as views of the stretch's arrays).
 
-    ``read`` as :func:`packed_batch` takes it; ``name(doc)`` names a document in an error.
+    ``read`` as :func:`packed_batch` takes it; ``name(doc)`` names a document in an error;
+    ``fill(docs, starts, stops, out)``, where the reader has it, writes the spans' tokens into
+    ``out`` (int64) instead of ``read``; ``buffers`` gives the arrays (:class:`Buffers`).
     """
 
     def __init__(
@@ -204,8 +231,11 @@ class ConcatRun:
         read: Callable[[Int64Array, Int64Array, Int64Array], npt.NDArray[Any]],
         packing: Packing,
         name: Callable[[int], str] = "document {}".format,
+        fill: Callable[[Int64Array, Int64Array, Int64Array, Int64Array], None] | None = None,
+        buffers: Buffers | None = None,
     ) -> None:
         seq_len = packing.seq_len
+        take = (buffers or Buffers()).take
         self.order, self.first, self.stop, self.packing = order, first, stop, packing
         lo, hi = first * seq_len, stop * seq_len  # the stretch of the stream; whole sequences, so hi <= its end
         size = hi - lo
@@ -223,18 +253,25 @@ class ConcatRun:
         if goes:
             stop_at = stop_at.copy()
             stop_at[-1] += 1
-        flat = np.asarray(read(docs, start, stop_at))
-        if flat.shape != (size + goes,):
-            raise ValueError(f"the reader returned {flat.size} tokens for pieces of {size + goes}")
+        if fill is not None:  # straight into the array the batches slice: no gather, no second copy
+            flat = take(size + goes)
+            fill(docs, start, stop_at, flat)
+            tokens = flat[:size]
+        else:
+            flat = np.asarray(read(docs, start, stop_at))
+            if flat.shape != (size + goes,):
+                raise ValueError(f"the reader returned {flat.size} tokens for pieces of {size + goes}")
+            tokens = take(size)
+            tokens[:] = flat[:size]
         vocab = packing.vocab_size
         if vocab is not None and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
             positions = np.arange(first, stop, dtype=np.int64)  # the general path names the token at fault
             packed_batch(stop - first, order.pieces(positions), order.epochs.lengths, read, packing, name)
         fields = packing.fields
-        self.tokens = flat[:size].astype(np.int64)
+        self.tokens = tokens
         if "labels" in fields:
-            labels = np.empty(size, dtype=np.int64)
-            labels[:-1] = self.tokens[1:]
+            labels = take(size)
+            labels[:-1] = tokens[1:]
             labels[-1] = flat[size] if goes else IGNORE_INDEX
             last = doc_end[doc_end <= hi] - (lo + 1)  # the last token of each document that ends here
             if packing.labels_across_documents:  # only where a sequence ends too
@@ -246,12 +283,13 @@ class ConcatRun:
         cuts.sort()
         self.cuts = distinct(cuts)
         self.pieces = np.diff(self.cuts, append=size)
-        if "position_ids" in fields:
-            positions = np.repeat(self.cuts, self.pieces)
-            np.subtract(counting(size), positions, out=positions)
-            self.positions = positions
+        # (np.repeat's arrays live only here: freed at once, their memory is used again.)
+        if "position_ids" in fields:  # the count since the piece's start
+            self.positions = take(size)
+            np.subtract(counting(size), np.repeat(self.cuts, self.pieces), out=self.positions)
         if "document_ids" in fields:
-            self.documents = np.repeat(docs, n)
+            self.documents = take(size)
+            self.documents[:] = np.repeat(docs, n)
 
     def holds(self, order: Any, first: int, rows: int) -> bool:
         """Whether the sequences ``[first, first + rows)`` of ``order`` are built here."""

@@ -58,6 +58,11 @@ class DocumentReader(Reader):
         parts = [self.read_tokens(item, a, b) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
+    def token_array(self, item: Item) -> npt.NDArray[np.integer[Any]] | None:
+        """All of ``item``'s tokens as one array (a memory map), which a stretch of packed sequences
+        reads with a slice a span; ``None`` (the default): it reads them with :meth:`read_spans`."""
+        return None
+
     def lengths(self, items: Sequence[Item]) -> Int64Array:
         """Every document's token count, item after item, shape ``(num_documents,)``."""
         parts = [np.asarray(self.document_lengths(it), dtype=np.int64) for it in items]
@@ -195,6 +200,10 @@ class TokenFiles(DocumentReader):
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
         """One gather from the memory-mapped file."""
         return np.take(self._map(item.key), ranges(starts, stops))
+
+    def token_array(self, item: Item) -> npt.NDArray[np.integer[Any]]:
+        """The memory-mapped file (a plain array over the map: slices skip memmap's Python)."""
+        return self._map(item.key).view(np.ndarray)
 
 
 class ParquetTokens(DocumentReader):
@@ -384,6 +393,10 @@ class IndexedTokens(DocumentReader):
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
         """One gather from the memory-mapped ``.bin``."""
         return np.take(self._bin(item), ranges(starts, stops))
+
+    def token_array(self, item: Item) -> npt.NDArray[np.integer[Any]]:
+        """The memory-mapped ``.bin``."""
+        return self._bin(item)
 
     def _bin(self, item: Item) -> npt.NDArray[np.integer[Any]]:
         maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Reader
-from lightning_sharding.tokens.batch import ConcatRun, packed_batch
+from lightning_sharding.tokens.batch import Buffers, ConcatRun, packed_batch
 from lightning_sharding.tokens.documents import DocumentReader
 from lightning_sharding.tokens.packing import PackedEpochs, Packing, distinct, ranges
 
@@ -36,9 +36,10 @@ class PackedReader(Reader):
         self.packing = packing
         self.fetch_ahead = documents.fetch_ahead
         self._run: ConcatRun | None = None
+        self._buffers = Buffers()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_run": None}  # a worker builds its own stretches
+        return {**self.__dict__, "_run": None, "_buffers": Buffers()}  # a worker builds its own stretches
 
     def scrub(self, text: str) -> str:
         """``text`` without the secrets of the documents' reader."""
@@ -87,7 +88,8 @@ class PackedReader(Reader):
                 ahead = max(1, min(16, (1 << 16) // (rows * seq_len)))
                 stop = min(start + ahead * rows, epochs.tokens // seq_len)
                 read, name = self._spans(items, epochs), self._namer(items, epochs)
-                self._run = ConcatRun(order, start, stop, read, self.packing, name)
+                fill = self._fill(items, epochs)
+                self._run = ConcatRun(order, start, stop, read, self.packing, name, fill, self._buffers)
                 return self._run.batch(start, rows)
         first = epochs.first_document
         pieces = order.pieces(positions)
@@ -121,6 +123,36 @@ class PackedReader(Reader):
             return out
 
         return read
+
+    def _fill(
+        self, items: Sequence[Item], epochs: PackedEpochs
+    ) -> Callable[[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], None]:
+        """``fill(docs, starts, stops, out)``: the spans' tokens copied into ``out``, a slice of the
+        item's token array each (:meth:`DocumentReader.token_array`), or gathered where it has none."""
+        first, base, documents = epochs.first_document, epochs.token_start_in_item, self.documents
+        read = self._spans(items, epochs)
+
+        def fill(
+            docs: npt.NDArray[np.int64],
+            starts: npt.NDArray[np.int64],
+            stops: npt.NDArray[np.int64],
+            out: npt.NDArray[np.int64],
+        ) -> None:
+            item = np.searchsorted(first, docs, side="right") - 1
+            arrays = {k: documents.token_array(items[k]) for k in distinct(item).tolist()}
+            if any(a is None for a in arrays.values()):
+                got = np.asarray(read(docs, starts, stops))
+                if got.shape != out.shape:
+                    raise ValueError(f"the reader returned {got.size} tokens for pieces of {out.size}")
+                out[:] = got
+                return
+            lo = base[docs] + starts
+            at = 0
+            for k, a, b in zip(item.tolist(), lo.tolist(), (lo + stops - starts).tolist(), strict=True):
+                out[at : at + b - a] = arrays[k][a:b]  # type: ignore[index]
+                at += b - a
+
+        return fill
 
     @staticmethod
     def _namer(items: Sequence[Item], epochs: PackedEpochs) -> Callable[[int], str]:

@@ -21,7 +21,7 @@ import lightning_sharding.tokens as tokens_module
 from lightning_sharding.core.manifest import Item
 from lightning_sharding.mixture import MixtureReader, Stream
 from lightning_sharding.tokens import FIELDS, DocumentReader, PackedReader, Packing
-from lightning_sharding.tokens.batch import join_packed, packed_batch
+from lightning_sharding.tokens.batch import Buffers, join_packed, packed_batch
 from lightning_sharding.tokens.packing import distinct
 
 Int64Array = npt.NDArray[np.int64]
@@ -139,10 +139,15 @@ def reference_join(parts: list[tuple[Int64Array, dict[str, Any], int]], rows: in
 class MemoryDocuments(DocumentReader):
     """Files of documents held in memory, tokens of ``dtype``; ``gather``: read spans with one gather."""
 
-    def __init__(self, files: Sequence[Sequence[npt.NDArray[Any]]], dtype: Any, gather: bool = True) -> None:
+    def __init__(
+        self, files: Sequence[Sequence[npt.NDArray[Any]]], dtype: Any, gather: bool = True, arrays: bool = False
+    ) -> None:
         self.files = [np.concatenate(docs).astype(dtype) for docs in files]
         self.lengths_of = [np.array([len(d) for d in docs], dtype=np.int64) for docs in files]
-        self.gather = gather
+        self.gather, self.arrays = gather, arrays
+
+    def token_array(self, item: Item) -> npt.NDArray[Any] | None:
+        return self.files[int(item.key[4:])] if self.arrays else None  # arrays: read by slices, as a map is
 
     def items(self) -> Sequence[Item]:
         return [Item(f"mem-{k}", len(lengths)) for k, lengths in enumerate(self.lengths_of)]
@@ -237,11 +242,12 @@ def test_the_fields_are_the_per_token_scatters_value_for_value(
     rows=st.integers(1, 4),
     across=st.booleans(),
     dtype=st.sampled_from([np.uint16, np.int64]),
+    arrays=st.booleans(),
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
 def test_consecutive_batches_of_concat_from_one_stretch_are_the_per_token_ones(
-    files: int, seq_len: int, rows: int, across: bool, dtype: Any, seed: int, data: st.DataObject
+    files: int, seq_len: int, rows: int, across: bool, dtype: Any, arrays: bool, seed: int, data: st.DataObject
 ) -> None:
     """A worker reads runs of consecutive sequences: ``concat`` builds a stretch of several batches
     at once (``ConcatRun``) and hands out slices. Batch after batch, then back to an earlier one (a
@@ -249,7 +255,7 @@ def test_consecutive_batches_of_concat_from_one_stretch_are_the_per_token_ones(
     docs = corpus(data, files, longest=3 * seq_len)
     fields = ("input_ids", *data.draw(st.lists(st.sampled_from(FIELDS[1:]), unique=True)))
     packing = Packing(seq_len, "concat", labels_across_documents=across, fields=fields)
-    reader = PackedReader(MemoryDocuments(docs, dtype), packing)
+    reader = PackedReader(MemoryDocuments(docs, dtype, arrays=arrays), packing)
     manifest = reader.manifest()
     tokens = np.concatenate([np.concatenate(f) for f in docs]).astype(np.int64)
     at = np.concatenate(([0], np.cumsum(manifest.epochs.lengths)))  # type: ignore[attr-defined]
@@ -298,6 +304,23 @@ def test_a_mixtures_joined_batch_is_the_per_token_one(
     for key in ("input_ids", "labels", "position_ids", "document_ids"):  # fewer fields: the same rows
         parts_of = [(w, {k: v for k, v in b.items() if k in ("input_ids", key)}, f) for w, b, f in parts]
         assert torch.equal(join_packed(parts_of, n)[key], batch[key])
+
+
+def test_a_stretchs_array_is_used_again_only_once_no_batch_holds_it() -> None:
+    buffers = Buffers()
+    first = buffers.take(100)
+    first[:] = 7
+    batch = torch.from_numpy(first[10:20].reshape(2, 5))  # what a batch holds: a view of the array
+    del first
+    second = buffers.take(100)
+    assert not np.shares_memory(second, batch.numpy())  # the batch still holds the first: a new one
+    second[:] = 8
+    assert batch.unique().tolist() == [7]
+    del batch
+    again = buffers.take(50)
+    assert again.size == 50 and not np.shares_memory(again, second)  # the first again, now free
+    del second, again
+    assert len(buffers._held) == 2
 
 
 def test_a_bad_token_is_named_where_the_reference_named_it() -> None:
