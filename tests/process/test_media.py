@@ -11,7 +11,8 @@ import re
 import tarfile
 from functools import partial
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import torch
 from lightning_sharding import TarReader
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.world import BatchContext, WorkerContext, World
+from lightning_sharding.core.world import BatchContext, SampleContext, WorkerContext, World
 from lightning_sharding.readers.decoding import IMAGE_SPECS, AudioDecoder, ImageDecoder, VideoDecoder, decoders
 from lightning_sharding.recipes.images import DecodeCropBatch, RandomResizedCrop, striped_image, write_image_shards
 from lightning_sharding.strategies.options import LoaderOptions
@@ -258,13 +259,15 @@ def keep_key(crop: Any, sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 @pytest.mark.processes
 @pytest.mark.timeout(300)
-def test_the_images_recipes_crops_are_the_same_on_any_topology(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", [True, "rgb8"], ids=["bytes", "decoded"])
+def test_the_images_recipes_crops_are_the_same_on_any_topology(tmp_path: Path, decode: bool | str) -> None:
     """recipe=images draws each crop and flip from the sample's seed: one rank with two spawned
     workers and two ranks without workers crop every image alike, so a resumed epoch on another
-    topology trains the images an uninterrupted one would."""
+    topology trains the images an uninterrupted one would; from the JPEG bytes (as the recipe reads
+    them) or from images the reader decoded."""
     (tmp_path / "shards").mkdir()
     write_image_shards(tmp_path / "shards", shards=3, per_shard=10, size=32, classes=4)
-    reader = TarReader(str(tmp_path / "shards" / "*.tar"), decode="rgb8", cache_dir=tmp_path / "cache")
+    reader = TarReader(str(tmp_path / "shards" / "*.tar"), decode=decode, cache_dir=tmp_path / "cache")
     crop = partial(keep_key, RandomResizedCrop(20))
     workers = crops_by_key(reader, 1, transform=crop, num_workers=2)
     ranks = crops_by_key(reader, 2, transform=crop, num_workers=0)
@@ -283,6 +286,33 @@ def test_the_batch_path_decodes_into_one_array_with_the_same_crops_on_any_topolo
     ranks = crops_by_key(reader, 2, batch_transform=crop, num_workers=0)
     assert len(workers) == 30 and workers == ranks
     assert len(set(workers.values())) == 30
+
+
+def test_the_per_sample_crop_of_an_images_bytes_is_the_batch_paths_row_for_the_same_seed() -> None:
+    """RandomResizedCrop given a file's bytes decodes it as DecodeCropBatch does (a JPEG, gray ones
+    too, at the scale its crop allows, a PNG whole by Pillow): for the same seed, the same pixels."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    pictures = [striped_image(i % 4, 4, side, rng) for i, side in enumerate((256, 96, 40, 256, 64))]
+    gray = io.BytesIO()
+    Image.fromarray(pictures[4]).convert("L").save(gray, format="JPEG", quality=95)
+    files = [encode(p, "JPEG") for p in pictures[:4]] + [gray.getvalue(), encode(pictures[0], "PNG")]
+    batch = {"jpg": files, "cls": torch.arange(len(files)), "__key__": [f"k{i}" for i in range(len(files))]}
+    worker = WorkerContext(data_rank=0, data_size=1, worker_id=0, num_workers=1, epoch=2, seed=5)
+    ctx = BatchContext(worker, positions=np.arange(len(files), dtype=np.int64), num_padding=0)
+    rows = DecodeCropBatch(16)(batch, ctx)["image"]
+    crop = RandomResizedCrop(16)
+    for row, seed in enumerate(ctx.sample_seeds.tolist()):
+        sample = {"jpg": files[row], "cls": row, "__key__": f"k{row}"}
+        out = crop(sample, cast(SampleContext, SimpleNamespace(sample_seed=seed)))
+        assert out["image"].dtype == torch.uint8 and out["image"].shape == (3, 16, 16) and out["label"] == row
+        assert torch.equal(out["image"], rows[row]), row
+    with pytest.raises(ValueError, match=r"sample 'bad', field 'jpg': UnidentifiedImageError"):
+        crop(
+            {"jpg": b"\xff\xd8\xff not a jpeg", "cls": 0, "__key__": "bad"},
+            cast(SampleContext, SimpleNamespace(sample_seed=1)),
+        )
 
 
 def test_the_batch_path_decodes_at_the_scale_a_crop_allows_and_matches_a_full_decode() -> None:
