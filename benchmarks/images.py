@@ -8,9 +8,11 @@ crop rule and the same resize kernel (``lightning_sharding.recipes.images.resize
 64 as a ``uint8`` tensor ``(64, 3, 224, 224)`` and labels; one rank, 0, 1 and 2 workers. The
 peers decode with Pillow, as their ``decode("pil")`` / image columns do; ours with simplejpeg:
 
-- ours: ``TarReader(decode="rgb8")`` (simplejpeg) with the crop as ``transform``, strategy shard;
-- ours, batch path: the JPEGs stay bytes and ``DecodeCropBatch`` decodes each at the smallest scale
-  its crop allows, straight into the batch array;
+- ours: the ``images`` recipe's per-sample path: the JPEGs stay bytes through ``TarReader``, and
+  the crop (``RandomResizedCrop`` as ``transform``, strategy shard) decodes each with simplejpeg at
+  the smallest scale its crop allows;
+- ours, batch path: the same decode and crop by ``DecodeCropBatch``, straight into the batch array;
+- ours, the reader decodes: ``TarReader(decode="rgb8")`` decodes each JPEG whole, then the crop;
 - ``webdataset.WebLoader``: ``WebDataset`` with its own ``split_by_node`` / ``split_by_worker``,
   ``shuffle(1000)``, ``decode("pil")`` and the same crop;
 - Hugging Face ``datasets``: the images in Parquet (an ``Image`` column), ``to_iterable_dataset``
@@ -21,13 +23,19 @@ peers decode with Pillow, as their ``decode("pil")`` / image columns do; ours wi
 - MosaicML Streaming: the same in MDS shards (``bytes`` and ``int`` columns) written by its
   ``MDSWriter``, read by its ``StreamingDataset`` (shuffled) through a ``DataLoader``, the same.
 
-Figures are images/s over one epoch after each worker's first batch (start-up excluded), the
-median of R rounds; the systems run alternately, round by round, and each ratio is the median of
-the per-round ratios. ``--profile`` then trains the ``images`` recipe's CNN on the same shards at 2
-workers with a Lightning ``Trainer`` under pyinstrument, and prints the share of the training
-process's time spent waiting for batches (Lightning's data fetcher) and where the rest goes.
-The targets of issue 37, at 2 workers: ours at least 1.0x webdataset and ``datasets``, at least
-1.3x LitData and Streaming. Only ours resumes mid-epoch exactly once on any topology: see
+The limit: as many bare processes as workers (one at 0 workers), each reading its share of the
+shards' JPEGs into memory and then decoding and cropping them as ours does per sample, into a batch
+array: no loader, no collate, no batch moved to a training process.
+
+Figures are images/s over one epoch after each worker's first batch (start-up excluded; for the
+limit, from a barrier after the reads to the slowest process's end), the median of R rounds; the
+systems run alternately, round by round, and each ratio is the median of the per-round ratios.
+``--profile`` then trains the ``images`` recipe's CNN on the same shards at 2 workers with a
+Lightning ``Trainer`` under pyinstrument, and prints the share of the training process's time spent
+waiting for batches (Lightning's data fetcher) and where the rest goes. The targets of issue 37, at
+2 workers: ours at least 1.0x webdataset and ``datasets``, at least 1.3x LitData and Streaming (the
+table's column); issue 54's, printed under the table with the ratio to the limit: ours per sample
+at least 1.5x LitData. Only ours resumes mid-epoch exactly once on any topology: see
 :data:`RESUME` for what each peer does.
 """
 
@@ -63,7 +71,8 @@ from lightning_sharding.strategies.shard import ShardedLoader  # noqa: E402
 BATCH, CROP, PER_SHARD, CLASSES = 64, 224, 1000, 10
 CROPPER = RandomResizedCrop(CROP)
 HF, WDS, LITDATA, STREAMING = "HF datasets (streaming Parquet)", "webdataset.WebLoader", "LitData", "MosaicML Streaming"
-TARGETS = {WDS: 1.0, HF: 1.0, LITDATA: 1.3, STREAMING: 1.3}  # ours / it, at 2 workers
+TARGETS = {WDS: 1.0, HF: 1.0, LITDATA: 1.3, STREAMING: 1.3}  # ours / it, at 2 workers (issue 37)
+TARGET_54 = 1.5  # issue 54: ours per sample / LitData at 2 workers
 RESUME = {  # what each peer keeps to resume mid-epoch (read in their sources and docs; not measured here)
     WDS: "none: WebDataset and WebLoader keep no state; a restart begins the epoch's shards again",
     HF: "IterableDataset.state_dict: the shard and example per worker; the shuffle buffer's content is "
@@ -140,9 +149,9 @@ class PilCrop:
 # -- ours ---------------------------------------------------------------------------------------
 
 
-def _ours(tars: list[str], workers: int, batch_path: bool) -> Iterable[Any]:
+def _ours(tars: list[str], workers: int, batch_path: bool, decode: bool | str = True) -> Iterable[Any]:
     cache = Path(tars[0]).parent.parent / "cache"
-    reader = TarReader(tars, decode=True if batch_path else "rgb8", fields=["jpg", "cls"], cache_dir=cache)
+    reader = TarReader(tars, decode=decode, fields=["jpg", "cls"], cache_dir=cache)
     manifest = Manifest.from_items(reader.items())
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
     work: dict[str, Any] = {"batch_transform": DecodeCropBatch(CROP)} if batch_path else {"transform": CROPPER}
@@ -153,13 +162,54 @@ def _ours(tars: list[str], workers: int, batch_path: bool) -> Iterable[Any]:
 
 
 def ours(data: Data, workers: int) -> Iterable[Any]:
-    """Per sample: simplejpeg decodes each JPEG whole in the reader, the crop runs as ``transform``."""
+    """Per sample: the JPEGs stay bytes through the reader, and the crop (``transform``) decodes each
+    at its crop's scale, as the ``images`` recipe does."""
     return _ours(data.tars, workers, batch_path=False)
+
+
+def ours_decoded(data: Data, workers: int) -> Iterable[Any]:
+    """Per sample, the reader decoding each JPEG whole (``decode="rgb8"``), then the crop."""
+    return _ours(data.tars, workers, batch_path=False, decode="rgb8")
 
 
 def ours_batch(data: Data, workers: int) -> Iterable[Any]:
     """The batch path: JPEGs stay bytes, ``DecodeCropBatch`` decodes each at its crop's scale into the batch."""
     return _ours(data.tars, workers, batch_path=True)
+
+
+# -- the limit: bare processes, no loader --------------------------------------------------------
+
+
+def _bare(tars: list[str], start: Any, results: Any) -> None:
+    """One bare process: the JPEGs of ``tars`` read into memory first (not timed), then each decoded
+    at its crop's scale, cropped, resized and flipped by :data:`CROPPER` into a batch array, as ours
+    does per sample; it puts the images and the seconds they took."""
+    torch.set_num_threads(1)  # as a DataLoader worker
+    jpegs = [sample["jpg"] for tar in tars for sample in peers.tar_samples(tar)]
+    out = torch.empty((BATCH, 3, CROP, CROP), dtype=torch.uint8)
+    start.wait()
+    began = time.perf_counter()
+    for i, data in enumerate(jpegs):
+        out[i % BATCH] = CROPPER.decode_crop(data, np.random.default_rng(i))
+    results.put((len(jpegs), time.perf_counter() - began))
+
+
+def limit(data: Data, processes: int) -> float:
+    """Images/s of ``processes`` bare processes sharing the shards (each its own), the slowest's time:
+    decode + crop on as many cores as the loader has workers, without reading, collating or moving
+    batches (a loader's work) or a training process."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(processes), context.Queue()
+    shares = [data.tars[p::processes] for p in range(processes)]
+    workers = [context.Process(target=_bare, args=(share, start, results)) for share in shares]
+    for process in workers:
+        process.start()
+    done = [results.get() for _ in workers]
+    for process in workers:
+        process.join()
+    return sum(n for n, _ in done) / max(seconds for _, seconds in done)
 
 
 # -- webdataset ---------------------------------------------------------------------------------
@@ -230,9 +280,13 @@ def streaming_peer(name: str) -> Callable[[Data, int], Iterable[Any]]:
 
 
 OURS, OURS_BATCH = "lightning_sharding", "lightning_sharding, batch path"
+OURS_DECODED = "lightning_sharding, the reader decodes (rgb8)"
+OURS_ROWS = (OURS, OURS_BATCH, OURS_DECODED)
+LIMIT = "the limit: {processes} bare process(es), decode at scale + crop, no loader"
 SYSTEMS: dict[str, Callable[[Data, int], Iterable[Any]]] = {
     OURS: ours,
     OURS_BATCH: ours_batch,
+    OURS_DECODED: ours_decoded,
     WDS: webdataset_loader,
     HF: hf_loader,
     LITDATA: streaming_peer(LITDATA),
@@ -295,7 +349,7 @@ def profile(tars: list[str], steps: int) -> None:
         def on_train_end(self, trainer: Any, module: Any) -> None:
             profiler.stop()
 
-    reader = TarReader(tars, decode="rgb8", fields=["jpg", "cls"], cache_dir=Path(tars[0]).parent.parent / "cache")
+    reader = TarReader(tars, fields=["jpg", "cls"], cache_dir=Path(tars[0]).parent.parent / "cache")  # as the recipe
     data = ShardedDataModule(
         reader, batch_size=BATCH, num_workers=2, multiprocessing_context="spawn", transform=CROPPER, seed=0
     )
@@ -326,6 +380,29 @@ def profile(tars: list[str], steps: int) -> None:
         print(f"| {name} | {seconds:.2f} | {seconds / total:.0%} |")
 
 
+def ratios(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """Ours / theirs: the median of the rounds' ratios, and their least and greatest."""
+    each = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return statistics.median(each), min(each), max(each)
+
+
+def issue_54(rounds: dict[str, list[float]], bare: str, litdata_missing: str | None) -> list[str]:
+    """Issue 54's lines at 2 workers: ours per sample at least 1.5x LitData, and ours / the limit."""
+    lines = []
+    if litdata_missing:
+        lines.append(f"- ours (per sample) at least {TARGET_54}x LitData: not measured ({litdata_missing})")
+    else:
+        ratio, low, high = ratios(rounds[OURS], rounds[LITDATA])
+        status = "met" if ratio >= TARGET_54 else "MISSED"
+        lines.append(
+            f"- ours (per sample) at least {TARGET_54}x LitData: {ratio:.2f}x (rounds {low:.2f}-{high:.2f}): {status}"
+        )
+    for name in (OURS, OURS_BATCH):
+        ratio, low, high = ratios(rounds[name], rounds[bare])
+        lines.append(f"- {name} / the limit ({bare}): {ratio:.2f}x (rounds {low:.2f}-{high:.2f}); no target")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2,000 images, not 20,000")
@@ -347,29 +424,34 @@ def main() -> None:
         print("|---:|---|---:|---:|---:|---:|---|")
         missing = {name: why for name in SYSTEMS if (why := unavailable(name))}
         here = {name: build for name, build in SYSTEMS.items() if name not in missing}
+        verdicts: list[str] = []
         for workers in args.workers:
-            rounds: dict[str, list[float]] = {name: [] for name in here}
+            bare = LIMIT.format(processes=max(1, workers))
+            rounds: dict[str, list[float]] = {name: [] for name in [*here, bare]}
             for _ in range(args.repeats):
                 for name, build in here.items():
                     value, total = rate(build(data, workers), workers)
                     assert total == n, f"{name} served {total} of {n} images in an epoch"
                     rounds[name].append(value)
+                rounds[bare].append(limit(data, max(1, workers)))
             for name, values in rounds.items():
                 figure = f"| {workers} | {name} | {statistics.median(values):.0f} |"
-                if name in (OURS, OURS_BATCH):
+                if name in OURS_ROWS:
                     print(f"{figure} | | | |")
                     continue
-                ratio, batch_ratio = (
-                    statistics.median(a / b for a, b in zip(rounds[ours], values, strict=True))
-                    for ours in (OURS, OURS_BATCH)
-                )
+                ratio, batch_ratio = (ratios(rounds[ours], values)[0] for ours in (OURS, OURS_BATCH))
                 target, met = "", ""
-                if workers == 2:
+                if workers == 2 and name in TARGETS:
                     target = f"{TARGETS[name]:.1f}"
                     met = "yes" if ratio >= TARGETS[name] else ("batch path" if batch_ratio >= TARGETS[name] else "no")
                 print(f"{figure} {ratio:.2f} | {batch_ratio:.2f} | {target} | {met} |")
             for name, why in missing.items():
                 print(f"| {workers} | {name} | {why} | | | | |")
+            if workers == 2:
+                verdicts += issue_54(rounds, bare, missing.get(LITDATA))
+        if verdicts:
+            print("\ntargets (issue 54), at 2 workers:")
+            print("\n".join(verdicts))
         print("\nMid-epoch resume: ours, exactly once on any number of ranks and workers.")
         for name, how in RESUME.items():
             print(f"- {name}: {how}")

@@ -125,14 +125,21 @@ def test_packing_benchmark_prints_tokens_per_second_listing_and_planning() -> No
 @pytest.mark.timeout(300)
 @pytest.mark.needs("PIL", "simplejpeg", "webdataset")
 def test_image_benchmarks_print_every_decoder_and_every_system_with_ratios() -> None:
-    """``benchmarks.decode`` (decoders against Pillow) and ``benchmarks.images`` (ours, per sample
-    and batch path, beside webdataset and HF ``datasets``, or saying one is not installed)."""
+    """``benchmarks.decode`` (decoders against Pillow) and ``benchmarks.images`` (ours, per sample,
+    batch path and decoded by the reader, beside webdataset, HF ``datasets``, LitData and Streaming,
+    or saying one is not installed, and the limit: bare processes decoding and cropping)."""
     out = run_benchmark("benchmarks.decode", "--quick", "--repeats", "1", timeout=120).stdout
     rows = dict(re.findall(r"^\| (.+?) +\| +(\d+) \| +[\d.]+ \|$", out, re.M))
     assert {"Pillow", "simplejpeg", "ours: ImageDecoder('torchrgb8')"} <= set(rows) and all(map(int, rows.values()))
     out = run_benchmark("benchmarks.images", "--images", "192", "--repeats", "1", "--workers", "0", timeout=240).stdout
-    ours = re.findall(r"^\| 0 \| (lightning_sharding(?:, batch path)?) \| (\d+) \| \| \| \| \|$", out, re.M)
-    assert [name for name, _ in ours] == ["lightning_sharding", "lightning_sharding, batch path"], out
+    ours = re.findall(r"^\| 0 \| (lightning_sharding(?:, [^|]+)?) \| (\d+) \| \| \| \| \|$", out, re.M)
+    assert [name for name, _ in ours] == [
+        "lightning_sharding",
+        "lightning_sharding, batch path",
+        "lightning_sharding, the reader decodes (rgb8)",
+    ], out
+    limit = r"^\| 0 \| the limit: 1 bare process\(es\)[^|]+\| \d+ \| [\d.]+ \| [\d.]+ \| +\| +\|$"
+    assert re.search(limit, out, re.M), out  # a figure, and ours / it
     names = ["HF datasets (streaming Parquet)", "LitData", "MosaicML Streaming", "webdataset.WebLoader"]
     peer = "|".join(map(re.escape, names))
     # a figure and both ratios, or (a peer not installed here) the reason, never a figure
