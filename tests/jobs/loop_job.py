@@ -100,6 +100,7 @@ def main(config_path: str) -> None:
     def after_batch() -> None:
         if not docs and batches % cfg["save_every"] == 0:  # with accumulation, also inside a window
             _save(out / f"ckpt-{segment}-{batches:03d}", cfg["save"], module, optimizer, data, fabric, rank)
+            _report_modules(out, segment, rank)
         if batches == cfg["die_after"]:
             if world_size > 1:
                 dist.barrier()  # every rank's part of the checkpoint is written
@@ -134,6 +135,14 @@ def main(config_path: str) -> None:
         if rank == 0:
             np.save(out / f"w-{segment}-epoch{epoch}.npy", module.w.detach().numpy())
     data.close()
+    _report_modules(out, segment, rank)
+
+
+def _report_modules(out: Path, segment: str, rank: int) -> None:
+    """``modules-<segment>-rank<R>.json``: the Lightning Trainer's modules this loop imported so far
+    (after a resume, steps, saves; there must be none: only ``lightning_fabric`` may load)."""
+    lightning = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning"))
+    (out / f"modules-{segment}-rank{rank}.json").write_text(json.dumps(lightning))
 
 
 def counting_model(num_ids: int, world_size: int) -> Any:

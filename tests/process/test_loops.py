@@ -4,7 +4,8 @@ Each chain trains a loop of tests/jobs/loop_job.py (Lightning Fabric, or plain P
 ``torchrun``), SIGKILLs it mid-epoch a few steps after a checkpoint, and resumes from that checkpoint
 on other topologies (2x2 -> 1x2 -> 2x1). The model holds one weight per sample id that every applied
 gradient raises by 1, so the weights themselves say how often each sample was trained; every
-checkpoint's ledger must hold exactly the samples its weights hold.
+checkpoint's ledger must hold exactly the samples its weights hold. Every rank also reports the
+modules it imported: neither loop (Fabric's saves, DCP's saves and loads) loads Lightning's Trainer.
 """
 
 from __future__ import annotations
@@ -122,7 +123,15 @@ def assert_ledger_matches_weights(path: Path, manifest: Any, num_ids: int, tmp: 
 
 def assert_chain(out: Path, segments: list[str], manifest: Any, num_ids: int, epochs: int) -> None:
     """Every checkpoint's ledger matches its weights, and each epoch's end weights (from the last
-    segment that ended it) hold every planned sample exactly as often as it was drawn."""
+    segment that ended it) hold every planned sample exactly as often as it was drawn. And no rank of
+    any segment imported Lightning's Trainer package (``lightning``, ``pytorch_lightning``): the
+    loading engine imports none; a Fabric loop loads ``lightning_fabric`` alone."""
+    for segment in segments:
+        reports = sorted(out.glob(f"modules-{segment}-rank*.json"))
+        assert reports, f"segment {segment} wrote no report of its modules"
+        for report in reports:
+            imported = json.loads(report.read_text())
+            assert imported == [], f"{report.name}: the loop imported {imported[:10]}"
     mid_epoch = []
     for segment in segments:
         for path in checkpoints(out, segment):
