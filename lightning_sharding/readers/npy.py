@@ -22,6 +22,17 @@ from lightning_sharding.readers.index import FileIndex
 from lightning_sharding.readers.storage import FileInfo, filesystem
 
 
+def npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype[Any], int]:
+    """``(shape, fortran_order, dtype, offset of the data)`` of the ``.npy`` file open in ``f``, read
+    from its start (``f`` is left at the data)."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    return shape, fortran, dtype, f.tell()
+
+
 class NpyReader(FileReader):
     """``.npy`` arrays; sample ``i`` is row ``i`` (``array[i]``), as ``{key: row}`` or the bare row.
 
@@ -58,12 +69,7 @@ class NpyReader(FileReader):
         """Read the header; check that the file holds all the data the header promises."""
         fs, path = filesystem(info.url, self.storage_options)
         with fs.open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            else:
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            offset = f.tell()
+            shape, fortran, dtype, offset = npy_header(f)
         if dtype.hasobject:
             raise ValueError("holds Python objects; save plain numeric arrays")
         if fortran and len(shape) > 1:

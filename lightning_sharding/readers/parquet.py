@@ -89,24 +89,33 @@ class ParquetReader(FileReader):
         arrays = [{"footer": footer if i == 0 else footer[:0]} for i in range(len(counts))]
         return FileIndex([f"rg={i}" for i in range(len(counts))], counts, arrays)
 
+    def row_group(self, item: Item) -> Any:
+        """The row group of ``item`` as a pyarrow table of the selected columns: from the shard cache's
+        copy when there is one, else from storage (the footer kept in the index: no request for it)."""
+        url, suffix = self.split_key(item)
+        number = int(suffix.removeprefix("rg="))
+        fs, path = filesystem(url, self.storage_options)
+
+        footer = self.file_index(item).arrays[0]["footer"]
+        metadata = _pyarrow().read_metadata(io.BytesIO(footer.tobytes()))
+
+        def read() -> Any:
+            with self.local_copy(item) as local, open(local, "rb") if local else fs.open(path, "rb") as f:
+                return _pyarrow().ParquetFile(f, metadata=metadata).read_row_group(number, columns=self.columns)
+
+        table = with_retries(read, f"reading {item.key}", self.retry)
+        if table.num_rows != item.num_samples:
+            raise ValueError(f"{item.key}: has {table.num_rows} rows, the manifest says {item.num_samples}")
+        return table
+
+    def columns_of(self, item: Item, table: Any) -> dict[str, Any]:
+        """What a worker keeps of a row group's ``table``: each column's values (see :meth:`row_group`)."""
+        return {name: _column_values(table.column(name)) for name in table.column_names}
+
     def _group(self, item: Item) -> dict[str, Any]:
         group = self._groups.get(item.key)
         if group is None:
-            url, suffix = self.split_key(item)
-            number = int(suffix.removeprefix("rg="))
-            fs, path = filesystem(url, self.storage_options)
-
-            footer = self.file_index(item).arrays[0]["footer"]
-            metadata = _pyarrow().read_metadata(io.BytesIO(footer.tobytes()))
-
-            def read() -> Any:
-                with self.local_copy(item) as local, open(local, "rb") if local else fs.open(path, "rb") as f:
-                    return _pyarrow().ParquetFile(f, metadata=metadata).read_row_group(number, columns=self.columns)
-
-            table = with_retries(read, f"reading {item.key}", self.retry)
-            if table.num_rows != item.num_samples:
-                raise ValueError(f"{item.key}: has {table.num_rows} rows, the manifest says {item.num_samples}")
-            group = {name: _column_values(table.column(name)) for name in table.column_names}
+            group = self.columns_of(item, self.row_group(item))
             self._groups[item.key] = group
             while len(self._groups) > 1:  # one row group per worker: batches are contiguous runs
                 self._groups.popitem(last=False)

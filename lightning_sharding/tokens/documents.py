@@ -11,6 +11,10 @@ reads runs of tokens (:meth:`DocumentReader.read_tokens`), which packing
   index memory-mapped and checked against its ``.bin``;
 - :class:`ParquetTokens`: Parquet files with a column of token lists (``input_ids``), row groups
   as items (needs the ``files`` extra, pyarrow).
+
+Each reads local paths through memory maps, and URLs (``s3://``, ``gs://``, ``az://``, ``hf://``,
+``file://``...) through the storage layer of the file readers, with their options
+(:mod:`~lightning_sharding.tokens.stores`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import local_content_digest
 from lightning_sharding.tokens.packing import ranges
+from lightning_sharding.tokens.stores import (
+    MEGATRON_DTYPES,
+    MEGATRON_MAGIC,
+    MegatronStore,
+    ParquetTokensStore,
+    TokenFilesStore,
+    checked_tokens,
+    document_ends,
+    megatron_index,
+    token_column,
+)
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -41,7 +56,31 @@ class DocumentReader(Reader):
     Subclasses give :meth:`items` (a file's ``num_samples`` is its documents),
     :meth:`document_lengths` and :meth:`read_tokens`, where an item's tokens are its documents one
     after another. A document read alone (:meth:`read`) is a 1-d int64 array of its tokens.
+
+    A reader given URLs keeps in :attr:`store` the file reader that lists and reads them
+    (:mod:`~lightning_sharding.tokens.stores`): its prefetch (:meth:`ahead`), counters
+    (:meth:`take_stats`) and redaction of credentials (:meth:`scrub`) are the reader's.
     """
+
+    #: The storage layer's reader of the files when they are URLs (or file reader options are given), else ``None``.
+    store: Any = None
+
+    def ahead(self, now: Sequence[Item], upcoming: Sequence[Item]) -> None:
+        """As the store does (fetches into the shard cache with ``prefetch_files``)."""
+        if self.store is not None:
+            self.store.ahead(now, upcoming)
+
+    def take_stats(self) -> dict[str, float]:
+        """The store's shard-cache counters."""
+        return self.store.take_stats() if self.store is not None else {}
+
+    def scrub(self, text: str) -> str:
+        """``text`` without the credentials of the store's URLs."""
+        return self.store.scrub(text) if self.store is not None else text
+
+    def worker_modules(self) -> list[str]:
+        """The store's (fsspec and the storage's package)."""
+        return self.store.worker_modules() if self.store is not None else []
 
     @abstractmethod
     def document_lengths(self, item: Item) -> Int64Array:
@@ -96,6 +135,21 @@ class DocumentReader(Reader):
         return {k: v for k, v in self.__dict__.items() if k not in ("_lengths_cache", "_maps")}
 
 
+def _remote(entries: Sequence[Any], options: dict[str, Any]) -> bool:
+    """Whether a document reader of ``entries`` reads through the storage layer: some are URLs, or
+    file reader options (``storage_options``, ``cache_dir``...) are given."""
+    return bool(options) or any("://" in os.fspath(e) for e in entries)
+
+
+def _entries(paths: str | Sequence[str]) -> list[Any]:
+    return [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+
+
+def _read_store(store: Any, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
+    """Tokens ``[start, stop)`` of ``item`` from ``store``."""
+    return store.read_spans(item, np.array([start], dtype=np.int64), np.array([stop], dtype=np.int64))  # type: ignore[no-any-return]
+
+
 def _expand(paths: str | Sequence[str], suffixes: tuple[str, ...], owner: str) -> list[str]:
     """``paths``: a glob, or a list of paths and globs; every match, sorted within each glob."""
     entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
@@ -128,22 +182,34 @@ class TokenFiles(DocumentReader):
 
     Args:
         paths: a glob or a list of paths and globs of ``.npy`` (1-d integer arrays) or ``.bin``
-            files (raw tokens of ``dtype``).
+            files (raw tokens of ``dtype``), or URLs and globs of URLs (``s3://bucket/tokens/*.npy``):
+            each is then read whole once per job to find its documents, and a worker reads its
+            tokens by range (or from the shard cache).
         eos_id: the token that ends a document.
         dtype: the token type of ``.bin`` files (``uint16``, ``int32``...); ``.npy`` files say their own.
+        **options: for URLs, the options of :class:`~lightning_sharding.readers.files.FileReader`
+            (``storage_options``, ``cache_dir``, ``cache_limit``, ``prefetch_files``, ``retry``...).
     """
 
-    def __init__(self, paths: str | Sequence[str], eos_id: int, dtype: str | None = None) -> None:
+    def __init__(self, paths: str | Sequence[str], eos_id: int, dtype: str | None = None, **options: Any) -> None:
         name = type(self).__name__
-        self.paths = _expand(paths, (".npy", ".bin"), name)
         if isinstance(eos_id, bool) or not isinstance(eos_id, int) or eos_id < 0:
             raise ValueError(f"{name}(eos_id={eos_id!r}) must be a token id (an integer >= 0)")
         self.eos_id = eos_id
-        if any(p.endswith(".bin") for p in self.paths) and dtype is None:
-            raise ValueError(f"{name}: .bin files hold raw tokens: give their dtype= (uint16, int32, ...)")
         self.dtype = np.dtype(dtype) if dtype is not None else None
         if self.dtype is not None and self.dtype.kind not in "iu":
             raise ValueError(f"{name}(dtype={dtype!r}) must be an integer type")
+        entries = _entries(paths)
+        if _remote(entries, options):
+            self.paths = [os.fspath(e) for e in entries]
+            self.store = TokenFilesStore(self.paths, eos_id, self.dtype, **options)
+            bins = any(".bin" in p.rsplit("/", 1)[-1] for p in self.paths)
+        else:
+            self.paths = _expand(paths, (".npy", ".bin"), name)
+            bins = any(p.endswith(".bin") for p in self.paths)
+        self.fetch_ahead = getattr(self.store, "fetch_ahead", 0)
+        if bins and dtype is None:
+            raise ValueError(f"{name}: .bin files hold raw tokens: give their dtype= (uint16, int32, ...)")
 
     def _map(self, path: str) -> npt.NDArray[np.integer[Any]]:
         maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
@@ -156,12 +222,7 @@ class TokenFiles(DocumentReader):
                     arr = np.memmap(path, dtype=self.dtype, mode="r")
             except (OSError, ValueError) as err:
                 raise ValueError(f"{path!r} is not a readable token file: {err}") from err
-            if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                raise ValueError(
-                    f"{path!r} holds an array of shape {arr.shape} and dtype {arr.dtype}: "
-                    "token files are 1-d arrays of integer token ids"
-                )
-            maps[path] = arr.view(np.ndarray)  # a plain array: gathers skip memmap's Python
+            maps[path] = checked_tokens(arr.view(np.ndarray), path)  # a plain array: gathers skip memmap's Python
         return maps[path]  # type: ignore[no-any-return]
 
     def _ends(self, path: str) -> Int64Array:
@@ -169,20 +230,16 @@ class TokenFiles(DocumentReader):
         found: dict[str, Int64Array] = self.__dict__.setdefault("_lengths_cache", {})
         key = f"ends:{path}"
         if key not in found:
-            tokens = self._map(path)
-            ends = np.flatnonzero(tokens == self.eos_id) + 1
-            if ends.size == 0 or ends[-1] != tokens.size:
-                ends = np.append(ends, tokens.size)
-            found[key] = ends.astype(np.int64)
+            found[key] = document_ends(self._map(path), self.eos_id)
         return found[key]
 
     def items(self) -> Sequence[Item]:
         """One item per file, with its documents; files are named under the folder they share."""
+        if self.store is not None:
+            return self.store.items()  # type: ignore[no-any-return]
         items = []
         for path, name in zip(self.paths, _names(self.paths), strict=True):
             ends = self._ends(path)
-            if self._map(path).size == 0:
-                raise ValueError(f"{path!r} holds no tokens: remove it from the paths")
             st = os.stat(path)
             fingerprint = f"size={st.st_size},mtime={st.st_mtime_ns},eos={self.eos_id}"
             content = f"{local_content_digest(path)};eos={self.eos_id}"
@@ -190,19 +247,28 @@ class TokenFiles(DocumentReader):
         return items
 
     def document_lengths(self, item: Item) -> Int64Array:
-        """From the positions of ``eos_id`` in the file (read once per process)."""
+        """From the positions of ``eos_id`` in the file (read once per process; for URLs, once per job)."""
+        if self.store is not None:
+            return self.store.document_lengths(item)  # type: ignore[no-any-return]
         return np.diff(self._ends(item.key), prepend=0)
 
     def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
         """A slice of the memory-mapped file."""
+        if self.store is not None:
+            return _read_store(self.store, item, start, stop)
         return np.asarray(self._map(item.key)[start:stop])
 
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
-        """One gather from the memory-mapped file."""
+        """One gather from the memory-mapped file (for a URL: ranged reads, or the shard cache's copy)."""
+        if self.store is not None:
+            return self.store.read_spans(item, starts, stops)  # type: ignore[no-any-return]
         return np.take(self._map(item.key), ranges(starts, stops))
 
-    def token_array(self, item: Item) -> npt.NDArray[np.integer[Any]]:
-        """The memory-mapped file (a plain array over the map: slices skip memmap's Python)."""
+    def token_array(self, item: Item) -> npt.NDArray[np.integer[Any]] | None:
+        """The memory-mapped file (a plain array over the map: slices skip memmap's Python); for a
+        URL, a map of its local copy, ``None`` while it is read by range."""
+        if self.store is not None:
+            return self.store.token_array(item)  # type: ignore[no-any-return]
         return self._map(item.key).view(np.ndarray)
 
 
@@ -213,12 +279,22 @@ class ParquetTokens(DocumentReader):
     process). A worker keeps the last row group it read and gathers tokens from it.
 
     Args:
-        paths: a glob or a list of paths and globs of ``.parquet`` files (local).
+        paths: a glob or a list of paths and globs of ``.parquet`` files, or URLs and globs of URLs
+            (``s3://bucket/tokens/*.parquet``): the footers and list offsets are then read once
+            per job, and a worker reads a row group's column whole (or from the shard cache).
         column: the column of token lists.
+        **options: for URLs, the options of :class:`~lightning_sharding.readers.files.FileReader`
+            (``storage_options``, ``cache_dir``, ``cache_limit``, ``prefetch_files``, ``retry``...).
     """
 
-    def __init__(self, paths: str | Sequence[str], column: str = "input_ids") -> None:
-        self.paths = _expand(paths, (".parquet",), type(self).__name__)
+    def __init__(self, paths: str | Sequence[str], column: str = "input_ids", **options: Any) -> None:
+        entries = _entries(paths)
+        if _remote(entries, options):
+            self.paths = [os.fspath(e) for e in entries]
+            self.store = ParquetTokensStore(self.paths, column, **options)
+        else:
+            self.paths = _expand(paths, (".parquet",), type(self).__name__)
+        self.fetch_ahead = getattr(self.store, "fetch_ahead", 0)
         self.column = column
 
     def _file(self, path: str) -> Any:
@@ -236,28 +312,19 @@ class ParquetTokens(DocumentReader):
         key = f"{path}#rg={group}"
         maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
         if key not in maps:
-            import pyarrow as pa
-
             parquet = self._file(path)
             names = parquet.schema_arrow.names
             if self.column not in names:
                 raise ValueError(f"{path!r} has no column {self.column!r}; its columns are {names}")
-            column = parquet.read_row_group(group, columns=[self.column]).column(self.column).combine_chunks()
-            kind = column.type
-            if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
-                raise ValueError(f"{path!r}: column {self.column!r} holds {kind}, not lists of integer token ids")
-            if column.null_count:
-                raise ValueError(
-                    f"{path!r}: column {self.column!r} has {column.null_count} null rows in row group {group}"
-                )
-            offsets = column.offsets.to_numpy().astype(np.int64)
-            values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+            column = parquet.read_row_group(group, columns=[self.column]).column(self.column)
             maps.clear()  # one row group at a time
-            maps[key] = (offsets - offsets[0], values)
+            maps[key] = token_column(column, path, self.column, group)
         return maps[key]  # type: ignore[no-any-return]
 
     def items(self) -> Sequence[Item]:
         """One item per row group (``path#rg=N``), with its rows as documents."""
+        if self.store is not None:
+            return self.store.items()  # type: ignore[no-any-return]
         items = []
         for path, name in zip(self.paths, _names(self.paths), strict=True):
             meta = self._file(path).metadata
@@ -275,30 +342,22 @@ class ParquetTokens(DocumentReader):
 
     def document_lengths(self, item: Item) -> Int64Array:
         """From the list column's offsets."""
+        if self.store is not None:
+            return self.store.document_lengths(item)  # type: ignore[no-any-return]
         offsets, _ = self._row_group(*self._where(item))
         return np.diff(offsets)
 
     def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
         """A slice of the row group's token values."""
+        if self.store is not None:
+            return _read_store(self.store, item, start, stop)
         return np.asarray(self._row_group(*self._where(item))[1][start:stop])
 
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
         """One gather from the row group's token values."""
+        if self.store is not None:
+            return self.store.read_spans(item, starts, stops)  # type: ignore[no-any-return]
         return np.take(self._row_group(*self._where(item))[1], ranges(starts, stops))
-
-
-# Megatron-LM's indexed dataset: the .idx header and its dtype codes (megatron/core/datasets/indexed_dataset.py).
-MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
-MEGATRON_DTYPES: dict[int, Any] = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
 
 
 class IndexedTokens(DocumentReader):
@@ -314,95 +373,81 @@ class IndexedTokens(DocumentReader):
 
     Args:
         prefixes: one prefix or a list of prefixes (paths without ``.bin``/``.idx``), or globs of
-            ``.idx`` files.
+            ``.idx`` files; or URLs of them (``s3://bucket/tokens/part-*.idx``): each ``.idx`` is then
+            read once per job (when listing, kept in ``cache_dir``), and a worker reads the token
+            ranges of a batch from the ``.bin`` by range, those near each other with one request (or
+            from the shard cache's copy, with ``cache_limit``).
+        **options: for URLs, the options of :class:`~lightning_sharding.readers.files.FileReader`
+            (``storage_options``, ``cache_dir``, ``cache_limit``, ``prefetch_files``, ``retry``...).
     """
 
-    def __init__(self, prefixes: str | Sequence[str]) -> None:
-        entries = [prefixes] if isinstance(prefixes, (str, os.PathLike)) else list(prefixes)
+    def __init__(self, prefixes: str | Sequence[str], **options: Any) -> None:
+        entries = _entries(prefixes)
         idx = [e if str(e).endswith(".idx") else f"{os.fspath(e)}.idx" for e in entries]
-        self.prefixes = [p[: -len(".idx")] for p in _expand(idx, (".idx",), type(self).__name__)]
+        if _remote(entries, options):  # the store lists the .bin files and reads each one's .idx
+            self.prefixes = [p[: -len(".idx")] for p in map(os.fspath, idx)]
+            self.store = MegatronStore([f"{p}.bin" for p in self.prefixes], **options)
+        else:
+            self.prefixes = [p[: -len(".idx")] for p in _expand(idx, (".idx",), type(self).__name__)]
+        self.fetch_ahead = getattr(self.store, "fetch_ahead", 0)
 
-    def _index(self, prefix: str) -> tuple[np.dtype[Any], Int64Array, Int64Array]:
-        """``(dtype, lengths, document boundaries)`` of ``prefix``, checked against its ``.bin``."""
+    def _index(self, prefix: str) -> tuple[np.dtype[Any], Int64Array]:
+        """``(dtype, each document's token count)`` of ``prefix``, checked against its ``.bin``."""
         maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
         if prefix in maps:
             return maps[prefix]  # type: ignore[no-any-return]
         path = f"{prefix}.idx"
         try:
-            with open(path, "rb") as f:
-                head = f.read(len(MEGATRON_MAGIC) + 8 + 1 + 8 + 8)
+            raw: Any = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else b""
         except OSError as err:
             raise ValueError(f"{path!r} cannot be read: {err}") from err
-        if len(head) < len(MEGATRON_MAGIC) + 25 or not head.startswith(MEGATRON_MAGIC):
-            raise ValueError(f"{path!r} is not a Megatron index: it does not start with {MEGATRON_MAGIC!r}")
-        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(MEGATRON_MAGIC) :])
-        if version != 1:
-            raise ValueError(f"{path!r} is a Megatron index of version {version}; this reader reads version 1")
-        if code not in MEGATRON_DTYPES or np.dtype(MEGATRON_DTYPES[code]).kind not in "iu":
-            raise ValueError(f"{path!r}: dtype code {code} is not an integer token type")
-        dtype = np.dtype(MEGATRON_DTYPES[code])
-        offset = len(head)
-        need = offset + sequences * 4 + sequences * 8 + documents * 8
-        size = os.path.getsize(path)
-        if size < need:
-            raise ValueError(
-                f"{path!r} holds {size} bytes but its header promises {sequences} sequences and "
-                f"{documents - 1} documents ({need} bytes): the index is truncated"
-            )
-        raw = np.memmap(path, dtype=np.uint8, mode="r")
-        lengths = np.frombuffer(raw, dtype="<i4", count=sequences, offset=offset).astype(np.int64)
-        pointers = np.frombuffer(raw, dtype="<i8", count=sequences, offset=offset + 4 * sequences)
-        bounds = np.frombuffer(raw, dtype="<i8", count=documents, offset=offset + 12 * sequences).astype(np.int64)
         bin_path = f"{prefix}.bin"
         bin_size = os.path.getsize(bin_path) if os.path.exists(bin_path) else -1
-        expected = np.concatenate(([0], np.cumsum(lengths)[:-1])) * dtype.itemsize
-        tokens = int(lengths.sum())
-        if bin_size != tokens * dtype.itemsize or not np.array_equal(pointers, expected):
-            what = "is missing" if bin_size < 0 else f"holds {bin_size} bytes"
-            raise ValueError(
-                f"{path!r} does not match {bin_path!r}: the index lists {tokens} tokens of {dtype} "
-                f"({tokens * dtype.itemsize} bytes, back to back) but the .bin {what}; rebuild the index "
-                "(or copy the .bin again: it may be truncated)"
-            )
-        if bounds.size == 0 or bounds[0] != 0 or bounds[-1] != sequences or np.any(np.diff(bounds) < 0):
-            raise ValueError(f"{path!r}: its document boundaries do not run from 0 to {sequences} sequences")
-        maps[prefix] = (dtype, lengths, bounds)
+        maps[prefix] = megatron_index(raw, path, bin_path, bin_size)
         return maps[prefix]  # type: ignore[no-any-return]
 
     def items(self) -> Sequence[Item]:
         """One item per prefix, with its documents; named by the ``.bin`` under the folder they share."""
+        if self.store is not None:
+            return self.store.items()  # type: ignore[no-any-return]
         items = []
         bins = [f"{p}.bin" for p in self.prefixes]
         for prefix, path, name in zip(self.prefixes, bins, _names(bins), strict=True):
-            _, _, bounds = self._index(prefix)
+            _, lengths = self._index(prefix)
             st = os.stat(path)
             content = f"{local_content_digest(path)};idx={local_content_digest(prefix + '.idx').split(';')[1]}"
-            items.append(Item(path, int(bounds.size - 1), f"size={st.st_size},mtime={st.st_mtime_ns}", name, content))
+            items.append(Item(path, int(lengths.size), f"size={st.st_size},mtime={st.st_mtime_ns}", name, content))
         return items
 
     def document_lengths(self, item: Item) -> Int64Array:
         """From the index: each document's sequences' lengths, summed."""
-        _, lengths, bounds = self._index(item.key[: -len(".bin")])
-        ends = np.concatenate(([0], np.cumsum(lengths)))
-        return ends[bounds[1:]] - ends[bounds[:-1]]
+        if self.store is not None:
+            return self.store.document_lengths(item)  # type: ignore[no-any-return]
+        return self._index(item.key[: -len(".bin")])[1]
 
     def read_tokens(self, item: Item, start: int, stop: int) -> npt.NDArray[np.integer[Any]]:
         """A slice of the memory-mapped ``.bin``."""
+        if self.store is not None:
+            return _read_store(self.store, item, start, stop)
         return np.asarray(self._bin(item)[start:stop])
 
     def read_spans(self, item: Item, starts: Int64Array, stops: Int64Array) -> npt.NDArray[np.integer[Any]]:
-        """One gather from the memory-mapped ``.bin``."""
+        """One gather from the memory-mapped ``.bin`` (for a URL: ranged reads, or the shard cache's copy)."""
+        if self.store is not None:
+            return self.store.read_spans(item, starts, stops)  # type: ignore[no-any-return]
         return np.take(self._bin(item), ranges(starts, stops))
 
-    def token_array(self, item: Item) -> npt.NDArray[np.integer[Any]]:
-        """The memory-mapped ``.bin``."""
+    def token_array(self, item: Item) -> npt.NDArray[np.integer[Any]] | None:
+        """The memory-mapped ``.bin``; for a URL, a map of its local copy, ``None`` while it is read by range."""
+        if self.store is not None:
+            return self.store.token_array(item)  # type: ignore[no-any-return]
         return self._bin(item)
 
     def _bin(self, item: Item) -> npt.NDArray[np.integer[Any]]:
         maps: dict[str, Any] = self.__dict__.setdefault("_maps", {})
         key = f"bin:{item.key}"
         if key not in maps:
-            dtype, _, _ = self._index(item.key[: -len(".bin")])
+            dtype, _ = self._index(item.key[: -len(".bin")])
             # A plain array over the map: gathers skip memmap's Python.
             maps[key] = np.memmap(item.key, dtype=dtype, mode="r").view(np.ndarray)
         return maps[key]  # type: ignore[no-any-return]

@@ -59,7 +59,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
                 streams=packed_streams(tokens["streams"]), packing=packed_spec(tokens), schedule=spec["schedule"]
             )
         else:
-            data = dict(reader=packed_reader(tokens["dir"]), packing=packed_spec(tokens))
+            data = dict(reader=packed_reader(tokens["dir"], **tokens.get("options", {})), packing=packed_spec(tokens))
     elif spec["streams"]:
         from tests.support.data.streams import make_streams
 

@@ -11,12 +11,13 @@ applied. Every epoch must add exactly 1 to every token the packing plans (all of
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
-from tests.support.data.tokens import write_corpus
+from tests.support.data.tokens import upload_corpus, write_corpus
 from tests.support.harness import (
     Checks,
     Data,
@@ -28,6 +29,7 @@ from tests.support.harness import (
     check_resume,
     weights_at_epoch_ends,
 )
+from tests.support.s3 import S3Server
 
 SEQ_LEN = 16
 
@@ -45,8 +47,11 @@ def planned_tokens(corpus: Path, mode: str) -> np.ndarray:
     return np.concatenate(planned)
 
 
-def job(corpus: Path, mode: str, topology: Topology, accumulate: int = 1, batch_size: int = 3) -> Job:
-    data = Data(tokens={"dir": str(corpus), "seq_len": SEQ_LEN, "mode": mode})
+def job(
+    corpus: Path | str, mode: str, topology: Topology, accumulate: int = 1, batch_size: int = 3, **options: Any
+) -> Job:
+    """``options``: the reader's (a corpus in a bucket: storage_options, cache_dir...)."""
+    data = Data(tokens={"dir": str(corpus), "seq_len": SEQ_LEN, "mode": mode, "options": options})
     training = Training(epochs=2, accumulate=accumulate)
     return Job(topology, data, Loading(batch_size=batch_size), training, checks=Checks(count_weights=True))
 
@@ -83,6 +88,31 @@ def test_every_planned_token_is_trained_once_per_epoch_across_kills_on_other_top
     expected[planned] = 1.0
     for epoch, w in weights.items():
         np.testing.assert_array_equal(w, expected * (epoch + 1), err_msg=f"{mode}: tokens' weights after epoch {epoch}")
+
+
+@pytest.mark.processes
+@pytest.mark.needs("moto", "boto3", "s3fs")
+@pytest.mark.timeout(300)
+def test_megatron_files_in_a_bucket_train_every_token_once_across_a_kill_on_another_topology(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """The corpus's Megatron files served by the S3-protocol server on loopback (issue 55): each
+    ``.idx`` read once for the job, the token ranges of a batch read by range. 2 ranks x 1 worker,
+    SIGKILLed mid-epoch, resumed on 1 x 2 to the end of two epochs: every token is trained exactly
+    once per epoch, counted in the weights."""
+    total = write_corpus(tmp_path / "corpus", files=3, documents=16)
+    url = upload_corpus(tmp_path / "corpus", f"{s3_server.bucket('megatron')}/corpus", s3_server.client())
+    options = dict(storage_options=s3_server.storage_options, cache_dir=str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    first, then = (job(url, "concat", Topology(*t), **options) for t in ((2, 1), (1, 2)))
+    seen, segments = check_resume(out, first, [then], checkpoint_every=3)
+    assert segments[0].returncode != 0, "the first segment was killed mid-epoch"
+    assert_exactly_once(seen, total=total, epochs=2)
+    weights = weights_at_epoch_ends(out, "seg1")
+    assert sorted(weights) == [0, 1], f"epochs whose end saved weights: {sorted(weights)}"
+    for epoch, w in weights.items():
+        np.testing.assert_array_equal(w[1:], np.full(total, epoch + 1.0), err_msg=f"tokens' weights after {epoch}")
+    assert not (tmp_path / "cache" / "shards").exists(), "without cache_limit, no copy of a file is kept"
 
 
 @pytest.mark.processes

@@ -119,7 +119,8 @@ class Data:
     # A MixtureController (tests/jobs/parts.py::controller_of): {"every": steps, "policy": "rotate" | None,
     # "decisions": [...] to replay}; its segment writes the ledger's decisions to <out>/decisions-<segment>.json.
     controller: dict[str, Any] | None = None
-    # Packed token sequences (tests/support/data/tokens.py): {"dir", "seq_len", "mode"}, or "streams":
+    # Packed token sequences (tests/support/data/tokens.py): {"dir", "seq_len", "mode"} ("dir" a URL too, with
+    # "options": the file readers' options, storage_options, cache_dir...), or "streams":
     # [dir, ...] for a mixture of token streams; every token of the corpora is a distinct id, so a
     # token id is the token's identity (ids 1..T, 0 pads).
     tokens: dict[str, Any] | None = None

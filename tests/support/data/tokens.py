@@ -35,9 +35,18 @@ def write_corpus(
     return t - first_token
 
 
-def packed_reader(directory: str) -> IndexedTokens:
-    """The corpus of ``directory`` (every ``part-*.idx``)."""
-    return IndexedTokens(f"{directory}/part-*.idx")
+def packed_reader(directory: str, **options: Any) -> IndexedTokens:
+    """The corpus of ``directory`` (every ``part-*.idx``; a URL too, with the file readers' ``options``)."""
+    return IndexedTokens(f"{directory}/part-*.idx", **options)
+
+
+def upload_corpus(directory: Path, url: str, client: Any) -> str:
+    """Put the corpus files of ``directory`` under ``url`` (``s3://bucket/prefix``) with the boto3
+    ``client``; returns ``url``."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    for path in sorted(directory.iterdir()):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{path.name}", Body=path.read_bytes())
+    return url
 
 
 def packed_streams(directories: list[str]) -> list[Stream]:
