@@ -210,7 +210,7 @@ class MegatronStore(TokenStore):
         idx_url = info.url[: -len(".bin")] + ".idx"
         fs, path = filesystem(idx_url, self.storage_options)
         try:
-            raw = fs.cat_file(path)
+            raw = fs.cat_file(path, start=0)  # a ranged GET from 0: s3fs asks no size first (one request)
         except FileNotFoundError:
             raise ValueError(f"{idx_url!r} does not exist: a Megatron .bin needs its .idx beside it") from None
         dtype, lengths = megatron_index(raw, idx_url, info.url, info.size)
@@ -237,8 +237,7 @@ class TokenFilesStore(TokenStore):
             raise ValueError(f"{info.url!r} is not a .npy or .bin file")
         if self.dtype is None and info.url.endswith(".bin"):
             raise ValueError(f"{info.url!r} holds raw tokens: give their dtype= (uint16, int32, ...)")
-        fs, path = filesystem(info.url, self.storage_options)
-        data = fs.cat_file(path)
+        (data,) = read_ranges(info.url, [0], [info.size], self.storage_options, self.retry)
         offset, dtype = 0, self.dtype
         if info.url.endswith(".npy"):
             try:

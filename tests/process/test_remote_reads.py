@@ -82,3 +82,33 @@ def test_ranges_close_together_are_read_as_one_and_cut_back_in_the_order_asked()
     spans = [data[a:b] for a, b in zip(lo, hi, strict=True)]
     assert cut_ranges(spans, lo, starts, ends) == [data[a:b] for a, b in zip(starts, ends, strict=True)]
     assert cut_ranges([spans[0][:1000], *spans[1:]], lo, [1024], [2048]) == [b""], "a short read stays short"
+
+
+@pytest.mark.needs("moto", "boto3", "s3fs")
+def test_a_megatron_index_is_read_once_a_job_and_a_batch_reads_each_bin_with_one_request(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    """Token documents in a bucket (issue 55): the listing reads each ``.idx`` once and keeps it, so a
+    second start reads none; a batch of packed sequences reads each ``.bin`` with one ranged request."""
+    from lightning_sharding.tokens import IndexedTokens, PackedReader, Packing
+    from tests.support.data.tokens import upload_corpus, write_corpus
+
+    write_corpus(tmp_path / "corpus", files=2, documents=12)
+    url = upload_corpus(tmp_path / "corpus", f"{s3_server.bucket('megatron-reads')}/corpus", s3_server.client())
+
+    def reader() -> PackedReader:
+        documents = IndexedTokens(f"{url}/part-*.idx", storage_options=proxy.storage_options(), cache_dir=tmp_path)
+        return PackedReader(documents, Packing(16, "concat"))
+
+    manifest = reader().manifest()
+    asked = Counter(p.rsplit("/", 1)[-1] for _, p in proxy.log if p.endswith((".idx", ".bin")))
+    assert asked == {"part-0.idx": 1, "part-1.idx": 1}, f"the listing read: {asked}"
+    since = len(proxy.log)
+    again = reader()
+    assert again.manifest().items == manifest.items
+    order = manifest.order(0, 0)
+    batch = again.read_sequences(order, np.arange(manifest.total), manifest.items)
+    asked = Counter(p.rsplit("/", 1)[-1] for _, p in proxy.log[since:] if p.endswith((".idx", ".bin")))
+    assert asked == {"part-0.bin": 1, "part-1.bin": 1}, f"a second start and a batch of every sequence read: {asked}"
+    tokens = batch["input_ids"].numpy()
+    assert sorted(tokens[tokens != 0].tolist()) == list(range(1, int(tokens.max()) + 1))
