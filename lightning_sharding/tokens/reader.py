@@ -71,6 +71,10 @@ class PackedReader(Reader):
         """The documents' reader's counters."""
         return self.documents.take_stats()
 
+    def worker_modules(self) -> list[str]:
+        """The documents' reader's (a store's package, for a forkserver to import once)."""
+        return self.documents.worker_modules()
+
     def read_sequences(self, order: Any, positions: npt.NDArray[np.int64], items: Sequence[Item]) -> dict[str, Any]:
         """The batch of the sequences at ``positions`` of ``order`` (a packed order), over the
         manifest's ``items``."""

@@ -69,6 +69,7 @@ def test_megatron_files_by_url_read_the_same_tokens_as_local_ones(tmp_path: Path
     worker = pickle.loads(pickle.dumps(ours))  # what a DataLoader worker gets
     np.testing.assert_array_equal(worker.read(item, 2, None), local.read(local.items()[1], 2, None))
     assert worker.worker_modules() == ["fsspec"]
+    assert PackedReader(worker, Packing(8)).worker_modules() == ["fsspec"]  # what a forkserver preloads
 
 
 def test_ranged_reads_and_the_shard_cache_serve_token_files_and_megatron_files(tmp_path: Path, memory: Any) -> None:
