@@ -235,51 +235,300 @@ def best_fit(
     """Pack ``documents`` (ids into ``lengths``, in this order) into sequences of ``seq_len``
     tokens: full sequences cut from long documents first, then the rest of each window of
     ``window`` documents by best-fit decreasing. Returns ``(first, doc, start, stop)`` (see
-    :meth:`PackedEpochs.bins`)."""
-    first, doc, start, stop = [0], [], [], []
-    for lo in range(0, len(documents), window):
-        ids = documents[lo : lo + window]
-        n = lengths[ids]
-        full = n // seq_len
-        for d, k in zip(ids[full > 0].tolist(), full[full > 0].tolist(), strict=True):
-            for j in range(k):
-                doc.append(d)
-                start.append(j * seq_len)
-                stop.append((j + 1) * seq_len)
-                first.append(len(doc))
-        rest = n - full * seq_len
-        keep = rest > 0
-        ids, rest, cut = ids[keep], rest[keep], (full * seq_len)[keep]
-        by_size = np.argsort(-rest, kind="stable")
-        bins: list[list[int]] = []  # the pieces (indices into ids) of each open sequence
+    :meth:`PackedEpochs.bins`).
+
+    Best-fit decreasing, window by window: the remainders sorted longest first (a stable sort),
+    each goes to the open sequence with the least room that holds it, of several with that room
+    the one given it last, else to a new sequence; a window's full sequences come before its
+    packed ones, each sequence's pieces in the order they came. The windows are packed side by
+    side, one piece of every window per step of NumPy operations (:func:`_lockstep`), a chunk of
+    windows at a time so that the arrays stay small; the same sequences as the per-document loop
+    this replaced (kept in ``tests/unit/test_best_fit.py``)."""
+    documents = np.asarray(documents, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    seq_len, window = int(seq_len), int(window)
+    per = max(1, _CHUNK_DOCUMENTS // window) * window  # documents in a chunk, whole windows
+    pieces = 0  # a first pass counts them, so that the chunks fill the arrays in place
+    for a in range(0, documents.size, per):
+        n = lengths[documents[a : a + per]]
+        if int(n.max()) >= seq_len:
+            pieces += int(np.count_nonzero(n % seq_len)) + int((n // seq_len).sum())
+        else:
+            pieces += int(np.count_nonzero(n))
+    out = _Packed(
+        first=np.zeros(pieces + 1, dtype=np.int64),  # as many sequences at most, the rest never touched
+        doc=np.empty(pieces, dtype=np.int64),
+        start=np.zeros(pieces, dtype=np.int64),
+        stop=np.empty(pieces, dtype=np.int64),
+    )
+    for a in range(0, documents.size, per):
+        _pack_chunk(out, documents[a : a + per], lengths, seq_len, window)
+    return out.first[: out.sequences + 1], out.doc, out.start, out.stop
+
+
+# Documents packed in one chunk (its arrays are a few MiB, so a chunk reuses the last one's memory),
+# windows packed side by side at most (their room tables, windows x (seq_len + 1) entries), and the
+# fewest windows worth it (fewer are packed one by one in Python, as fast for so few).
+_CHUNK_DOCUMENTS = 1 << 21
+_CHUNK_ROOMS = 1 << 23
+_LOCKSTEP_WINDOWS = 32
+
+
+@dataclass
+class _Packed:
+    """``best_fit``'s output, filled chunk after chunk: ``sequences`` and ``pieces`` so far."""
+
+    first: Int64Array
+    doc: Int64Array
+    start: Int64Array
+    stop: Int64Array
+    sequences: int = 0
+    pieces: int = 0
+
+
+def _pack_chunk(out: _Packed, documents: Int64Array, lengths: Int64Array, seq_len: int, window: int) -> None:
+    """Pack the windows of ``documents`` (whole windows, the last one maybe short) into ``out``'s
+    next sequences and pieces."""
+    n = lengths[documents]
+    full: Int64Array | None = None
+    if int(n.max()) >= seq_len:
+        full, rest = np.divmod(n, seq_len)
+    else:
+        rest = n
+    count, rows = n.size, -(-n.size // window)
+    # Each window's remainders longest first: a stable sort of seq_len - remainder (a radix sort
+    # in 16 bits); a window's documents without one, and the short last window, sort last.
+    flat = np.full(rows * window, seq_len, dtype=np.uint16 if seq_len < 1 << 16 else np.int64)
+    np.subtract(seq_len, rest, out=flat[:count], casting="unsafe")
+    keys: npt.NDArray[Any] = flat.reshape(rows, window)
+    order = np.argsort(keys, axis=1, kind="stable")
+    keys.sort(axis=1, kind="stable")
+    real = np.count_nonzero(keys < seq_len, axis=1)  # each window's remainders
+    steps = int(real.max()) if rows else 0
+    keys = keys[:, :steps].T.copy()  # (steps, rows): step k packs piece k of every window
+    keys[keys == seq_len] = 0  # no piece: one of seq_len tokens, opening a sequence after the window's own
+    cb = seq_len.bit_length()  # record: (sequence << cb) | place in it, as _lockstep gives it
+    record = np.zeros(
+        (steps, rows), dtype=np.int32 if (steps + 1) << max(cb, rows.bit_length()) < 1 << 31 else np.int64
+    )
+    opened = np.full(rows, steps, dtype=np.int64)
+    if steps > 1:
+        side = max(1, _CHUNK_ROOMS // (seq_len + 1))
+        # A short last window alone: with fewer pieces over half a sequence, it would shorten the
+        # start its group places at once.
+        lock = rows - 1 if count % window and rows > 1 else rows
+        groups = [(g, min(g + side, lock)) for g in range(0, lock, side)] + ([(lock, rows)] if lock < rows else [])
+        for g0, g1 in groups:
+            pack = _lockstep if g1 - g0 >= _LOCKSTEP_WINDOWS else _one_by_one
+            record[:, g0:g1], opened[g0:g1] = pack(keys[:, g0:g1], seq_len, cb)
+    del keys
+    # Sequence numbers: each window's full sequences, then its packed ones in the order opened.
+    bins = opened - (steps - real)
+    fulls = np.zeros(rows * window, dtype=np.int64)
+    if full is not None:
+        fulls[:count] = full
+    fulls = fulls.reshape(rows, window).sum(axis=1)
+    per_window = fulls + bins
+    total = int(per_window.sum())
+    bin_first = np.cumsum(per_window) - bins  # each window's first packed sequence, in the chunk
+    rec = np.ascontiguousarray(record.T)  # (rows, steps): each window's pieces in packing order
+    seq = bin_first[:, None] + (rec >> cb)
+    slot = rec & ((1 << cb) - 1)
+    order += (np.arange(rows, dtype=np.int64) * window)[:, None]
+    at = order[:, :steps]  # each piece's document, in the chunk
+    if np.all(real == steps):
+        seq, slot, at = seq.reshape(-1), slot.reshape(-1), at.reshape(-1)
+    else:
+        taken = np.arange(steps) < real[:, None]
+        seq, slot, at = seq[taken], slot[taken], at[taken]
+    cut_seq = cut_doc = cut_j = None
+    if full is not None and fulls.any():
+        cut_doc = np.repeat(np.arange(count, dtype=np.int64), full)
+        cut_j = np.arange(cut_doc.size, dtype=np.int64) - np.repeat(np.cumsum(full) - full, full)
+        cut_seq = np.arange(cut_doc.size, dtype=np.int64) + (np.cumsum(bins) - bins)[cut_doc // window]
+        counts = np.bincount(np.concatenate([cut_seq, seq]), minlength=total)
+    else:
+        counts = np.bincount(seq, minlength=total)
+    ends = np.cumsum(counts)
+    placed = int(ends[-1]) if total else 0
+    np.add(ends, out.pieces, out=out.first[out.sequences + 1 : out.sequences + total + 1])
+    ends -= counts  # each sequence's first piece
+    src = np.empty(placed, dtype=np.int64)  # each piece's document, in the chunk
+    pos = ends[seq]
+    pos += slot
+    src[pos] = at
+    if cut_seq is not None and cut_doc is not None:
+        src[ends[cut_seq]] = cut_doc
+    into = slice(out.pieces, out.pieces + placed)
+    np.take(documents, src, out=out.doc[into])
+    np.take(n, src, out=out.stop[into])
+    if full is not None:
+        np.subtract(out.stop[into], np.take(rest, src), out=out.start[into])
+    if cut_seq is not None and cut_j is not None:
+        at_cut = ends[cut_seq] + out.pieces
+        out.start[at_cut] = cut_j * seq_len
+        out.stop[at_cut] = out.start[at_cut] + seq_len
+    out.sequences += total
+    out.pieces += placed
+
+
+_ONE = np.uint64(1)
+_BIT = _ONE << np.arange(64, dtype=np.uint64)  # _BIT[i]: bit i
+_BIT_OR_NONE = np.concatenate([_BIT, np.zeros(1, dtype=np.uint64)])  # and _BIT_OR_NONE[-1]: none
+_FROM = np.concatenate([~(_BIT - _ONE), np.zeros(1, dtype=np.uint64)])  # _FROM[i]: bits i..63 (none for 64)
+_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_SIX = np.uint64(58)
+_BIT_AT = np.zeros(64, dtype=np.int64)  # a power of two's bit, by its De Bruijn product's top 6 bits
+_BIT_AT[(_BIT * _DEBRUIJN) >> _SIX] = np.arange(64)
+
+
+def _lowest(words: npt.NDArray[np.uint64]) -> tuple[Int64Array, npt.NDArray[np.uint64]]:
+    """The place of each word's lowest set bit (0 for a word of 0), and that bit."""
+    low = words & -words
+    return _BIT_AT[(low * _DEBRUIJN) >> _SIX], low
+
+
+def _words(present: npt.NDArray[np.bool_]) -> npt.NDArray[np.uint64]:
+    """Bits ``[window, place]`` as 64-bit words ``[window, word]`` (bit ``i`` of word ``w``: place
+    ``64 w + i``), with a spare word of 0 after them."""
+    rows, places = present.shape
+    width = (-(-places // 64) + 1) * 64
+    if places != width:
+        padded = np.zeros((rows, width), dtype=bool)
+        padded[:, :places] = present
+        present = padded
+    return np.packbits(present, axis=1, bitorder="little").view("<u8").astype(np.uint64, copy=False)
+
+
+def _lockstep(keys: npt.NDArray[Any], seq_len: int, cb: int) -> tuple[npt.NDArray[Any], Int64Array]:
+    """Best-fit decreasing over the windows of ``keys`` side by side, one piece of every window per step.
+
+    ``keys``: ``(steps, windows)``, ``seq_len`` less each piece's size, the pieces of a window in
+    packing order (0: a piece of ``seq_len``). Returns ``record``, ``(steps, windows)``, the
+    sequence each piece went to, numbered in the order its window opened them, shifted left by
+    ``cb`` bits, or'ed with the piece's place in it; and the sequences each window opened.
+
+    A window's open sequences are found by their room (the tokens they have free, 1 to
+    ``seq_len``), a room ``x`` being place ``x - 1``: ``last[place, window]`` is the sequence last
+    given that room (and its pieces so far, packed as ``record`` is) and ``before[sequence, window]``
+    the one given it before that, a stack per room, as the sorted list of the loop this replaced
+    gave the last-inserted of equal rooms first. A bitmap per window marks the rooms held, in
+    64-bit words, with a word of bits per 64 words above it up to a single word (``summary``), so
+    that the least room that holds a piece is a few word operations away. The room ``seq_len`` is
+    always held, by a stack of new sequences (the next one the window opens). A sequence left with
+    no room goes to place -1: the spare last row of ``last``, and a bit in the spare word of each
+    bitmap below ``summary`` (none in ``summary``), where no search looks. The pieces over half a
+    sequence that every window starts with each open a sequence, so they are placed at once."""
+    steps, rows = keys.shape
+    sh = max(0, (rows - 1).bit_length())  # [x, window] is at (x << sh) | window
+    stride = 1 << sh
+    value = np.dtype(np.int32 if (steps + 1) << max(cb, sh) < 1 << 31 else np.int64)
+    win = np.arange(rows, dtype=np.int64)
+    last = np.full((seq_len + 1) << sh, -1, dtype=value)
+    before = np.empty((steps + 1) << sh, dtype=value)
+    before.reshape(steps + 1, stride)[:] = (np.arange(1, steps + 2, dtype=value) << cb)[:, None]  # new ones
+    record = np.empty((steps, rows), dtype=value)
+    present = np.zeros((rows, (-(-seq_len // 64) + 1) * 64), dtype=bool)  # [window, place]: a room held
+    present[:, seq_len - 1] = True
+    big = int(np.count_nonzero((keys > 0) & (keys < (seq_len + 1) // 2), axis=0).min())
+    if big:  # piece k < big opens sequence k, its room the piece's key, ascending down a window
+        place = keys[:big].astype(np.int64) - 1
+        j = np.arange(big, dtype=value)[:, None]
+        record[:big] = j << cb
+        same = np.zeros((big, rows), dtype=bool)
+        np.equal(place[1:], place[:-1], out=same[1:])
+        before.reshape(steps + 1, stride)[:big, :rows] = np.where(same, ((j - 1) << cb) | 1, -1)
+        top = np.ones((big, rows), dtype=bool)
+        np.logical_not(same[1:], out=top[:-1])
+        last[((place << sh) | win)[top]] = np.broadcast_to((j << cb) | 1, top.shape)[top]
+        present[win, place] = True
+    last[((seq_len - 1) << sh) | win] = big << cb
+    levels: list[npt.NDArray[np.uint64]] = []  # the bitmaps below the summary, finest first
+    while True:
+        words = _words(present)
+        if words.shape[1] <= 2:
+            summary = words[:, 0].copy()
+            break
+        spread = np.zeros((words.shape[1], stride), dtype=np.uint64)
+        spread[:, :rows] = words.T
+        levels.append(spread.reshape(-1))
+        present = words[:, :-1] != 0
+    for k in range(big, steps):
+        need = seq_len - 1 - keys[k].astype(np.int64)  # the place of a room of the piece's size
+        # Up: the first word at or after the place, at each level, masked below it.
+        pos, found = need, []
+        for bits in levels:
+            word = pos >> 6
+            found.append((word, bits[(word << sh) | win] & _FROM[pos & 63]))
+            pos = word + 1
+        at_place, low = _lowest(summary & _FROM[pos])
+        # Down: from the finest level that found a bit, its lowest bit's word at the level below.
+        for level in range(len(levels) - 1, -1, -1):
+            word, masked = found[level]
+            here = masked != 0
+            at = (np.where(here, word, at_place) << sh) | win
+            bit, low = _lowest(np.where(here, masked, levels[level][at]))
+            at_place = ((at >> sh) << 6) | bit
+        # Take that room's last sequence; its stack may empty, and with it a bit at each level.
+        idx = (at_place << sh) | win
+        got = np.take(last, idx, out=record[k])
+        seq = ((got >> cb) << sh) | win
+        below = before[seq]
+        last[idx] = below
+        gone = below < 0
+        if levels:
+            left = levels[0][at] ^ (low * gone)
+            levels[0][at] = left
+            pos = at >> sh
+            for bits in levels[1:]:
+                gone &= left == 0
+                at = ((pos >> 6) << sh) | win
+                left = bits[at] ^ (_BIT[pos & 63] * gone)
+                bits[at] = left
+                pos >>= 6
+            summary ^= _BIT[pos] * (gone & (left == 0))
+        else:
+            summary ^= low * gone
+        # Give it its room left, one piece more.
+        free = at_place - need - 1
+        idx = (free << sh) | win
+        before[seq] = last[idx]
+        last[idx] = got + 1
+        for bits in levels:
+            bits[((free >> 6) << sh) | win] |= _BIT[free & 63]
+            free >>= 6
+        summary |= _BIT_OR_NONE[free]
+    return record, (last[((seq_len - 1) << sh) | win] >> cb).astype(np.int64)
+
+
+def _one_by_one(keys: npt.NDArray[Any], seq_len: int, cb: int) -> tuple[npt.NDArray[Any], Int64Array]:
+    """:func:`_lockstep`'s result, a window at a time in Python (for a few windows)."""
+    steps, rows = keys.shape
+    record = np.empty((steps, rows), dtype=np.int64)
+    opened = np.empty(rows, dtype=np.int64)
+    for r in range(rows):
+        fill: list[int] = []  # each sequence's pieces so far
         room: list[int] = []  # the free tokens of each open sequence, sorted, with ...
         which: list[int] = []  # ... the sequence each belongs to
-        for i in by_size.tolist():
-            size = int(rest[i])
+        column: list[int] = []
+        for key in keys[:, r].tolist():
+            size = seq_len - key
             at = bisect.bisect_left(room, size)
             if at == len(room):
-                bins.append([i])
-                free, b = seq_len - size, len(bins) - 1
+                b = len(fill)
+                fill.append(0)
+                free = seq_len - size
             else:
                 free, b = room.pop(at) - size, which.pop(at)
-                bins[b].append(i)
+            column.append(b << cb | fill[b])
+            fill[b] += 1
             if free > 0:
                 at = bisect.bisect_left(room, free)
                 room.insert(at, free)
                 which.insert(at, b)
-        for pieces in bins:
-            for i in pieces:
-                doc.append(int(ids[i]))
-                start.append(int(cut[i]))
-                stop.append(int(cut[i] + rest[i]))
-            first.append(len(doc))
-    as_array = np.asarray
-    return (
-        as_array(first, dtype=np.int64),
-        as_array(doc, dtype=np.int64),
-        as_array(start, dtype=np.int64),
-        as_array(stop, dtype=np.int64),
-    )
+        record[:, r] = column
+        opened[r] = len(fill)
+    return record, opened
 
 
 class PackedOrder:
