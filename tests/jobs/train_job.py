@@ -56,7 +56,10 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
         tokens = spec["tokens"]
         if tokens.get("streams"):  # a mixture of token streams, each packed the same way
             data = dict(
-                streams=packed_streams(tokens["streams"]), packing=packed_spec(tokens), schedule=spec["schedule"]
+                streams=packed_streams(tokens["streams"], tokens.get("shares")),
+                packing=packed_spec(tokens),
+                schedule=spec["schedule"],
+                allow_mixture_change=spec["allow_mixture_change"],
             )
         else:
             data = dict(reader=packed_reader(tokens["dir"], **tokens.get("options", {})), packing=packed_spec(tokens))

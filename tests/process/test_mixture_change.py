@@ -11,8 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.loading.audit import audit, format_audit
+from lightning_sharding.mixture import change_mixture, mixture_of
+from lightning_sharding.mixture.composition import apportion
 from tests.support.data.streams import planned_ids
+from tests.support.data.tokens import packed_mixture, token_counts, write_corpus
 from tests.support.harness import (
     FIRST_MIXTURE_2X2,
     MIXTURE,
@@ -24,12 +28,14 @@ from tests.support.harness import (
     Saves,
     Topology,
     Training,
+    check_resume,
     checkpoint_step,
     copy_segment,
     first_segment,
     kept_records,
     run_segment,
     served_per_epoch,
+    weights_at_epoch_ends,
     weights_of_run,
 )
 
@@ -131,3 +137,78 @@ def test_a_change_retried_from_the_same_checkpoint_under_another_mixture_audits_
     # Only the directory after the change: the audit says which directory it lacks.
     with pytest.raises(ValueError, match="audit the run directories of the runs before the change too"):
         audit([after])
+
+
+def test_a_packed_mixture_resumed_with_other_token_shares_trains_each_token_once_in_the_weights(
+    tmp_path: Path,
+) -> None:
+    """Two token streams (corpora of distinct token ids) packed with ``concat``, at shares in tokens:
+    2 ranks x 1 worker, a checkpoint at step 3, killed at step 6; resumed from that checkpoint on
+    1 x 2 with other shares (``allow_mixture_change``). The tokens trained before the change are
+    never trained again in epoch 0, the rest is drawn at the new shares, epoch 1 is the new mixture's,
+    the weights count every trained token once, and every checkpoint's ledger names its weights."""
+    import torch
+
+    web = write_corpus(tmp_path / "web", files=3, documents=16)
+    total = web + write_corpus(tmp_path / "code", files=2, documents=12, seed=1, first_token=web + 1)
+    dirs = [str(tmp_path / "web"), str(tmp_path / "code")]
+    spec = {"streams": dirs, "seq_len": 16, "mode": "concat"}
+    shares = {"before": [{"tokens": 600}, {"tokens": 200}], "after": [{"tokens": 200}, {"tokens": 450}]}
+
+    def mixed(topology: Topology, when: str) -> Job:
+        data = Data(tokens={**spec, "shares": shares[when]}, allow_mixture_change=when == "after")
+        return Job(topology, data, Loading(batch_size=3), Training(epochs=2), checks=Checks(count_weights=True))
+
+    out = tmp_path / "run"
+    seen, (seg0, seg1) = check_resume(
+        out, mixed(Topology(2, 1), "before"), [mixed(Topology(1, 2), "after")], checkpoint_every=3
+    )
+    assert seg0.returncode != 0 and "the mixture changed in epoch 0" in seg1.output, seg1.output[-3000:]
+    readers = {when: packed_mixture(dirs, {**spec, "shares": shares[when]}) for when in shares}
+    manifests = {when: r.manifest() for when, r in readers.items()}
+
+    def trained(state: dict[str, object]) -> np.ndarray:
+        """How often the ledger ``state`` says each token id was trained in its epoch."""
+        consumed = RangeSet.from_state(np.asarray(state["consumed"]))
+        seed, epoch = int(state["seed"]), int(state["epoch"])  # type: ignore[call-overload]
+        if "change" not in state:  # epoch 0 before the change, or epoch 1
+            when = "before" if epoch == 0 else "after"
+            order = manifests[when].order(seed, epoch)
+            return token_counts(readers[when], manifests[when], order, consumed.to_array(), total + 1)
+        before = state["change"]["before"]  # type: ignore[index]
+        change = change_mixture(before, manifests["after"], shuffle=True)
+        new = consumed.intersection(RangeSet.interval(0, change.rest)).to_array()
+        old = manifests["before"].order(seed, epoch), RangeSet.from_state(np.asarray(before["consumed"])).to_array()
+        return token_counts(readers["before"], manifests["before"], *old, total + 1) + token_counts(
+            readers["after"], manifests["after"], change, new, total + 1
+        )
+
+    # Epoch 0: the tokens of the sequences trained before the change and those of the rest, each once.
+    (step3,) = [p for p in seg0.checkpoints if checkpoint_step(p) == 3]
+    state = torch.load(step3, map_location="cpu", weights_only=True)["lightning_sharding"]
+    change = change_mixture(state, manifests["after"], shuffle=True)
+    first = trained(state)
+    rest = token_counts(readers["after"], manifests["after"], change, np.arange(change.rest), total + 1)
+    assert first.max() == 1 and rest.max() == 1 and not (first * rest).any(), "a token came twice in epoch 0"
+    assert Counter({t - 1: 1 for t in np.flatnonzero(first + rest).tolist()}) == seen[0]
+    # The rest at the new shares: each stream's sequences, its share of the rest under the new draws.
+    draws = mixture_of(manifests["after"]).draws  # type: ignore[union-attr]
+    assert [r.planned for r in change.report] == apportion(change.rest, list(draws))
+    assert abs(int(rest[1 : web + 1].sum()) - 16 * change.report[0].planned) < 16, "the rest's web tokens"
+    after = manifests["after"]
+    planned = token_counts(
+        readers["after"], after, after.order(int(state["seed"]), 1), np.arange(after.total), total + 1
+    )
+    assert Counter({t - 1: int(n) for t, n in enumerate(planned.tolist()) if n}) == seen[1], "epoch 1"
+    weights = weights_at_epoch_ends(out, "seg1")
+    np.testing.assert_array_equal(weights[0], first + rest, err_msg="the weights after epoch 0")
+    np.testing.assert_array_equal(weights[1], first + rest + planned, err_msg="the weights after epoch 1")
+    # Every checkpoint's ledger holds exactly the tokens its weights hold (within epoch 0, and in epoch 1).
+    checked = 0
+    for path in [step3, *seg1.checkpoints]:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ledger, w = ckpt["lightning_sharding"], ckpt["state_dict"]["w"].numpy()
+        done = weights[0] if int(ledger["epoch"]) == 1 else np.zeros(total + 1)
+        np.testing.assert_array_equal(w, done + trained(ledger), err_msg=f"{path.name}: ledger and weights")
+        checked += "change" in ledger
+    assert checked >= 1, "no checkpoint of the changed epoch was checked"

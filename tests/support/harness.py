@@ -121,7 +121,8 @@ class Data:
     controller: dict[str, Any] | None = None
     # Packed token sequences (tests/support/data/tokens.py): {"dir", "seq_len", "mode"} ("dir" a URL too, with
     # "options": the file readers' options, storage_options, cache_dir...), or "streams":
-    # [dir, ...] for a mixture of token streams; every token of the corpora is a distinct id, so a
+    # [dir, ...] for a mixture of token streams (each drawn once an epoch, or at its share of "shares":
+    # [{"tokens": 600}, ...]); every token of the corpora is a distinct id, so a
     # token id is the token's identity (ids 1..T, 0 pads).
     tokens: dict[str, Any] | None = None
 

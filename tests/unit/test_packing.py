@@ -326,19 +326,24 @@ def test_a_share_in_tokens_draws_that_many_tokens_within_one_sequence(tmp_path: 
         Stream("x", IndexedTokens(f"{tmp_path / 'a'}/part-*.idx"), weight=1, tokens=5)
 
 
-def test_a_packed_mixture_under_other_shares_is_refused_by_name_not_changed(tmp_path: Path) -> None:
-    """allow_mixture_change does not yet continue packed streams: the resume is refused, naming why."""
+def test_a_packed_mixture_goes_on_under_other_shares_but_not_under_another_packing(tmp_path: Path) -> None:
+    """allow_mixture_change continues packed streams under other shares (tests/unit/test_mixture_change_packed.py);
+    a kept stream packed otherwise is refused, naming it and what changed."""
     from lightning_sharding import Stream
     from lightning_sharding.core.ledger import Ledger
     from lightning_sharding.mixture import MixtureChangeError, MixtureReader, change_mixture
 
     write_corpus(tmp_path, files=2, documents=6)
 
-    def manifest(repeat: float) -> Manifest:
-        reader = PackedReader(IndexedTokens(f"{tmp_path}/part-*.idx"), Packing(8))
+    def manifest(repeat: float, seq_len: int = 8) -> Manifest:
+        reader = PackedReader(IndexedTokens(f"{tmp_path}/part-*.idx"), Packing(seq_len))
         return MixtureReader([Stream("a", reader, repeat=repeat)]).manifest()
 
     before = manifest(1.0)
     state = Ledger(seed=1, total=before.total, manifest=before.summary()).state_dict()
-    with pytest.raises(MixtureChangeError, match=r"does not yet continue a mixture of packed token streams"):
-        change_mixture(state, manifest(2.0), shuffle=True)
+    change = change_mixture(state, manifest(2.0), shuffle=True)
+    assert (change.rest, change.before, change.unit) == (2 * before.total, 0, "sequences")
+    with pytest.raises(
+        MixtureChangeError, match=r"stream 'a' is packed otherwise than in the checkpoint \(seq_len was 8"
+    ):
+        change_mixture(state, manifest(2.0, seq_len=16), shuffle=True)

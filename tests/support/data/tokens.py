@@ -7,6 +7,7 @@ model's weights, how many times each token's gradient was applied. Id 0 pads. Li
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,34 @@ def upload_corpus(directory: Path, url: str, client: Any) -> str:
     return url
 
 
-def packed_streams(directories: list[str]) -> list[Stream]:
-    """One stream per corpus directory, ``s0``, ``s1``..., each drawn once an epoch (``repeat=1.0``)."""
-    return [Stream(f"s{i}", packed_reader(d), repeat=1.0) for i, d in enumerate(directories)]
+def packed_streams(directories: list[str], shares: list[dict[str, Any]] | None = None) -> list[Stream]:
+    """One stream per corpus directory, ``s0``, ``s1``..., each drawn once an epoch (``repeat=1.0``)
+    or at its share of ``shares`` (``{"tokens": 600}``...)."""
+    given = shares or [{"repeat": 1.0}] * len(directories)
+    return [
+        Stream(f"s{i}", packed_reader(d), **share) for i, (d, share) in enumerate(zip(directories, given, strict=True))
+    ]
+
+
+def packed_mixture(streams: list[str], spec: dict[str, Any]) -> Any:
+    """The ``MixtureReader`` of the corpora ``streams`` packed by ``spec`` (a job's ``tokens`` spec, with
+    its ``shares`` and ``schedule``), as the job builds it."""
+    from lightning_sharding.mixture import MixtureReader
+    from lightning_sharding.tokens import PackedReader
+
+    packing = packed_spec(spec)
+    mixed = [replace(s, reader=PackedReader(s.reader, packing)) for s in packed_streams(streams, spec.get("shares"))]
+    return MixtureReader(mixed, schedule=spec.get("schedule"))
+
+
+def token_counts(reader: Any, manifest: Any, order: Any, positions: Any, size: int) -> Any:
+    """How often each token id (index = id, ``size`` of them; 0, the padding id, left at 0) the
+    sequences at ``positions`` of ``order`` hold, read by ``reader`` (a packed mixture's)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if not positions.size:
+        return np.zeros(size, dtype=np.int64)
+    ids = reader.read_sequences(order, positions, manifest.items)["input_ids"].numpy().ravel()
+    return np.bincount(ids[ids != 0], minlength=size)
 
 
 def packed_spec(spec: dict[str, Any]) -> Packing:
@@ -63,12 +89,9 @@ def planned_tokens(streams: list[str], spec: dict[str, Any], seed: int, epoch: i
     """How often each token id (index = id; 0, the padding id, left at 0) is planned in ``epoch`` of a
     mixture of the corpora ``streams`` packed by ``spec`` (a job's ``tokens`` spec) under a share
     ``spec["schedule"]`` and the online ``decisions`` a run made: every sequence of the order, read."""
-    from lightning_sharding.mixture import ControlledMixture, Decision, MixtureReader, mixture_of
-    from lightning_sharding.tokens import PackedReader
+    from lightning_sharding.mixture import ControlledMixture, Decision, mixture_of
 
-    packing = packed_spec(spec)
-    mixed = [Stream(s.name, PackedReader(s.reader, packing), repeat=1.0) for s in packed_streams(streams)]
-    reader = MixtureReader(mixed, schedule=spec.get("schedule"))
+    reader = packed_mixture(streams, {**spec, "shares": None})
     manifest = reader.manifest()
     controlled = ControlledMixture(mixture_of(manifest), tuple(Decision.from_state(d) for d in decisions))  # type: ignore[arg-type]
     order = controlled.order(manifest.counts, seed, epoch)
