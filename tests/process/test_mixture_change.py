@@ -146,7 +146,8 @@ def test_a_packed_mixture_resumed_with_other_token_shares_trains_each_token_once
     2 ranks x 1 worker, a checkpoint at step 3, killed at step 6; resumed from that checkpoint on
     1 x 2 with other shares (``allow_mixture_change``). The tokens trained before the change are
     never trained again in epoch 0, the rest is drawn at the new shares, epoch 1 is the new mixture's,
-    the weights count every trained token once, and every checkpoint's ledger names its weights."""
+    the weights count every trained token once, every checkpoint's ledger names its weights, and the
+    audit trail follows the change."""
     import torch
 
     web = write_corpus(tmp_path / "web", files=3, documents=16)
@@ -157,7 +158,7 @@ def test_a_packed_mixture_resumed_with_other_token_shares_trains_each_token_once
 
     def mixed(topology: Topology, when: str) -> Job:
         data = Data(tokens={**spec, "shares": shares[when]}, allow_mixture_change=when == "after")
-        return Job(topology, data, Loading(batch_size=3), Training(epochs=2), checks=Checks(count_weights=True))
+        return Job(topology, data, Loading(batch_size=3), Training(epochs=2), checks=CHECKS)
 
     out = tmp_path / "run"
     seen, (seg0, seg1) = check_resume(
@@ -212,3 +213,8 @@ def test_a_packed_mixture_resumed_with_other_token_shares_trains_each_token_once
         np.testing.assert_array_equal(w, done + trained(ledger), err_msg=f"{path.name}: ledger and weights")
         checked += "change" in ledger
     assert checked >= 1, "no checkpoint of the changed epoch was checked"
+    results = audit([out])
+    assert [(r.epoch, r.expected, r.consumed, r.duplicates, r.ok, r.complete) for r in results] == [
+        (0, change.total, change.total, 0, True, True),
+        (1, after.total, after.total, 0, True, True),
+    ], format_audit(results)
