@@ -1,8 +1,8 @@
-"""The ``lightning-sharding`` command line: ``plan``, ``inspect``, ``audit`` and ``index``.
+"""The ``lightning-sharding`` command line: ``plan``, ``inspect``, ``audit``, ``index`` and ``tokenize``.
 
 ``plan`` shows which samples, batches and items every (rank, worker) gets for a topology;
 ``inspect`` reads the data ledger inside a Lightning checkpoint; ``index`` writes the data's index
-beside it. Heavy imports (Hydra, torch,
+beside it; ``tokenize`` turns text into Megatron token files. Heavy imports (Hydra, torch,
 matplotlib) happen inside the commands, so ``--help`` answers at once.
 """
 
@@ -15,15 +15,17 @@ from lightning_sharding.cli._common import PROG, CliError, _Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lightning-sharding`` argument parser and its subcommands: ``plan``, ``inspect``, ``audit``, ``index``."""
+    """The ``lightning-sharding`` argument parser and its subcommands (``plan``, ``inspect``, ``tokenize``...)."""
     from lightning_sharding import _version
     from lightning_sharding.cli.audit import register as register_audit
     from lightning_sharding.cli.checkpoint import register as register_inspect
     from lightning_sharding.cli.index import register as register_index
     from lightning_sharding.cli.plan import register as register_plan
+    from lightning_sharding.cli.tokenize import register as register_tokenize
 
     parser = _Parser(
-        prog=PROG, description="Plan, inspect and audit exactly-once sharded data loading; index data files."
+        prog=PROG,
+        description="Plan, inspect and audit exactly-once sharded data loading; index data files; tokenize text.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_inspect(sub)
     register_audit(sub)
     register_index(sub)
+    register_tokenize(sub)
     return parser
 
 

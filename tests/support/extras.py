@@ -32,6 +32,7 @@ EXTRA_OF = {
     "simplejpeg": "image",
     "soundfile": "audio",
     "av": "video",
+    "tokenizers": "text",
     "pymdownx": "docs",
 }
 STRICT_ENV = "LSH_REQUIRE_EXTRAS"
