@@ -11,10 +11,11 @@ each system with 2 worker processes and the same tokenizer, an EOS token appende
 - Hugging Face ``datasets``: ``load_dataset("json")`` (Arrow conversion, a fresh cache) then
   ``.map(batched=True, num_proc=2)`` with ``encode_batch``.
 
-Each system's time is from the call to its output on disk, the rounds interleaved (ours, LitData,
-datasets, then again), ``TOKENIZERS_PARALLELISM=false`` for all (2 processes on 2 cores, no threads
-on top). A figure is the median of the rounds' tokens/s; a ratio (ours / the peer) the median of
-the per-round ratios. Every system's token count is checked equal to ours.
+Each system runs in a fresh Python process of its own (so none inherits another's threads or
+imports), timed inside it from the call to its output on disk (imports excluded), the rounds
+interleaved (ours, LitData, datasets, then again), ``TOKENIZERS_PARALLELISM=false`` for all (2
+processes on 2 cores, no threads on top). A figure is the median of the rounds' tokens/s; a ratio
+(ours / the peer) the median of the per-round ratios. Every system's token count is checked equal to ours.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -165,6 +168,25 @@ def available() -> dict[str, str]:
     return missing
 
 
+def run_alone(name: str, paths: list[Path], tokenizer: Path, out: Path) -> tuple[float, int]:
+    """``SYSTEMS[name]`` in a fresh process: its seconds (the call alone) and the tokens it wrote."""
+    argv = ["--one", name, "--tokenizer", str(tokenizer), "--out", str(out), *map(str, paths)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tokenize", *argv], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    return float(done["seconds"]), int(done["tokens"])
+
+
+def one(name: str, paths: list[Path], tokenizer: Path, out: Path) -> None:
+    """Run one system here and print its seconds and tokens as JSON (the child of :func:`run_alone`)."""
+    started = time.perf_counter()
+    tokens = SYSTEMS[name](paths, tokenizer, out)
+    print(json.dumps({"seconds": time.perf_counter() - started, "tokens": tokens}))
+
+
 def measure(root: Path, megabytes: float, files: int, repeats: int) -> dict[str, Any]:
     paths = write_corpus(root / "text", megabytes, files)
     tokenizer = train_tokenizer(paths, root / "tokenizer.json")
@@ -174,9 +196,7 @@ def measure(root: Path, megabytes: float, files: int, repeats: int) -> dict[str,
     for r in range(repeats):
         for name in rounds:
             out = root / f"out-{r}-{list(SYSTEMS).index(name)}"
-            started = time.perf_counter()
-            tokens = SYSTEMS[name](paths, tokenizer, out)
-            rounds[name].append((time.perf_counter() - started, tokens))
+            rounds[name].append(run_alone(name, paths, tokenizer, out))
             shutil.rmtree(out, ignore_errors=True)
     load_after = os.getloadavg()[0]
     ours_rounds = rounds[OURS]
@@ -230,7 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a small corpus, one round (a smoke run)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--megabytes", type=float, default=None, help="text to generate (default 60; 4 with --quick)")
+    parser.add_argument("--one", choices=list(SYSTEMS), help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.one:
+        one(args.one, [Path(p) for p in args.paths], Path(args.tokenizer), Path(args.out))
+        return
     repeats = 1 if args.quick else args.repeats
     megabytes = args.megabytes or (4.0 if args.quick else 60.0)
     with tempfile.TemporaryDirectory() as tmp:
