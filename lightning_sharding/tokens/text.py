@@ -368,11 +368,15 @@ def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
 
 
 def _pool_context() -> Any:
-    """fork where nothing but the main thread runs (a worker starts at once), else forkserver."""
+    """fork where nothing but the main thread runs (a worker starts at once), else forkserver (spawn)."""
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods and threading.active_count() == 1 and sys.platform == "linux":
         return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if "forkserver" not in methods:
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # imported once by the server, not once a worker
+    return context
 
 
 def tokenize_files(
