@@ -193,19 +193,30 @@ class Buffers:
     """``int64`` arrays for :class:`ConcatRun`, each used again once nothing else holds it (every
     batch sliced from it is gone): fresh memory for every stretch costs page faults, several times
     the time of writing the fields on this project's machine. At most :attr:`LIMIT` are kept; a
-    batch held on to for long only makes another array be allocated."""
+    batch held on to for long only makes another array be allocated.
+
+    Whether an array is free is read from its reference count, compared with the count of an array
+    nothing else holds, measured the same way when the pool is made: how many references the
+    interpreter counts while looking (the list's, the loop's name, the call's argument) differs
+    between Python versions, so no number is assumed. Every array sliced from one (a batch's
+    tensor holds one) adds a reference. One thread per pool: a reader is used by one thread.
+    """
 
     LIMIT = 16
 
     def __init__(self) -> None:
         self._held: list[Int64Array] = []
+        self._free = self._counts([np.empty(1, dtype=np.int64)])[0]
+
+    @staticmethod
+    def _counts(held: list[Int64Array]) -> list[int]:
+        """The reference count of each array of ``held``, as :meth:`take` reads them."""
+        return [sys.getrefcount(base) for base in held]
 
     def take(self, size: int) -> Int64Array:
         """An array of ``size`` elements (of undefined values) that nothing else uses."""
-        for base in self._held:
-            # Three references when free: this list, the loop's name and getrefcount's argument;
-            # every array sliced from it (a batch's tensor holds one) adds one.
-            if base.size >= size and sys.getrefcount(base) == 3:
+        for base, count in zip(self._held, self._counts(self._held), strict=True):
+            if count == self._free and base.size >= size:
                 return base[:size]
         base = np.empty(size, dtype=np.int64)
         if len(self._held) < self.LIMIT:
@@ -237,6 +248,7 @@ class ConcatRun:
         seq_len = packing.seq_len
         take = (buffers or Buffers()).take
         self.order, self.first, self.stop, self.packing = order, first, stop, packing
+        self.served = first  # the sequences before this one were handed out (see holds)
         lo, hi = first * seq_len, stop * seq_len  # the stretch of the stream; whole sequences, so hi <= its end
         size = hi - lo
         ends = order._ends
@@ -292,12 +304,15 @@ class ConcatRun:
             self.documents[:] = np.repeat(docs, n)
 
     def holds(self, order: Any, first: int, rows: int) -> bool:
-        """Whether the sequences ``[first, first + rows)`` of ``order`` are built here."""
-        return order is self.order and self.first <= first and first + rows <= self.stop
+        """Whether the sequences ``[first, first + rows)`` of ``order`` are built here and not
+        handed out yet: a batch is served from a stretch once (its holder may change it in place),
+        so reading sequences again (a second pass, a validation run) builds them afresh."""
+        return order is self.order and self.served <= first and first + rows <= self.stop
 
     def batch(self, first: int, rows: int) -> dict[str, Any]:
         """The batch of the sequences ``[first, first + rows)`` (:meth:`holds` them)."""
         seq_len, fields = self.packing.seq_len, self.packing.fields
+        self.served = first + rows
         a = (first - self.first) * seq_len
         b = a + rows * seq_len
         batch: dict[str, Any] = {"input_ids": torch.from_numpy(self.tokens[a:b].reshape(rows, seq_len))}
