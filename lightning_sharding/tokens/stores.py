@@ -19,6 +19,7 @@ import io
 import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from lightning_sharding.readers.files import FileReader
 from lightning_sharding.readers.index import FileIndex
 from lightning_sharding.readers.npy import npy_header
 from lightning_sharding.readers.parquet import ParquetReader
-from lightning_sharding.readers.storage import FileInfo, filesystem, read_ranges
+from lightning_sharding.readers.storage import FileInfo, digest_of, filesystem, read_ranges
 from lightning_sharding.tokens.packing import ranges
 
 Int64Array = npt.NDArray[np.int64]
@@ -190,12 +191,14 @@ class TokenStore(FileReader):
             return None if local is None else self._map(item, local)
 
     @staticmethod
-    def index(lengths: Int64Array, offset: int, dtype: np.dtype[Any]) -> FileIndex:
-        """A file's index: one item of ``lengths`` documents, its tokens ``offset`` bytes in."""
+    def index(lengths: Int64Array, offset: int, dtype: np.dtype[Any], **more: str) -> FileIndex:
+        """A file's index: one item of ``lengths`` documents, its tokens ``offset`` bytes in
+        (``more``: strings kept beside them)."""
         arrays = {
             "lengths": np.asarray(lengths, dtype=np.int64),
             "offset": np.array([offset], dtype=np.int64),
             "dtype": np.array([dtype.str]),
+            **{name: np.array([value]) for name, value in more.items()},
         }
         return FileIndex([""], [int(len(lengths))], [arrays])
 
@@ -214,7 +217,14 @@ class MegatronStore(TokenStore):
         except FileNotFoundError:
             raise ValueError(f"{idx_url!r} does not exist: a Megatron .bin needs its .idx beside it") from None
         dtype, lengths = megatron_index(raw, idx_url, info.url, info.size)
-        return self.index(lengths, 0, dtype)
+        # The .idx's content id, as the local reader takes it: the item's id names both files.
+        idx = digest_of(io.BytesIO(raw), len(raw)).split(";")[1]
+        return self.index(lengths, 0, dtype, idx=idx)
+
+    def items(self) -> Sequence[Item]:
+        """The ``.bin`` files, each known by its content and its ``.idx``'s, as the local reader knows it
+        (a checkpoint of local files resumes from the same files given as URLs, or with options)."""
+        return [replace(it, content=f"{it.content};idx={self.index_of(it)['idx'][0]}") for it in super().items()]
 
 
 class TokenFilesStore(TokenStore):
@@ -247,8 +257,17 @@ class TokenFilesStore(TokenStore):
             if len(shape) != 1 or len(data) < offset + int(np.prod(shape)) * dtype.itemsize:
                 raise ValueError(f"{info.url!r} holds an array of shape {shape}: token files are 1-d arrays")
         assert dtype is not None
+        if (len(data) - offset) % dtype.itemsize:
+            raise ValueError(
+                f"{info.url!r} holds {len(data) - offset} bytes of tokens, not a whole number of {dtype} tokens "
+                f"({dtype.itemsize} bytes each): give the file's dtype="
+            )
         tokens = checked_tokens(np.frombuffer(data, dtype=dtype, offset=offset), info.url)
         return self.index(np.diff(document_ends(tokens, self.eos_id), prepend=0), offset, dtype)
+
+    def items(self) -> Sequence[Item]:
+        """The files, each known by its content and ``eos_id``, as the local reader knows it."""
+        return [replace(it, content=f"{it.content};eos={self.eos_id}") for it in super().items()]
 
 
 class ParquetTokensStore(ParquetReader):

@@ -125,3 +125,23 @@ def test_parquet_token_lists_by_url_are_the_local_documents(tmp_path: Path, memo
     assert ours.read(ours.items()[1], 1, None).tolist() == rows[3]  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"column 'text' holds|has no column\(s\) \['text'\]"):
         ParquetTokens("memory://pq/t.parquet", column="text", cache_dir=tmp_path / "cache").items()
+
+
+def test_local_files_are_known_alike_as_paths_as_file_urls_and_with_options(tmp_path: Path) -> None:
+    """A checkpoint of local token files resumes from the same files given as ``file://`` URLs or with
+    the file readers' options (which read them through the storage layer): every item's identity,
+    what a checkpoint knows it by, is the same, the ``.idx`` and ``eos_id`` included."""
+    write_corpus(tmp_path / "corpus", files=2, documents=20)
+    tokens = np.arange(1, 60, dtype=np.int32)
+    tokens[[9, 30]] = 0
+    np.save(tmp_path / "t.npy", tokens)
+    makers = {
+        "megatron": lambda where, **o: IndexedTokens(f"{where}/corpus/part-*.idx", **o),
+        "token files": lambda where, **o: TokenFiles(f"{where}/t.npy", eos_id=0, **o),
+    }
+    for name, make in makers.items():
+        local = [it.identity for it in make(tmp_path).items()]
+        assert [it.identity for it in make(f"file://{tmp_path}").items()] == local, name
+        assert [it.identity for it in make(tmp_path, cache_dir=tmp_path / f"c-{name}").items()] == local, name
+    other = [it.identity for it in TokenFiles(f"file://{tmp_path}/t.npy", eos_id=9).items()]
+    assert other != [it.identity for it in TokenFiles(f"{tmp_path}/t.npy", eos_id=0).items()]  # eos_id makes documents
