@@ -14,6 +14,7 @@ Settings that differ from those recorded are refused rather than mixed into one 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -292,8 +293,13 @@ def _join(parts: list[Part], prefix: str, dtype: Any) -> tuple[int, int]:
         raise ValueError(f"{parts[0].url}: holds no document with a token: nothing to write")
     tmp = f".tmp{os.getpid()}"
     bins = [os.path.join(p.directory, f"{p.index}.bin") for p in parts]
-    if len(bins) == 1:
-        os.replace(bins[0], prefix + ".bin" + tmp)
+    if len(bins) == 1:  # linked, not moved: a run killed before the .idx is renamed finds its part whole
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(prefix + ".bin" + tmp)
+        try:
+            os.link(bins[0], prefix + ".bin" + tmp)
+        except OSError:
+            shutil.copyfile(bins[0], prefix + ".bin" + tmp)
     else:
         with open(prefix + ".bin" + tmp, "wb") as out:
             for name in bins:

@@ -176,6 +176,32 @@ def test_a_run_stopped_after_some_parts_continues_and_writes_the_same_files(
         text.tokenize_files(str(tmp_path / "d*.jsonl"), tmp_path / "out", tokenizer, part_bytes=1500)
 
 
+def test_a_run_stopped_while_it_joins_a_files_one_part_continues(
+    tmp_path: Path, tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped after a file of one part has its ``.bin`` in place and before its ``.idx`` is: the
+    part is still whole, so the next run joins it again (it was moved away, and the run failed)."""
+    from lightning_sharding.tokens import text
+
+    write_jsonl(tmp_path / "d.jsonl", texts(60))
+    whole = text.tokenize_files(str(tmp_path / "d.jsonl"), tmp_path / "whole", tokenizer, eos=1)
+    real_replace = os.replace
+
+    def stop_at_the_idx(src: Any, dst: Any) -> None:
+        if str(dst).endswith(".idx"):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", stop_at_the_idx)
+    with pytest.raises(KeyboardInterrupt):
+        text.tokenize_files(str(tmp_path / "d.jsonl"), tmp_path / "out", tokenizer, eos=1)
+    monkeypatch.setattr(os, "replace", real_replace)
+    again = text.tokenize_files(str(tmp_path / "d.jsonl"), tmp_path / "out", tokenizer, eos=1)
+    assert again["tokens"] == whole["tokens"]
+    for ext in ("bin", "idx"):
+        assert (tmp_path / "out" / f"d.{ext}").read_bytes() == (tmp_path / "whole" / f"d.{ext}").read_bytes()
+
+
 KILLED = """
 import os, signal, sys
 from lightning_sharding.tokens import text
