@@ -31,6 +31,7 @@ stream that had drawn from two of its orders (drawn more than once an epoch) is 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,7 @@ class RestStream:
         self.ends = np.cumsum([self.size - s.size for s in self.skips], dtype=np.int64)
         self.levelled = int(self.ends[-1]) if self.ends.size else 0  # draws before the whole passes
         self.left = self.size - int(consumed.size)
+        self._passes: OrderedDict[int, Any] = OrderedDict()  # the newest few whole passes' orders
 
     def portions_of(self, draws: npt.ArrayLike) -> list[tuple[Int64Array, Any, Int64Array]]:
         """The draws grouped by the order they come from, as :meth:`StreamOrder.portions_of` gives
@@ -136,8 +138,17 @@ class RestStream:
         return out
 
     def pass_order(self, key: int) -> Any:
-        """The stream's order keyed ``key`` under the rest's seed: an :class:`EpochOrder`, or a packed order."""
-        return rest_order(self.counts, self.name, self.base_seed, key, shuffle=self.shuffle, epochs=self.epochs)
+        """The stream's order keyed ``key`` under the rest's seed: an :class:`EpochOrder`, or a packed
+        order; the newest few are kept, as :meth:`StreamOrder.portion_order` keeps them (a batch asks
+        for its pass's order, and building one is a permutation of the stream; a packed reader's
+        stretch of sequences lasts as long as its order)."""
+        order = self._passes.get(key)
+        if order is None:
+            order = rest_order(self.counts, self.name, self.base_seed, key, shuffle=self.shuffle, epochs=self.epochs)
+            self._passes[key] = order
+            if len(self._passes) > 4:
+                self._passes.popitem(last=False)
+        return order
 
     def locate(self, draws: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """The stream's item and sample index of each draw of the rest, shape ``(n,)`` each."""
