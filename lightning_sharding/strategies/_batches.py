@@ -38,7 +38,7 @@ SKIPS_NAMED = 10
 
 
 def _stack(tensors: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
-    if tensors[0].layout is not torch.strided or tensors[0].is_nested:  # what PyTorch refuses, it says
+    if tensors[0].layout is not torch.strided or tensors[0].is_nested:  # PyTorch's own collate names what it can't
         return collate_tensor_fn(tensors, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
     return torch.stack(list(tensors), 0)
 

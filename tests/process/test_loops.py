@@ -127,8 +127,9 @@ def assert_chain(out: Path, segments: list[str], manifest: Any, num_ids: int, ep
     any segment imported Lightning's Trainer package (``lightning``, ``pytorch_lightning``): the
     loading engine imports none; a Fabric loop loads ``lightning_fabric`` alone."""
     for segment in segments:
+        ranks = json.loads((out / f"config-{segment}.json").read_text())["ranks"]
         reports = sorted(out.glob(f"modules-{segment}-rank*.json"))
-        assert reports, f"segment {segment} wrote no report of its modules"
+        assert [r.name for r in reports] == [f"modules-{segment}-rank{k}.json" for k in range(ranks)], reports
         for report in reports:
             imported = json.loads(report.read_text())
             assert imported == [], f"{report.name}: the loop imported {imported[:10]}"
