@@ -35,6 +35,14 @@ def register(sub: Any) -> None:
         help="also compare the checkpoint with the data it would resume on: the train config's data, with these "
         "Hydra overrides (e.g. --data data=files 'data.urls=[/scratch/ds/*.npy]'), and print every difference",
     )
+    inspect.add_argument(
+        "--step",
+        type=int,
+        metavar="N",
+        help="also name what global step N trained on every rank (the step trained while trainer.global_step was "
+        "N), replayed from the checkpoint's training history without reading data: epoch positions, and with "
+        "--data the item and index of each sample (of packed sequences: each document's token range)",
+    )
     inspect.add_argument("--config-dir", help="a directory of your own train configs (default: the packaged ones)")
     inspect.add_argument("--config-name", default="train", help="the config to compose (default: train)")
     inspect.set_defaults(func=_inspect)
@@ -123,8 +131,24 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
             _step_line(state, ckpt.get("global_step")),
             *_stream_lines(manifest.get("streams"), ledger, manifest),
             *_packing_lines(manifest.get("packing")),
+            *_history_lines(ledger.history, "state key" in ckpt),
         ]
     )
+
+
+def _history_lines(history: list[dict[str, Any]], own_loop: bool) -> list[str]:
+    """The runs that trained into the checkpoint (``inspect --step`` replays them); none from a
+    Trainer's checkpoint means an earlier lightning_sharding wrote it."""
+    if not history:
+        return [] if own_loop else ["history      not recorded (an earlier lightning_sharding): --step names no step"]
+    lines = [
+        f"history      from step {h['step']} (epoch {h['epoch']}): {h['world_size']} ranks x {h['num_workers']} "
+        f"workers, batch_size {h['batch_size']}, accumulate {h['accumulate']}"
+        for h in history
+    ]
+    if int(history[0]["step"]) > 0:
+        lines.append(f"history      starts at the resume at step {history[0]['step']}: the runs before recorded none")
+    return lines
 
 
 def _packing_lines(packing: Any) -> list[str]:
@@ -228,6 +252,17 @@ def _inspect(args: argparse.Namespace) -> int:
     print(report)
     if args.data is not None:
         print(compare_with_data(ckpt[CHECKPOINT_KEY], args.data, args.config_dir, args.config_name))
+    if args.step is not None:
+        manifest = None
+        if args.data is not None:
+            from lightning_sharding.cli.plan import _compose, _manifest
+
+            batch_size = (ckpt[CHECKPOINT_KEY].get("writer") or {}).get("batch_size")
+            manifest = _manifest(_compose(args.data, args.config_dir, args.config_name), batch_size)
+        try:
+            print(format_step(ckpt[CHECKPOINT_KEY], args.step, ckpt.get("global_step"), manifest))
+        except ValueError as err:
+            raise CliError(f"{path}: {err}") from None
     if plot is not None:
         import lightning_sharding.cli.plots as plots
 
@@ -269,3 +304,50 @@ def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir
     changes = manifest.differences(saved, state.get("items"), shown=None)
     lines = [where, f"other data   it would not resume ({_plural(len(changes), 'difference')}):"]
     return "\n".join(lines + [f"  - {c}" for c in changes])
+
+
+def format_step(state: Mapping[str, Any], step: int, global_step: Any = None, manifest: Any = None) -> str:
+    """What global step ``step`` trained on every data-parallel rank, replayed from the ledger ``state``'s
+    history (:func:`~lightning_sharding.core.history.replay_step`): each micro-batch's epoch positions,
+    and, given the data's ``manifest`` (of the checkpoint's data), each sample's item and index, or of
+    packed sequences each document's token range. Raises ``ValueError`` for a step it cannot replay."""
+    from lightning_sharding.core.history import replay_step, segments_of
+    from lightning_sharding.core.ledger import Ledger
+
+    ledger = Ledger.from_state_dict(state)
+    if manifest is not None and manifest.fingerprint != ledger.fingerprint:
+        raise ValueError("--data is not the checkpoint's data (another fingerprint): its samples cannot be named")
+    needs_order = bool(ledger.manifest.get("streams") or ledger.manifest.get("schedule"))
+    if needs_order and manifest is None:
+        raise ValueError("the checkpoint's data is a mixture: pass --data with its data to replay its steps")
+    orders = manifest.order if manifest is not None else None
+    ranks = replay_step(state, step, None if global_step is None else int(global_step), orders)
+    first = int(segments_of(state)[0]["step"])
+    lines = [f"step         {step} (epoch {ranks[0].epoch}), {len(ranks)} data-parallel ranks"]
+    if first > 0:
+        lines.append(f"history      starts at step {first}: the checkpoint resumed there from one without a history")
+    for got in ranks:
+        order = manifest.order(ledger.seed, got.epoch) if manifest is not None else None
+        for i, positions in enumerate(got.batches):
+            where = f"rank {got.rank}" + (f" micro-batch {i}" if len(got.batches) > 1 else "")
+            ranges = ", ".join(f"[{a}, {b})" for a, b in RangeSet.from_positions(positions).ranges())
+            lines.append(f"{where}: positions {ranges or 'none'}")
+            if order is not None:
+                lines += ["  " + line for line in _sample_names(order, manifest, positions)]
+    return "\n".join(lines)
+
+
+def _sample_names(order: Any, manifest: Any, positions: np.ndarray) -> list[str]:
+    """One line per sample at ``positions``: its item's key and index, or a packed sequence's pieces."""
+    pieces = getattr(order, "pieces", None)
+    if pieces is not None:
+        rows, docs, starts, stops = pieces(positions)
+        parts: list[list[str]] = [[] for _ in range(positions.size)]
+        for r, d, a, b in zip(rows.tolist(), docs.tolist(), starts.tolist(), stops.tolist(), strict=True):
+            parts[r].append(f"document {d} tokens [{a}, {b})")
+        return [f"position {p}: " + "; ".join(held) for p, held in zip(positions.tolist(), parts, strict=True)]
+    items, index = order.locate(positions)
+    return [
+        f"position {p}: {manifest.items[i].key} [{j}]"
+        for p, i, j in zip(positions.tolist(), items.tolist(), index.tolist(), strict=True)
+    ]

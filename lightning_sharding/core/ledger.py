@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_sharding.core.history import HISTORY_KEY, history_state, segments_of
 from lightning_sharding.core.rangeset import RangeSet
 
 LEDGER_VERSION = 1
@@ -130,6 +131,9 @@ class Ledger:
         # A mixture under online control: every decision made so far, as Decision.state() dicts, in
         # the order made; kept across epochs (an epoch starts at the shares of the last one). None: not controlled.
         self.decisions: list[dict[str, Any]] | None = None
+        # One entry per run that trained into this ledger (lightning_sharding.core.history): bookkeeping
+        # only, never read by the plan; a state without it (an earlier release's) starts none.
+        self.history: list[dict[str, Any]] = []
 
     @property
     def fingerprint(self) -> str:
@@ -224,6 +228,8 @@ class Ledger:
             state["change"] = self.change
         if self.decisions is not None:
             state["decisions"] = [dict(d) for d in self.decisions]
+        if self.history:  # an optional key: earlier releases read the state without it
+            state[HISTORY_KEY] = history_state(self.history)
         return state
 
     @classmethod
@@ -256,6 +262,7 @@ class Ledger:
         ledger.consumed = RangeSet.from_state(np.asarray(state["consumed"]))
         if state.get("decisions") is not None:
             ledger.decisions = [dict(d) for d in state["decisions"]]
+        ledger.history = segments_of(state)
         if ledger.consumed and int(ledger.consumed.ends[-1]) > ledger.total:
             raise CheckpointMismatchError(
                 f"malformed ledger state: consumed position {int(ledger.consumed.ends[-1]) - 1} "

@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from typing_extensions import override
 
+from lightning_sharding.core.history import segment_entry
 from lightning_sharding.core.ledger import CHECKPOINT_KEY
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
@@ -63,6 +64,7 @@ class ShardingCallback(pl.Callback):
         self._wait = self._busy = 0.0
         self._audit: AuditWriter | None = None
         self.worlds: list[World] = []
+        self._history_noted = False
 
     @staticmethod
     def _keeper(trainer: pl.Trainer) -> LedgerKeeper:
@@ -84,6 +86,7 @@ class ShardingCallback(pl.Callback):
         # step counter (inside a user's `optimizer_step`) still sees the update.
         self._step_hooks = [opt.register_step_post_hook(self._count_step) for opt in trainer.optimizers]
         self._accounting.start_run(self._optimizer_steps)
+        self._history_noted = False  # the run's history entry is written at its first batch
         # Lightning skips on_train_epoch_start when it resumes mid-epoch; start the clock here too.
         self.on_train_epoch_start(trainer, pl_module)
 
@@ -116,7 +119,11 @@ class ShardingCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._batch_start = time.perf_counter()
-        self._keeper(trainer).committed()  # the checkpoint of the previous step is saved by now
+        keeper = self._keeper(trainer)
+        keeper.committed()  # the checkpoint of the previous step is saved by now
+        if not self._history_noted:
+            self._history_noted = True
+            self._note_history(trainer, keeper)
         self._accounting.batch_starts(self._progress(trainer))
         self._show_total(trainer)
         if self._batch_end:  # the time since the last step ended went to waiting for this batch
@@ -133,6 +140,24 @@ class ShardingCallback(pl.Callback):
         self._busy += self._batch_end - self._batch_start
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
             self._log_progress(pl_module, keeper)
+
+    @staticmethod
+    def _note_history(trainer: pl.Trainer, keeper: LedgerKeeper) -> None:
+        """Add this run's entry to the ledger's history: where it starts (step, epoch, what its epoch
+        had consumed: the plan's input) and on which topology. Bookkeeping only; the plan never reads it."""
+        ledger = keeper.ledger
+        ledger.history.append(
+            segment_entry(
+                step=trainer.global_step,
+                epoch=ledger.epoch,
+                consumed=ledger.consumed,
+                world_size=keeper.world.data_size,
+                num_workers=keeper.options.num_workers,
+                batch_size=keeper.options.batch_size,
+                accumulate=trainer.accumulate_grad_batches,
+                even_batches=keeper.options.even_batches,
+            )
+        )
 
     def _progress(self, trainer: pl.Trainer) -> TrainerProgress:
         """The trainer's batch counters for the current epoch, and the optimizer steps that returned."""

@@ -20,6 +20,7 @@ from tests.support.harness import (
     assert_exactly_once,
     assert_weights_count_once,
     check_resume,
+    checkpoint_step,
     cpu_trainer,
     weights_of_run,
 )
@@ -97,12 +98,14 @@ def test_audit_of_a_missing_directory_names_it(tmp_path: Path) -> None:
 
 @pytest.mark.processes
 def test_audit_of_a_killed_and_resumed_ddp_run_is_exactly_once(tmp_path: Path, trained_2x2: Path) -> None:
-    """2 ranks x 2 workers, SIGKILL after a checkpoint, resume on 1 rank x 2 workers. The audit of
-    both segments agrees with the harness's own records: steps after the checkpoint are cut. The
-    2x2 segment is the session's shared one (tests/process/conftest.py), resumed from a copy."""
+    """2 ranks x 2 workers, SIGKILL after a checkpoint, resume on 1 rank x 3 workers, killed the same
+    way, resume on 2 ranks x 1 worker. The audit of the three segments agrees with the harness's own
+    records: steps after each checkpoint are cut. And the last checkpoint's history replays every step
+    the audit trail holds, rank by rank (``inspect --step``). The 2x2 segment is the session's shared
+    one (tests/process/conftest.py), resumed from a copy."""
     total = sum(FIRST_2X2.data.sizes)
-    then = FIRST_2X2.on(world_size=1)
-    seen, segments = check_resume(tmp_path, FIRST_2X2, [then], checkpoint_every=3, trained=trained_2x2)
+    then = [FIRST_2X2.on(world_size=1, num_workers=3), FIRST_2X2.on(world_size=2, num_workers=1)]
+    seen, segments = check_resume(tmp_path, FIRST_2X2, then, checkpoint_every=3, trained=trained_2x2)
     assert_exactly_once(seen, total, epochs=1)
     assert_weights_count_once(weights_of_run(tmp_path, segments), total, epochs=1)
     killed_steps = max(r["gs"] for r in segments[0].records[0])
@@ -111,6 +114,55 @@ def test_audit_of_a_killed_and_resumed_ddp_run_is_exactly_once(tmp_path: Path, t
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = audit([tmp_path])
     assert (row.consumed, row.duplicates, row.missing) == (total, 0, 0)
+    last = max(segments[-1].checkpoints, key=checkpoint_step)
+    assert_replay_matches_audit(last, tmp_path, first_steps=range(12))
+
+
+def audited_steps(run_dir: Path) -> dict[int, dict[int, list[int]]]:
+    """What the audit trail of a chain of runs says each data-parallel rank trained at each global
+    step (``trainer.global_step`` while it trained), the steps a resumed run trained again cut as
+    ``lightning-sharding audit`` cuts them: a micro-batch line whose ``gs`` moved on finished step ``gs - 1``."""
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for path in sorted((run_dir / "audit").glob("*.jsonl")):
+        header, *lines = [json.loads(line) for line in path.read_text().splitlines()]
+        runs.setdefault(header["segment"], {})[int(header["rank"])] = [header, *lines]
+    ordered = sorted(runs.values(), key=lambda r: r[min(r)][0]["started"])
+    steps: dict[int, dict[int, list[int]]] = {}
+    for i, run in enumerate(ordered):
+        cut = ordered[i + 1][0][0]["start_step"] if i + 1 < len(ordered) else None
+        for rank, (header, *lines) in run.items():
+            gs = int(header["start_step"])
+            for line in lines:
+                if line["kind"] != "step":
+                    continue
+                step = line["gs"] - 1 if line["gs"] > gs else line["gs"]
+                gs = line["gs"]
+                if cut is not None and step >= cut:
+                    break
+                positions = [p for start, end in line["pos"] for p in range(start, end)]
+                steps.setdefault(step, {}).setdefault(rank, []).extend(positions)
+    return steps
+
+
+def assert_replay_matches_audit(checkpoint: Path, run_dir: Path, first_steps: range) -> None:
+    """Every step the checkpoint holds is replayed from its history as the audit trail recorded it,
+    on every rank; ``lightning-sharding inspect --step`` prints the same for one step. ``first_steps``:
+    steps that must be there (the chain's)."""
+    from lightning_sharding.core.history import replay_step
+
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state, held = ckpt["lightning_sharding"], int(ckpt["global_step"])
+    trail = audited_steps(run_dir)
+    assert set(first_steps) <= set(range(held)) <= set(trail), (held, sorted(trail))
+    for step in range(held):
+        replayed = {r.rank: r.positions.tolist() for r in replay_step(state, step)}
+        audited = {rank: trail[step].get(rank, []) for rank in replayed}
+        assert replayed == audited, f"step {step}"
+    proc = cli("inspect", str(checkpoint), "--step", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shown = {int(line.split()[1].rstrip(":")): line for line in proc.stdout.splitlines() if line.startswith("rank ")}
+    for rank, positions in trail[4].items():
+        assert f"[{min(positions)}, " in shown[rank], proc.stdout
 
 
 class SlowReader(SyntheticReader):

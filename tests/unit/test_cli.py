@@ -409,6 +409,17 @@ def test_inspect_of_a_packed_checkpoint_gives_the_packing_and_with_data_the_toke
     assert done is not None, out
     consumed, total, left = (int(g.replace(",", "")) for g in done.groups())
     assert total == planned and consumed + left == planned and 0 < consumed <= 20 * 16
+    # --step names each sequence of a step by its documents' token ranges, replayed from the history.
+    code, out, err = run(capsys, "inspect", str(ckpt), "--step", "2", "--data", "recipe=pretrain", *data)
+    assert code == 0, err
+    assert re.search(r"step\s+2 \(epoch 0\), 1 data-parallel ranks", out), out
+    sequences = re.findall(r"^  position \d+: (.*)$", out, re.M)
+    assert len(sequences) == 4, out
+    for pieces in sequences:
+        ranges = re.findall(r"document \d+ tokens \[(\d+), (\d+)\)", pieces)
+        assert ranges and sum(int(b) - int(a) for a, b in ranges) <= 16, pieces
+    code, out, err = run(capsys, "inspect", str(ckpt), "--step", "5")
+    assert code != 0 and "step 5 is not in this checkpoint's training history, which covers steps 0 to 4" in err
 
 
 def test_inspect_a_real_checkpoint(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:

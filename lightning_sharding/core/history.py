@@ -1,0 +1,156 @@
+"""The history of a checkpoint's training: one entry per run that trained into it, and the replay of
+its plan that names the epoch positions each rank trained at any global step.
+
+A run (the first, or a resume) trains from one global step and one ledger, on one topology; the plan
+(:mod:`~lightning_sharding.core.plan`) is a pure function of the ledger's consumed set and that
+topology, so the entry records exactly those: the global ``step`` and ``epoch`` the run started at,
+the ``consumed`` positions it started from (as ``[start, end)`` pairs, flat), its data-parallel
+``world_size``, ``num_workers``, ``batch_size`` (the micro-batch), ``accumulate`` (micro-batches an
+optimizer step) and ``even_batches``. The seed, the manifest and the epoch's total are the ledger's.
+
+Global step ``N`` is the optimizer step Lightning trains while ``trainer.global_step == N`` (the
+step its loss is logged at); the audit trail writes its micro-batches' lines with ``gs`` up to
+``N + 1``. A rank's micro-batches are delivered in :meth:`RankPlan.tasks` order (round-robin over
+the DataLoader's workers), ``accumulate`` of them a step; the last step of an epoch may hold fewer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_sharding.core.order import Order
+from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
+
+HISTORY_VERSION = 1
+HISTORY_KEY = "history"  # where a ledger's state holds {"version", "segments"}
+SEGMENT_KEYS = ("step", "epoch", "consumed", "world_size", "num_workers", "batch_size", "accumulate", "even_batches")
+
+
+class StepNotInHistoryError(ValueError):
+    """The step asked for is not one this checkpoint's history can replay."""
+
+
+def segment_entry(
+    *,
+    step: int,
+    epoch: int,
+    consumed: RangeSet,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    accumulate: int,
+    even_batches: str,
+) -> dict[str, Any]:
+    """One run's history entry (plain ints and strings: checkpoints load with ``weights_only=True``)."""
+    return {
+        "step": int(step),
+        "epoch": int(epoch),
+        "consumed": [int(x) for x in np.asarray(consumed.to_state()).reshape(-1)],
+        "world_size": int(world_size),
+        "num_workers": int(num_workers),
+        "batch_size": int(batch_size),
+        "accumulate": int(accumulate),
+        "even_batches": str(even_batches),
+    }
+
+
+def history_state(segments: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ledger state's ``history`` value."""
+    return {"version": HISTORY_VERSION, "segments": [dict(s) for s in segments]}
+
+
+def segments_of(state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The history entries of a ledger state (none for a checkpoint written before histories, or of a
+    later history version this release does not read)."""
+    held = state.get(HISTORY_KEY)
+    if not isinstance(held, Mapping) or held.get("version") != HISTORY_VERSION:
+        return []
+    segments = held.get("segments")
+    if not isinstance(segments, list) or not all(isinstance(s, Mapping) for s in segments):
+        return []
+    return [dict(s) for s in segments if all(k in s for k in SEGMENT_KEYS)]
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What one data-parallel rank trained at one global step: ``batches`` holds each micro-batch's
+    epoch positions (int64, padding left out), in the order trained."""
+
+    rank: int
+    epoch: int
+    batches: list[np.ndarray]
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Every position of the step on this rank, in the order trained."""
+        return np.concatenate(self.batches) if self.batches else np.zeros(0, dtype=np.int64)
+
+
+def replay_step(
+    state: Mapping[str, Any],
+    step: int,
+    global_step: int | None = None,
+    orders: Callable[[int, int], Order] | None = None,
+) -> list[RankStep]:
+    """Which epoch positions every data-parallel rank trained at global step ``step``, replayed from
+    the history of the ledger ``state`` (a checkpoint's entry) without reading data.
+
+    ``global_step`` is the checkpoint's (the steps it holds end there; default: the ledger's own
+    record of it); ``orders(seed, epoch)`` gives an epoch's order, needed for an order with blocks or
+    in time order (a mixture): without it the epoch is planned as ``total`` positions. A step outside
+    the history is a :class:`StepNotInHistoryError` naming the range it covers.
+    """
+    segments = segments_of(state)
+    end = global_step if global_step is not None else state.get("global_step")
+    if not segments:
+        raise StepNotInHistoryError(
+            "the checkpoint records no training history (it was written by an earlier lightning_sharding, "
+            "or by ShardedData without the Trainer): no step can be replayed"
+        )
+    first = int(segments[0]["step"])
+    last = int(end) if end is not None else None
+    if step < first or (last is not None and step >= last):
+        covers = f"steps {first} to {last - 1}" if last is not None and last > first else "no step"
+        raise StepNotInHistoryError(
+            f"step {step} is not in this checkpoint's training history, which covers {covers}"
+            + (f" (its history starts at the resume at step {first})" if first > 0 else "")
+        )
+    k = max(i for i, s in enumerate(segments) if int(s["step"]) <= step)
+    seg = segments[k]
+    if seg["even_batches"] not in ("pad", "drop"):
+        raise StepNotInHistoryError(
+            f"steps {seg['step']} on were trained with even_batches={seg['even_batches']!r}, whose batches are "
+            "dealt as workers finish them: they cannot be replayed"
+        )
+    seed, total = int(state["seed"]), int(state["total"])
+    epoch, start = int(seg["epoch"]), int(seg["step"])
+    consumed = RangeSet.from_state(np.asarray(seg["consumed"], dtype=np.int64).reshape(-1, 2))
+    accumulate = max(1, int(seg["accumulate"]))
+    while True:
+        order: Order | int = orders(seed, epoch) if orders is not None else total
+        plan = plan_epoch(
+            order,
+            consumed,
+            epoch=epoch,
+            world_size=int(seg["world_size"]),
+            num_workers=int(seg["num_workers"]),
+            batch_size=int(seg["batch_size"]),
+            even_batches=seg["even_batches"],
+        )
+        steps = -(-plan.num_batches // accumulate)
+        if step < start + steps:
+            break
+        start, epoch, consumed = start + steps, epoch + 1, RangeSet()
+    lo = (step - start) * accumulate
+    hi = min(lo + accumulate, plan.num_batches)
+    answer = []
+    for rank in range(plan.world_size):
+        tasks = list(plan.rank(rank).tasks())[lo:hi]
+        batches = [t.positions[: t.positions.size - t.num_padding] for t in tasks]
+        answer.append(RankStep(rank, epoch, batches))
+    return answer

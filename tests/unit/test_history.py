@@ -1,0 +1,101 @@
+"""The training history in the ledger and its replay: the positions of any global step, on every rank,
+against a planner-driven simulation of a chain of resumes on other topologies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lightning_sharding.core.history import StepNotInHistoryError, replay_step, segment_entry
+from lightning_sharding.core.ledger import Ledger
+from lightning_sharding.core.plan import plan_epoch
+
+Topology = tuple[int, int, int, int]  # ranks, workers, batch size, accumulation
+
+
+def simulate(total: int, chain: list[tuple[Topology, int]], epochs: int = 2) -> tuple[Ledger, dict[int, list[Any]]]:
+    """Train ``chain`` (each topology for a number of optimizer steps, then a checkpoint and a resume)
+    as the loader and the callback do: every rank's tasks in DataLoader order, ``accumulate`` of them a
+    step, the epoch's last step shorter. Returns the last ledger and, per global step, what each rank trained."""
+    ledger = Ledger(seed=1, total=total, manifest={"fingerprint": "f"})
+    trained: dict[int, list[Any]] = {}
+    step = 0
+    for (ranks, workers, batch, accumulate), steps in chain:
+        state = ledger.state_dict()
+        ledger = Ledger.from_state_dict(state)  # the resume
+        ledger.history.append(
+            segment_entry(
+                step=step,
+                epoch=ledger.epoch,
+                consumed=ledger.consumed,
+                world_size=ranks,
+                num_workers=workers,
+                batch_size=batch,
+                accumulate=accumulate,
+                even_batches="pad",
+            )
+        )
+        stop = step + steps
+        while step < stop and ledger.epoch < epochs:
+            plan = plan_epoch(
+                total, ledger.consumed, epoch=ledger.epoch, world_size=ranks, num_workers=workers, batch_size=batch
+            )
+            delivered = [list(plan.rank(r).tasks()) for r in range(ranks)]
+            for lo in range(0, plan.num_batches, accumulate):
+                if step >= stop:
+                    break
+                trained[step] = []
+                for r in range(ranks):
+                    batches = [
+                        t.positions[: t.positions.size - t.num_padding] for t in delivered[r][lo : lo + accumulate]
+                    ]
+                    trained[step].append((ledger.epoch, batches))
+                    for b in batches:
+                        ledger.record(b)
+                ledger.commit()
+                step += 1
+            else:
+                ledger.start_epoch(ledger.epoch + 1)
+    return ledger, trained
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [
+        [((2, 2, 4, 1), 5), ((1, 3, 4, 1), 7), ((2, 1, 4, 1), 100)],
+        [((2, 2, 3, 2), 3), ((3, 1, 2, 3), 4), ((1, 2, 5, 1), 100)],
+        [((1, 0, 4, 1), 2), ((4, 2, 1, 2), 40), ((2, 3, 2, 1), 100)],
+    ],
+)
+def test_replay_names_every_step_of_a_chain_of_rescales(chain: list[tuple[Topology, int]]) -> None:
+    ledger, trained = simulate(61, chain)
+    state = ledger.state_dict()
+    last = max(trained) + 1
+    assert state["history"]["version"] == 1 and len(state["history"]["segments"]) == len(chain)
+    restored = Ledger.from_state_dict(state).state_dict()  # the history survives a save and a load
+    for step, ranks in trained.items():
+        replayed = replay_step(restored, step, global_step=last)
+        assert len(replayed) == len(ranks), step
+        for got, (epoch, batches) in zip(replayed, ranks, strict=True):
+            assert got.epoch == epoch, step
+            assert [b.tolist() for b in got.batches] == [b.tolist() for b in batches], (step, got.rank)
+
+
+def test_a_step_outside_the_history_names_the_range_it_covers() -> None:
+    ledger, trained = simulate(40, [((2, 1, 4, 1), 3), ((1, 1, 4, 1), 2)])
+    state = ledger.state_dict()
+    with pytest.raises(StepNotInHistoryError, match="covers steps 0 to 4"):
+        replay_step(state, 5, global_step=5)
+    state["history"]["segments"] = state["history"]["segments"][1:]  # as if the first run predates histories
+    with pytest.raises(StepNotInHistoryError, match="starts at the resume at step 3"):
+        replay_step(state, 1, global_step=5)
+    assert replay_step(state, 3, global_step=5)[0].positions.size == 4
+
+
+def test_a_ledger_without_history_loads_and_replays_nothing() -> None:
+    state = Ledger(seed=1, total=10, manifest={"fingerprint": "f"}).state_dict()
+    assert "history" not in state
+    assert Ledger.from_state_dict(state).history == []
+    with pytest.raises(StepNotInHistoryError, match="records no training history"):
+        replay_step(state, 0, global_step=1)
