@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +30,20 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise CliError(f"{message} (see `{self.prog} --help`)", prog=self.prog)
+
+
+def storage_options(text: str | None) -> dict[str, Any]:
+    """The fsspec options of ``--storage-options JSON`` (``{}`` when not given), or a CliError
+    naming the text that is no JSON object."""
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as err:
+        raise CliError(f"--storage-options is not JSON ({err}): {text!r}") from None
+    if not isinstance(options, dict):
+        raise CliError(f"--storage-options must be a JSON object, not {text!r}")
+    return options
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:

@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from lightning_sharding.cli._common import FORMATS, CliError, data_files
+from lightning_sharding.cli._common import FORMATS, CliError, data_files, storage_options
 
 
 def register(sub: Any) -> None:
@@ -65,14 +65,7 @@ def _reader(args: argparse.Namespace) -> Any:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
-    storage: dict[str, Any] = {}
-    if args.storage_options:
-        try:
-            storage = json.loads(args.storage_options)
-        except ValueError as err:
-            raise CliError(f"--storage-options is not JSON ({err}): {args.storage_options!r}") from None
-        if not isinstance(storage, dict):
-            raise CliError(f"--storage-options must be a JSON object, not {args.storage_options!r}")
+    storage = storage_options(args.storage_options)
     cls = FILE_READERS[fmt]
     try:
         return cls(urls, storage_options=storage, **options)

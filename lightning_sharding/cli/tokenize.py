@@ -7,11 +7,10 @@ The work (parts, workers, the record a killed run continues from) belongs to
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
-from lightning_sharding.cli._common import CliError, _int_at_least
+from lightning_sharding.cli._common import CliError, _int_at_least, storage_options
 
 
 def register(sub: Any) -> None:
@@ -65,14 +64,7 @@ def register(sub: Any) -> None:
 def _tokenize(args: argparse.Namespace) -> int:
     from lightning_sharding.tokens import tokenize_files
 
-    storage: dict[str, Any] = {}
-    if args.storage_options:
-        try:
-            storage = json.loads(args.storage_options)
-        except ValueError as err:
-            raise CliError(f"--storage-options is not JSON ({err}): {args.storage_options!r}") from None
-        if not isinstance(storage, dict):
-            raise CliError(f"--storage-options must be a JSON object, not {args.storage_options!r}")
+    storage = storage_options(args.storage_options)
     eos: str | int | None = int(args.eos) if args.eos is not None and args.eos.isdigit() else args.eos
     try:
         done = tokenize_files(
