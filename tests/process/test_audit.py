@@ -24,6 +24,7 @@ from tests.support.harness import (
     cpu_trainer,
     weights_of_run,
 )
+from tests.support.replay import assert_replay_matches_audit
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -115,54 +116,7 @@ def test_audit_of_a_killed_and_resumed_ddp_run_is_exactly_once(tmp_path: Path, t
     (row,) = audit([tmp_path])
     assert (row.consumed, row.duplicates, row.missing) == (total, 0, 0)
     last = max(segments[-1].checkpoints, key=checkpoint_step)
-    assert_replay_matches_audit(last, tmp_path, first_steps=range(12))
-
-
-def audited_steps(run_dir: Path) -> dict[int, dict[int, list[int]]]:
-    """What the audit trail of a chain of runs says each data-parallel rank trained at each global
-    step (``trainer.global_step`` while it trained), the steps a resumed run trained again cut as
-    ``lightning-sharding audit`` cuts them: a micro-batch line whose ``gs`` moved on finished step ``gs - 1``."""
-    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
-    for path in sorted((run_dir / "audit").glob("*.jsonl")):
-        header, *lines = [json.loads(line) for line in path.read_text().splitlines()]
-        runs.setdefault(header["segment"], {})[int(header["rank"])] = [header, *lines]
-    ordered = sorted(runs.values(), key=lambda r: r[min(r)][0]["started"])
-    steps: dict[int, dict[int, list[int]]] = {}
-    for i, run in enumerate(ordered):
-        cut = ordered[i + 1][0][0]["start_step"] if i + 1 < len(ordered) else None
-        for rank, (header, *lines) in run.items():
-            gs = int(header["start_step"])
-            for line in lines:
-                if line["kind"] != "step":
-                    continue
-                step = line["gs"] - 1 if line["gs"] > gs else line["gs"]
-                gs = line["gs"]
-                if cut is not None and step >= cut:
-                    break
-                positions = [p for start, end in line["pos"] for p in range(start, end)]
-                steps.setdefault(step, {}).setdefault(rank, []).extend(positions)
-    return steps
-
-
-def assert_replay_matches_audit(checkpoint: Path, run_dir: Path, first_steps: range) -> None:
-    """Every step the checkpoint holds is replayed from its history as the audit trail recorded it,
-    on every rank; ``lightning-sharding inspect --step`` prints the same for one step. ``first_steps``:
-    steps that must be there (the chain's)."""
-    from lightning_sharding.core.history import replay_step
-
-    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    state, held = ckpt["lightning_sharding"], int(ckpt["global_step"])
-    trail = audited_steps(run_dir)
-    assert set(first_steps) <= set(range(held)) <= set(trail), (held, sorted(trail))
-    for step in range(held):
-        replayed = {r.rank: r.positions.tolist() for r in replay_step(state, step)}
-        audited = {rank: trail[step].get(rank, []) for rank in replayed}
-        assert replayed == audited, f"step {step}"
-    proc = cli("inspect", str(checkpoint), "--step", "4")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    shown = {int(line.split()[1].rstrip(":")): line for line in proc.stdout.splitlines() if line.startswith("rank ")}
-    for rank, positions in trail[4].items():
-        assert f"[{min(positions)}, " in shown[rank], proc.stdout
+    assert_replay_matches_audit(last, tmp_path, first_steps=range(12), cli_step=4)
 
 
 class SlowReader(SyntheticReader):

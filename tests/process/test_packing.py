@@ -27,8 +27,10 @@ from tests.support.harness import (
     Training,
     assert_exactly_once,
     check_resume,
+    checkpoint_step,
     weights_at_epoch_ends,
 )
+from tests.support.replay import assert_replay_matches_audit
 from tests.support.s3 import S3Server
 
 SEQ_LEN = 16
@@ -72,6 +74,7 @@ def test_every_planned_token_is_trained_once_per_epoch_across_kills_on_other_top
     first = job(corpus, mode, Topology(2, 2), accumulate)
     # The last resume also takes another micro-batch size: the sequences do not depend on it.
     then = [job(corpus, mode, Topology(1, 2), accumulate), job(corpus, mode, Topology(2, 1), accumulate, 5)]
+    first, *then = (j.but(checks=dict(audit=True)) for j in (first, *then))
     seen, segments = check_resume(out, first, then, checkpoint_every=3)
     assert all(s.returncode != 0 for s in segments[:2]), "the first two segments were killed mid-epoch"
     if mode == "none":  # the tokens past seq_len are never trained: only the planned ones count
@@ -88,6 +91,11 @@ def test_every_planned_token_is_trained_once_per_epoch_across_kills_on_other_top
     expected[planned] = 1.0
     for epoch, w in weights.items():
         np.testing.assert_array_equal(w, expected * (epoch + 1), err_msg=f"{mode}: tokens' weights after epoch {epoch}")
+    # The last checkpoint's history names every step's sequences as the audit trail recorded them, across
+    # both rescales (and the epoch's end), from the first run's steps on.
+    steps = sorted(checkpoint_step(p) for p in segments[-1].checkpoints)
+    resumed = steps[0] - 3  # where the last run started (its first checkpoint is 3 steps on)
+    assert_replay_matches_audit(max(segments[-1].checkpoints, key=checkpoint_step), out, range(resumed + 1))
 
 
 @pytest.mark.processes
