@@ -6,7 +6,8 @@ A run (the first, or a resume) trains from one global step and one ledger, on on
 topology, so the entry records exactly those: the global ``step`` and ``epoch`` the run started at,
 the ``consumed`` positions it started from (as ``[start, end)`` pairs, flat), its data-parallel
 ``world_size``, ``num_workers``, ``batch_size`` (the micro-batch), ``accumulate`` (micro-batches an
-optimizer step) and ``even_batches``. The seed, the manifest and the epoch's total are the ledger's.
+optimizer step), ``even_batches`` and ``worker_layout`` (how the plan deals batches to workers).
+The seed, the manifest and the epoch's total are the ledger's.
 
 Global step ``N`` is the optimizer step Lightning trains while ``trainer.global_step == N`` (the
 step its loss is logged at); the audit trail writes its micro-batches' lines with ``gs`` up to
@@ -45,8 +46,11 @@ def segment_entry(
     batch_size: int,
     accumulate: int,
     even_batches: str,
+    worker_layout: str | None = "runs",
 ) -> dict[str, Any]:
-    """One run's history entry (plain ints and strings: checkpoints load with ``weights_only=True``)."""
+    """One run's history entry (plain ints and strings: checkpoints load with ``weights_only=True``);
+    ``worker_layout`` is the plan's (``None``: the strategy deals batches otherwise than by a plan's
+    workers, the dispatch strategy's, and its steps cannot be replayed)."""
     return {
         "step": int(step),
         "epoch": int(epoch),
@@ -56,6 +60,7 @@ def segment_entry(
         "batch_size": int(batch_size),
         "accumulate": int(accumulate),
         "even_batches": str(even_batches),
+        "worker_layout": worker_layout or "",
     }
 
 
@@ -127,6 +132,12 @@ def replay_step(
             f"steps {seg['step']} on were trained with even_batches={seg['even_batches']!r}, whose batches are "
             "dealt as workers finish them: they cannot be replayed"
         )
+    layout = seg.get("worker_layout", "runs")
+    if layout not in ("runs", "interleaved"):
+        raise StepNotInHistoryError(
+            f"steps {seg['step']} on were trained by a strategy that deals batches as its workers finish them "
+            "(dispatch): they cannot be replayed"
+        )
     seed, total = int(state["seed"]), int(state["total"])
     epoch, start = int(seg["epoch"]), int(seg["step"])
     consumed = RangeSet.from_state(np.asarray(seg["consumed"], dtype=np.int64).reshape(-1, 2))
@@ -141,6 +152,7 @@ def replay_step(
             num_workers=int(seg["num_workers"]),
             batch_size=int(seg["batch_size"]),
             even_batches=seg["even_batches"],
+            worker_layout=layout,
         )
         steps = -(-plan.num_batches // accumulate)
         if step < start + steps:

@@ -156,6 +156,8 @@ class ShardingCallback(pl.Callback):
                 batch_size=keeper.options.batch_size,
                 accumulate=trainer.accumulate_grad_batches,
                 even_batches=keeper.options.even_batches,
+                # the sampler's layout of a strategy that deals batches by the plan (None: dispatch's)
+                worker_layout=getattr(getattr(keeper.train_loader, "sampler", None), "worker_layout", None),
             )
         )
 

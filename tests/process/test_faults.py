@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from lightning_sharding import SyntheticReader
+from lightning_sharding.core.history import StepNotInHistoryError, replay_step
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.world import World
@@ -56,6 +57,7 @@ from tests.support.harness import (
     served_per_epoch,
     weights_of_run,
 )
+from tests.support.replay import assert_replay_matches_audit
 
 TOPOLOGIES = [(ranks, workers) for ranks in (1, 2) for workers in (0, 1, 2)]
 # Kills per run: 3 in the suite (the topology matrix itself is the in-process contract test's, in
@@ -193,6 +195,16 @@ def test_sigkill_of_the_whole_job_at_random_points_then_resume_on_random_topolog
     assert all(k.resumed_at <= n.resumed_at for k, n in zip(kills, kills[1:], strict=False)), where
     final = segments[-1].report
     assert final is not None and final["epochs"][0]["consumed"] == total, where
+    # The newest checkpoint's history names what each step trained on every rank, as the audit recorded
+    # it, across the resumes on random topologies (inspect --step); dispatch deals batches as its workers
+    # finish them, which no plan replays, and says so.
+    newest = max((out / "checkpoints").glob("*.ckpt"), key=checkpoint_step)
+    if strategy == "dispatch":
+        state = torch.load(newest, weights_only=True)["lightning_sharding"]
+        with pytest.raises(StepNotInHistoryError, match="dispatch"):
+            replay_step(state, 0)
+    else:
+        assert_replay_matches_audit(newest, out, range(1))
 
 
 # -- dead helper processes ----------------------------------------------------------------------------

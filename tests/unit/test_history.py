@@ -99,3 +99,24 @@ def test_a_ledger_without_history_loads_and_replays_nothing() -> None:
     assert Ledger.from_state_dict(state).history == []
     with pytest.raises(StepNotInHistoryError, match="records no training history"):
         replay_step(state, 0, global_step=1)
+
+
+def test_inspect_step_names_each_sample_by_its_file_and_index() -> None:
+    """With the data's manifest (``inspect --step N --data ...``), each position of the step is named by
+    its item's key and the sample's index in it, as the epoch's order locates it."""
+    from lightning_sharding.cli.checkpoint import format_step
+    from lightning_sharding.core.manifest import Item, Manifest
+
+    manifest = Manifest.from_items(
+        [Item(f"/data/part-{i}.npy", n, fingerprint=str(i)) for i, n in enumerate((9, 7, 8))]
+    )
+    ledger, trained = simulate(manifest.total, [((2, 1, 3, 1), 2), ((1, 2, 3, 2), 100)], epochs=1)
+    ledger.manifest = manifest.summary()
+    state = ledger.state_dict()
+    order = manifest.order(ledger.seed, 0)
+    text = format_step(state, 2, global_step=max(trained) + 1, manifest=manifest)
+    positions = [p for batch in trained[2][0][1] for p in batch.tolist()]
+    items, index = order.locate(positions)
+    for p, i, j in zip(positions, items.tolist(), index.tolist(), strict=True):
+        assert f"  position {p}: /data/part-{i}.npy [{j}]" in text, text
+    assert "rank 0 micro-batch 1: positions" in text, text
