@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -117,6 +118,33 @@ def test_audit_of_a_killed_and_resumed_ddp_run_is_exactly_once(tmp_path: Path, t
     assert (row.consumed, row.duplicates, row.missing) == (total, 0, 0)
     last = max(segments[-1].checkpoints, key=checkpoint_step)
     assert_replay_matches_audit(last, tmp_path, first_steps=range(12), cli_step=4)
+    # And each replayed position named by item and index (inspect --step --data) is the sample that the
+    # records of the runs say that rank trained at that step, read from the data itself (its id).
+    from lightning_sharding.cli.checkpoint import format_step
+    from lightning_sharding.core.manifest import Manifest
+
+    sizes = FIRST_2X2.data.sizes
+    manifest = Manifest.from_items(SyntheticReader(sizes=list(sizes)).items())
+    offsets = [0, *itertools.accumulate(sizes)][:-1]
+    first_id = {item.key: offset for item, offset in zip(manifest.items, offsets, strict=True)}
+    trained: dict[tuple[int, int], list[int]] = {}  # (step, rank) -> ids, from the runs' own records
+    for segment, start, end in zip(segments, (0, 3, 6), (3, 6, None), strict=True):
+        for rank, records in segment.records.items():
+            for record in records:
+                if start <= record["gs"] - 1 and (end is None or record["gs"] - 1 < end):
+                    trained.setdefault((record["gs"] - 1, rank), []).extend(record["ids"])
+    state = torch.load(last, map_location="cpu", weights_only=True)["lightning_sharding"]
+    for step in range(12):
+        text = format_step(state, step, 12, manifest)
+        rank = -1
+        named: dict[tuple[int, int], list[int]] = {}
+        for line in text.splitlines():
+            if line.startswith("rank "):
+                rank = int(line.split()[1].rstrip(":"))
+            elif line.startswith("  position "):
+                key, index = line.split(": ", 1)[1].rsplit(" [", 1)
+                named.setdefault((step, rank), []).append(first_id[key] + int(index.rstrip("]")))
+        assert named == {k: v for k, v in trained.items() if k[0] == step}, f"step {step}:\n{text}"
 
 
 class SlowReader(SyntheticReader):
