@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from lightning_sharding.core.order import Order
-from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.plan import RankPlan, plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 
 HISTORY_VERSION = 1
@@ -162,7 +162,21 @@ def replay_step(
     hi = min(lo + accumulate, plan.num_batches)
     answer = []
     for rank in range(plan.world_size):
-        tasks = list(plan.rank(rank).tasks())[lo:hi]
+        rank_plan = plan.rank(rank)
+        tasks = [rank_plan.batch(_delivered(rank_plan, d)) for d in range(lo, hi)]
         batches = [t.positions[: t.positions.size - t.num_padding] for t in tasks]
         answer.append(RankStep(rank, epoch, batches))
     return answer
+
+
+def _delivered(plan: RankPlan, d: int) -> int:
+    """The index of the ``d``-th batch :meth:`RankPlan.tasks` deals (round-robin over the workers'
+    batches), in O(workers): the workers' batch counts differ by at most one, the longer first."""
+    runs = [plan.worker_batches(w) for w in range(max(1, plan.num_workers))]
+    shortest = min(len(r) for r in runs)
+    if d < shortest * len(runs):
+        step, worker = divmod(d, len(runs))
+        return runs[worker][step]
+    longer = [r for r in runs if len(r) > shortest]
+    step, k = divmod(d - shortest * len(runs), max(1, len(longer)))
+    return longer[k][shortest + step]

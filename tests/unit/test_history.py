@@ -10,6 +10,7 @@ import pytest
 from lightning_sharding.core.history import StepNotInHistoryError, replay_step, segment_entry
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.plan import plan_epoch
+from lightning_sharding.core.rangeset import RangeSet
 
 Topology = tuple[int, int, int, int]  # ranks, workers, batch size, accumulation
 
@@ -120,3 +121,15 @@ def test_inspect_step_names_each_sample_by_its_file_and_index() -> None:
     for p, i, j in zip(positions, items.tolist(), index.tolist(), strict=True):
         assert f"  position {p}: /data/part-{i}.npy [{j}]" in text, text
     assert "rank 0 micro-batch 1: positions" in text, text
+
+
+@pytest.mark.parametrize("layout", ["runs", "interleaved"])
+@pytest.mark.parametrize(("total", "workers", "batch"), [(61, 3, 4), (10, 4, 3), (7, 0, 2), (100, 2, 7), (5, 6, 1)])
+def test_the_dealt_batch_is_found_without_listing_the_tasks(total: int, workers: int, batch: int, layout: str) -> None:
+    from lightning_sharding.core.history import _delivered
+
+    plan = plan_epoch(total, RangeSet(), world_size=2, num_workers=workers, batch_size=batch, worker_layout=layout)
+    for rank in range(2):
+        rank_plan = plan.rank(rank)
+        dealt = [t.index for t in rank_plan.tasks()]
+        assert [_delivered(rank_plan, d) for d in range(len(dealt))] == dealt
