@@ -12,7 +12,8 @@ The seed, the manifest and the epoch's total are the ledger's.
 Global step ``N`` is the optimizer step Lightning trains while ``trainer.global_step == N`` (the
 step its loss is logged at); the audit trail writes its micro-batches' lines with ``gs`` up to
 ``N + 1``. A rank's micro-batches are delivered in :meth:`RankPlan.tasks` order (round-robin over
-the DataLoader's workers), ``accumulate`` of them a step; the last step of an epoch may hold fewer.
+the DataLoader's workers), ``accumulate`` of them a step, as Lightning counts them: a window ends
+where the epoch's batch count is a multiple of ``accumulate``, and at the epoch's last batch.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ def segment_entry(
     accumulate: int,
     even_batches: str,
     worker_layout: str | None = "runs",
+    batches_before: int = 0,
 ) -> dict[str, Any]:
     """One run's history entry (plain ints and strings: checkpoints load with ``weights_only=True``);
     ``worker_layout`` is the plan's (``None``: the strategy deals batches otherwise than by a plan's
-    workers, the dispatch strategy's, and its steps cannot be replayed)."""
+    workers, the dispatch strategy's, and its steps cannot be replayed); ``batches_before`` is how many
+    batches of its epoch Lightning counted before the run (a resume's): its accumulation windows end
+    where that count plus the run's batches is a multiple of ``accumulate``."""
     return {
         "step": int(step),
         "epoch": int(epoch),
@@ -61,6 +65,7 @@ def segment_entry(
         "accumulate": int(accumulate),
         "even_batches": str(even_batches),
         "worker_layout": worker_layout or "",
+        "batches_before": int(batches_before),
     }
 
 
@@ -142,6 +147,7 @@ def replay_step(
     epoch, start = int(seg["epoch"]), int(seg["step"])
     consumed = RangeSet.from_state(np.asarray(seg["consumed"], dtype=np.int64).reshape(-1, 2))
     accumulate = max(1, int(seg["accumulate"]))
+    offset = int(seg.get("batches_before", 0)) % accumulate  # the first window may be part-filled already
     while True:
         order: Order | int = orders(seed, epoch) if orders is not None else total
         plan = plan_epoch(
@@ -154,12 +160,14 @@ def replay_step(
             even_batches=seg["even_batches"],
             worker_layout=layout,
         )
-        steps = -(-plan.num_batches // accumulate)
+        steps = (
+            -(-(offset + plan.num_batches) // accumulate) if plan.num_batches else 0
+        )  # Lightning steps at the epoch's last batch too
         if step < start + steps:
             break
-        start, epoch, consumed = start + steps, epoch + 1, RangeSet()
-    lo = (step - start) * accumulate
-    hi = min(lo + accumulate, plan.num_batches)
+        start, epoch, consumed, offset = start + steps, epoch + 1, RangeSet(), 0
+    lo = max(0, (step - start) * accumulate - offset)
+    hi = min((step - start + 1) * accumulate - offset, plan.num_batches)
     answer = []
     for rank in range(plan.world_size):
         rank_plan = plan.rank(rank)

@@ -121,10 +121,10 @@ class ShardingCallback(pl.Callback):
         self._batch_start = time.perf_counter()
         keeper = self._keeper(trainer)
         keeper.committed()  # the checkpoint of the previous step is saved by now
+        self._accounting.batch_starts(self._progress(trainer))
         if not self._history_noted:
             self._history_noted = True
-            self._note_history(trainer, keeper)
-        self._accounting.batch_starts(self._progress(trainer))
+            self._note_history(trainer, keeper, self._accounting.batches_before or 0)
         self._show_total(trainer)
         if self._batch_end:  # the time since the last step ended went to waiting for this batch
             self._wait += self._batch_start - self._batch_end
@@ -142,9 +142,10 @@ class ShardingCallback(pl.Callback):
             self._log_progress(pl_module, keeper)
 
     @staticmethod
-    def _note_history(trainer: pl.Trainer, keeper: LedgerKeeper) -> None:
+    def _note_history(trainer: pl.Trainer, keeper: LedgerKeeper, batches_before: int) -> None:
         """Add this run's entry to the ledger's history: where it starts (step, epoch, what its epoch
-        had consumed: the plan's input) and on which topology. Bookkeeping only; the plan never reads it."""
+        had consumed: the plan's input; the epoch's batches before it, which set where Lightning's
+        accumulation windows end) and on which topology. Bookkeeping only; the plan never reads it."""
         ledger = keeper.ledger
         ledger.history.append(
             segment_entry(
@@ -156,6 +157,7 @@ class ShardingCallback(pl.Callback):
                 batch_size=keeper.options.batch_size,
                 accumulate=trainer.accumulate_grad_batches,
                 even_batches=keeper.options.even_batches,
+                batches_before=batches_before,
                 # the sampler's layout of a strategy that deals batches by the plan (None: dispatch's)
                 worker_layout=getattr(getattr(keeper.train_loader, "sampler", None), "worker_layout", None),
             )

@@ -17,11 +17,12 @@ Topology = tuple[int, int, int, int]  # ranks, workers, batch size, accumulation
 
 def simulate(total: int, chain: list[tuple[Topology, int]], epochs: int = 2) -> tuple[Ledger, dict[int, list[Any]]]:
     """Train ``chain`` (each topology for a number of optimizer steps, then a checkpoint and a resume)
-    as the loader and the callback do: every rank's tasks in DataLoader order, ``accumulate`` of them a
-    step, the epoch's last step shorter. Returns the last ledger and, per global step, what each rank trained."""
+    as the loader and Lightning do: every rank's tasks in DataLoader order; an optimizer step where the
+    epoch's batch count (Lightning's, kept across a resume) is a multiple of ``accumulate``, and at the
+    epoch's last batch. Returns the last ledger and, per global step, what each rank trained."""
     ledger = Ledger(seed=1, total=total, manifest={"fingerprint": "f"})
     trained: dict[int, list[Any]] = {}
-    step = 0
+    step = before = 0  # before: the epoch's batches so far, as Lightning counts them
     for (ranks, workers, batch, accumulate), steps in chain:
         state = ledger.state_dict()
         ledger = Ledger.from_state_dict(state)  # the resume
@@ -35,6 +36,7 @@ def simulate(total: int, chain: list[tuple[Topology, int]], epochs: int = 2) -> 
                 batch_size=batch,
                 accumulate=accumulate,
                 even_batches="pad",
+                batches_before=before,
             )
         )
         stop = step + steps
@@ -43,21 +45,23 @@ def simulate(total: int, chain: list[tuple[Topology, int]], epochs: int = 2) -> 
                 total, ledger.consumed, epoch=ledger.epoch, world_size=ranks, num_workers=workers, batch_size=batch
             )
             delivered = [list(plan.rank(r).tasks()) for r in range(ranks)]
-            for lo in range(0, plan.num_batches, accumulate):
-                if step >= stop:
-                    break
-                trained[step] = []
+            window: list[list[Any]] = [[] for _ in range(ranks)]
+            for j in range(plan.num_batches):
                 for r in range(ranks):
-                    batches = [
-                        t.positions[: t.positions.size - t.num_padding] for t in delivered[r][lo : lo + accumulate]
-                    ]
-                    trained[step].append((ledger.epoch, batches))
-                    for b in batches:
-                        ledger.record(b)
-                ledger.commit()
-                step += 1
-            else:
+                    task = delivered[r][j]
+                    window[r].append(task.positions[: task.positions.size - task.num_padding])
+                    ledger.record(window[r][-1])
+                before += 1
+                if before % accumulate == 0 or j == plan.num_batches - 1:
+                    ledger.commit()
+                    trained[step] = [(ledger.epoch, w) for w in window]
+                    window = [[] for _ in range(ranks)]
+                    step += 1
+                    if step >= stop:
+                        break
+            if before == 0 or j == plan.num_batches - 1:  # the epoch is over: Lightning starts the next
                 ledger.start_epoch(ledger.epoch + 1)
+                before = 0
     return ledger, trained
 
 
@@ -67,6 +71,7 @@ def simulate(total: int, chain: list[tuple[Topology, int]], epochs: int = 2) -> 
         [((2, 2, 4, 1), 5), ((1, 3, 4, 1), 7), ((2, 1, 4, 1), 100)],
         [((2, 2, 3, 2), 3), ((3, 1, 2, 3), 4), ((1, 2, 5, 1), 100)],
         [((1, 0, 4, 1), 2), ((4, 2, 1, 2), 40), ((2, 3, 2, 1), 100)],
+        [((2, 2, 3, 2), 3), ((1, 3, 2, 4), 2), ((2, 1, 4, 3), 100)],  # windows part-filled at each resume
     ],
 )
 def test_replay_names_every_step_of_a_chain_of_rescales(chain: list[tuple[Topology, int]]) -> None:
