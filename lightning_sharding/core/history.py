@@ -49,12 +49,16 @@ def segment_entry(
     even_batches: str,
     worker_layout: str | None = "runs",
     batches_before: int = 0,
+    fingerprint: str | None = None,
+    limited: bool = False,
 ) -> dict[str, Any]:
     """One run's history entry (plain ints and strings: checkpoints load with ``weights_only=True``);
     ``worker_layout`` is the plan's (``None``: the strategy deals batches otherwise than by a plan's
     workers, the dispatch strategy's, and its steps cannot be replayed); ``batches_before`` is how many
     batches of its epoch Lightning counted before the run (a resume's): its accumulation windows end
-    where that count plus the run's batches is a multiple of ``accumulate``."""
+    where that count plus the run's batches is a multiple of ``accumulate``. ``fingerprint``: the data
+    the run trained on (a run before a mixture change trained on another); ``limited``: the run's
+    epochs were cut short (``limit_train_batches``) where the plan does not end them."""
     return {
         "step": int(step),
         "epoch": int(epoch),
@@ -66,6 +70,8 @@ def segment_entry(
         "even_batches": str(even_batches),
         "worker_layout": worker_layout or "",
         "batches_before": int(batches_before),
+        **({"fingerprint": str(fingerprint)} if fingerprint is not None else {}),
+        **({"limited": True} if limited else {}),
     }
 
 
@@ -137,6 +143,24 @@ def replay_step(
             f"steps {seg['step']} on were trained with even_batches={seg['even_batches']!r}, whose batches are "
             "dealt as workers finish them: they cannot be replayed"
         )
+    manifest = state.get("manifest") or {}
+    if seg.get("fingerprint", manifest.get("fingerprint")) != manifest.get("fingerprint"):
+        raise StepNotInHistoryError(
+            f"steps {seg['step']} on were trained on other data or another mixture than the checkpoint's "
+            "(it was resumed with allow_mixture_change or allow_data_change): they cannot be replayed from it"
+        )
+    if state.get("decisions"):
+        raise StepNotInHistoryError(
+            "the checkpoint's mixture is under online control, whose decisions plan its epochs again as "
+            "training goes: its steps cannot be replayed"
+        )
+    if seg.get("limited"):
+        raise StepNotInHistoryError(
+            f"steps {seg['step']} on were trained with limit_train_batches, which ends epochs where the plan "
+            "does not: they cannot be replayed"
+        )
+    if orders is None and (manifest.get("streams") or manifest.get("schedule")):
+        raise ValueError("replay_step: the steps of a mixture need orders= (its epochs' order)")
     layout = seg.get("worker_layout", "runs")
     if layout not in ("runs", "interleaved"):
         raise StepNotInHistoryError(

@@ -158,6 +158,8 @@ class ShardingCallback(pl.Callback):
                 accumulate=trainer.accumulate_grad_batches,
                 even_batches=keeper.options.even_batches,
                 batches_before=batches_before,
+                fingerprint=ledger.fingerprint,
+                limited=_limited(trainer.limit_train_batches),
                 # the sampler's layout of a strategy that deals batches by the plan (None: dispatch's)
                 worker_layout=getattr(getattr(keeper.train_loader, "sampler", None), "worker_layout", None),
             )
@@ -354,3 +356,8 @@ class ShardingCallback(pl.Callback):
     def summary(self) -> list[dict[str, Any]]:
         """The epoch reports as plain dicts."""
         return [{**asdict(r), "samples_per_second": r.samples_per_second} for r in self.reports]
+
+
+def _limited(limit: int | float | None) -> bool:
+    """Whether ``limit_train_batches`` cuts epochs short (an int counts batches, a float a fraction)."""
+    return limit is not None and not (isinstance(limit, float) and limit >= 1.0)

@@ -138,3 +138,23 @@ def test_the_dealt_batch_is_found_without_listing_the_tasks(total: int, workers:
         rank_plan = plan.rank(rank)
         dealt = [t.index for t in rank_plan.tasks()]
         assert [_delivered(rank_plan, d) for d in range(len(dealt))] == dealt
+
+
+def test_steps_no_plan_replays_are_refused_by_name() -> None:
+    ledger, _ = simulate(40, [((2, 1, 4, 1), 3), ((1, 1, 4, 1), 2)])
+    state = ledger.state_dict()
+    first, second = state["history"]["segments"]
+    first["fingerprint"] = "another mixture"
+    with pytest.raises(StepNotInHistoryError, match="other data or another mixture"):
+        replay_step(state, 1, global_step=5)
+    assert replay_step(state, 3, global_step=5)[0].positions.size == 4  # the run after the change replays
+    with pytest.raises(ValueError, match="need orders="):
+        replay_step({**state, "manifest": {**state["manifest"], "streams": [{"name": "web"}]}}, 3, global_step=5)
+    second["limited"] = True
+    with pytest.raises(StepNotInHistoryError, match="limit_train_batches"):
+        replay_step(state, 3, global_step=5)
+    with pytest.raises(StepNotInHistoryError, match="online control"):
+        replay_step({**state, "decisions": [{"step": 1}]}, 3, global_step=5)
+    second["limited"], second["worker_layout"] = False, ""
+    with pytest.raises(StepNotInHistoryError, match="dispatch"):
+        replay_step(state, 3, global_step=5)
