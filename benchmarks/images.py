@@ -30,6 +30,9 @@ array: no loader, no collate, no batch moved to a training process.
 Figures are images/s over one epoch after each worker's first batch (start-up excluded; for the
 limit, from a barrier after the reads to the slowest process's end), the median of R rounds; the
 systems run alternately, round by round, and each ratio is the median of the per-round ratios.
+Beside each figure, the CPU an image took over the same span in all the system's processes (the
+training process and its workers, read from ``/proc``): work on the machine beside the benchmark
+moves it far less than images/s, and on busy cores images/s follow it.
 ``--profile`` then trains the ``images`` recipe's CNN on the same shards at 2 workers with a
 Lightning ``Trainer`` under pyinstrument, and prints the share of the training process's time spent
 waiting for batches (Lightning's data fetcher) and where the rest goes. The targets of issue 37, at
@@ -60,6 +63,7 @@ import torch  # noqa: E402
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.decode import photos  # noqa: E402
+from benchmarks.throughput import cpu_seconds  # noqa: E402
 from lightning_sharding import TarReader  # noqa: E402
 from lightning_sharding.core.ledger import Ledger  # noqa: E402
 from lightning_sharding.core.manifest import Manifest  # noqa: E402
@@ -188,16 +192,16 @@ def _bare(tars: list[str], start: Any, results: Any) -> None:
     jpegs = [sample["jpg"] for tar in tars for sample in peers.tar_samples(tar)]
     out = torch.empty((BATCH, 3, CROP, CROP), dtype=torch.uint8)
     start.wait()
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     for i, data in enumerate(jpegs):
         out[i % BATCH] = CROPPER.decode_crop(data, np.random.default_rng(i))
-    results.put((len(jpegs), time.perf_counter() - began))
+    results.put((len(jpegs), time.perf_counter() - began, time.process_time() - cpu))
 
 
-def limit(data: Data, processes: int) -> float:
-    """Images/s of ``processes`` bare processes sharing the shards (each its own), the slowest's time:
-    decode + crop on as many cores as the loader has workers, without reading, collating or moving
-    batches (a loader's work) or a training process."""
+def limit(data: Data, processes: int) -> tuple[float, float]:
+    """Images/s of ``processes`` bare processes sharing the shards (each its own), the slowest's time,
+    and their CPU milliseconds an image: decode + crop on as many cores as the loader has workers,
+    without reading, collating or moving batches (a loader's work) or a training process."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -209,7 +213,8 @@ def limit(data: Data, processes: int) -> float:
     done = [results.get() for _ in workers]
     for process in workers:
         process.join()
-    return sum(n for n, _ in done) / max(seconds for _, seconds in done)
+    images = sum(n for n, _, _ in done)
+    return images / max(seconds for _, seconds, _ in done), 1000 * sum(cpu for _, _, cpu in done) / images
 
 
 # -- webdataset ---------------------------------------------------------------------------------
@@ -313,15 +318,38 @@ def images_in(batch: dict[str, Any]) -> int:
     return len(batch["label"]) - (int(padding.sum()) if padding is not None else 0)
 
 
-def rate(loader: Iterable[Any], workers: int) -> tuple[float, int]:
-    """Images/s after each worker's first batch, and the images of the whole epoch."""
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (its workers, theirs...), from ``/proc`` (none where there is none)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out += [kid, *descendants(kid)]
+    return out
+
+
+def rate(loader: Iterable[Any], workers: int) -> tuple[float, int, float]:
+    """Images/s after each worker's first batch, the images of the whole epoch, and the CPU an image
+    took over the same span in every process (the training process and the ones under it, read from
+    ``/proc`` at each batch while they live; ``nan`` where there is no ``/proc``), in milliseconds."""
     it = iter(loader)
     seen = sum(images_in(next(it)) for _ in range(max(1, workers)))
-    n = 0
-    start = time.perf_counter()
+    pids = descendants(os.getpid())
+    before = [cpu_seconds(p) for p in pids]
+    n = counted = 0
+    cpu = float("nan")
+    start, main = time.perf_counter(), time.process_time()
     for batch in it:
         n += images_in(batch)
-    return n / (time.perf_counter() - start), seen + n
+        now = [cpu_seconds(p) for p in pids]
+        if None not in now and None not in before:  # a worker that has exited keeps the last reading
+            counted = n
+            cpu = time.process_time() - main + sum(a - b for a, b in zip(now, before, strict=True))  # type: ignore[operator]
+    wall = time.perf_counter() - start
+    return n / wall, seen + n, 1000 * cpu / counted if counted else float("nan")
 
 
 def _inclusive(frame: Any, match: Callable[[Any], bool]) -> float:
@@ -386,8 +414,17 @@ def ratios(ours: list[float], theirs: list[float]) -> tuple[float, float, float]
     return statistics.median(each), min(each), max(each)
 
 
-def issue_54(rounds: dict[str, list[float]], bare: str, litdata_missing: str | None) -> list[str]:
-    """Issue 54's lines at 2 workers: ours per sample at least 1.5x LitData, and ours / the limit."""
+def issue_54(
+    rounds: dict[str, list[float]], cpus: dict[str, list[float]], bare: str, litdata_missing: str | None
+) -> list[str]:
+    """Issue 54's lines at 2 workers: ours per sample at least 1.5x LitData, and ours / the limit;
+    each with the CPU an image took (theirs / ours: what the same busy cores give, whatever else runs)."""
+
+    def cpu(ours: str, theirs: str, label: str) -> str:
+        each = statistics.median(b / a for a, b in zip(cpus[ours], cpus[theirs], strict=True))
+        mine, other = statistics.median(cpus[ours]), statistics.median(cpus[theirs])
+        return f"CPU an image: {mine:.2f} ms, {label} {other:.2f} ms ({each:.2f}x)"
+
     lines = []
     if litdata_missing:
         lines.append(f"- ours (per sample) at least {TARGET_54}x LitData: not measured ({litdata_missing})")
@@ -395,11 +432,15 @@ def issue_54(rounds: dict[str, list[float]], bare: str, litdata_missing: str | N
         ratio, low, high = ratios(rounds[OURS], rounds[LITDATA])
         status = "met" if ratio >= TARGET_54 else "MISSED"
         lines.append(
-            f"- ours (per sample) at least {TARGET_54}x LitData: {ratio:.2f}x (rounds {low:.2f}-{high:.2f}): {status}"
+            f"- ours (per sample) at least {TARGET_54}x LitData: {ratio:.2f}x (rounds {low:.2f}-{high:.2f}): "
+            f"{status}; {cpu(OURS, LITDATA, 'LitData')}"
         )
     for name in (OURS, OURS_BATCH):
         ratio, low, high = ratios(rounds[name], rounds[bare])
-        lines.append(f"- {name} / the limit ({bare}): {ratio:.2f}x (rounds {low:.2f}-{high:.2f}); no target")
+        lines.append(
+            f"- {name} / the limit ({bare}): {ratio:.2f}x (rounds {low:.2f}-{high:.2f}); "
+            f"{cpu(name, bare, 'the limit')}; no target"
+        )
     return lines
 
 
@@ -420,22 +461,29 @@ def main() -> None:
             return
         print(f"{n} JPEGs 256x256, decode + random-resized-crop {CROP} + flip, batch {BATCH}, 1 rank; images/s")
         print(f"(median of {args.repeats} rounds; ratio: ours / theirs, median of the per-round ratios)\n")
-        print("| workers | system | images/s | ours / it | ours, batch path / it | target (ours / it) | met |")
-        print("|---:|---|---:|---:|---:|---:|---|")
+        print("CPU: milliseconds an image in every process of the system (training process and workers)\n")
+        print("| workers | system | images/s | CPU ms | ours / it | ours, batch path / it | target (ours / it) | met |")
+        print("|---:|---|---:|---:|---:|---:|---:|---|")
         missing = {name: why for name in SYSTEMS if (why := unavailable(name))}
         here = {name: build for name, build in SYSTEMS.items() if name not in missing}
         verdicts: list[str] = []
         for workers in args.workers:
             bare = LIMIT.format(processes=max(1, workers))
             rounds: dict[str, list[float]] = {name: [] for name in [*here, bare]}
+            cpus: dict[str, list[float]] = {name: [] for name in rounds}
             for _ in range(args.repeats):
                 for name, build in here.items():
-                    value, total = rate(build(data, workers), workers)
+                    value, total, cpu = rate(build(data, workers), workers)
                     assert total == n, f"{name} served {total} of {n} images in an epoch"
                     rounds[name].append(value)
-                rounds[bare].append(limit(data, max(1, workers)))
+                    cpus[name].append(cpu)
+                value, cpu = limit(data, max(1, workers))
+                rounds[bare].append(value)
+                cpus[bare].append(cpu)
             for name, values in rounds.items():
-                figure = f"| {workers} | {name} | {statistics.median(values):.0f} |"
+                figure = (
+                    f"| {workers} | {name} | {statistics.median(values):.0f} | {statistics.median(cpus[name]):.2f} |"
+                )
                 if name in OURS_ROWS:
                     print(f"{figure} | | | |")
                     continue
@@ -446,9 +494,9 @@ def main() -> None:
                     met = "yes" if ratio >= TARGETS[name] else ("batch path" if batch_ratio >= TARGETS[name] else "no")
                 print(f"{figure} {ratio:.2f} | {batch_ratio:.2f} | {target} | {met} |")
             for name, why in missing.items():
-                print(f"| {workers} | {name} | {why} | | | | |")
+                print(f"| {workers} | {name} | {why} | | | | | |")
             if workers == 2:
-                verdicts += issue_54(rounds, bare, missing.get(LITDATA))
+                verdicts += issue_54(rounds, cpus, bare, missing.get(LITDATA))
         if verdicts:
             print("\ntargets (issue 54), at 2 workers:")
             print("\n".join(verdicts))
