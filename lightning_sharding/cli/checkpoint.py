@@ -102,7 +102,7 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
     streams = [str(s.get("name")) for s in manifest.get("streams") or []]
     first, last = (shown_key(str(manifest.get(k, "?")), streams) for k in ("first_key", "last_key"))
     consumed = len(ledger.consumed)
-    remaining = ledger.total - consumed
+    remaining = ledger.total - consumed - len(ledger.skipped)
     ranges = np.asarray(state["consumed"])
     writer = state.get("writer")
     if isinstance(writer, Mapping):
@@ -132,8 +132,19 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
             *_stream_lines(manifest.get("streams"), ledger, manifest),
             *_packing_lines(manifest.get("packing")),
             *_history_lines(ledger.history, "state key" in ckpt),
+            *_skip_lines(ledger),
         ]
     )
+
+
+def _skip_lines(ledger: Any) -> list[str]:
+    """What resumes with ``skip=`` left out: never trained, not served again in their epoch."""
+    asked = "; ".join(f"skip= {s.get('asked')} at the resume from step {s.get('at_step')}" for s in ledger.skips)
+    held = [(ledger.epoch, ledger.skipped)] if ledger.skipped else []
+    return [
+        f"skipped      {len(ranges)} samples of epoch {epoch} ({asked})"
+        for epoch, ranges in held + sorted(ledger.skip_ahead.items())
+    ]
 
 
 def _history_lines(history: list[dict[str, Any]], own_loop: bool) -> list[str]:

@@ -62,6 +62,9 @@ class DataOptions:
     # Resume a checkpoint of other data by starting its epoch afresh (its consumed samples are trained
     # again, with a warning), rather than refusing it.
     allow_data_change: bool = _default("allow_data_change")
+    # What a resume leaves out (a loss spike's data): global steps "81200-81400,81500" (both ends included),
+    # or {steps: ..., checkpoint: PATH} / {samples: "1200-1299", epoch: E}. docs/how-to/pretraining.md.
+    skip: Any = _default("skip")
 
     def known_total(self) -> int | None:
         """Samples per epoch when the config alone tells (generated data), else ``None``."""

@@ -18,7 +18,7 @@ where the epoch's batch count is a multiple of ``accumulate``, and at the epoch'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,7 @@ def segment_entry(
     batches_before: int = 0,
     fingerprint: str | None = None,
     limited: bool = False,
+    ahead: Mapping[int, RangeSet] | None = None,
 ) -> dict[str, Any]:
     """One run's history entry (plain ints and strings: checkpoints load with ``weights_only=True``);
     ``worker_layout`` is the plan's (``None``: the strategy deals batches otherwise than by a plan's
@@ -58,11 +59,13 @@ def segment_entry(
     batches of its epoch Lightning counted before the run (a resume's): its accumulation windows end
     where that count plus the run's batches is a multiple of ``accumulate``. ``fingerprint``: the data
     the run trained on (a run before a mixture change trained on another); ``limited``: the run's
-    epochs were cut short (``limit_train_batches``) where the plan does not end them."""
+    epochs were cut short (``limit_train_batches``) where the plan does not end them; ``consumed`` is
+    what the plan of the run's first epoch leaves out (consumed or skipped), ``ahead`` the samples of
+    later epochs a ``skip=`` resume left out (``{epoch: positions}``)."""
     return {
         "step": int(step),
         "epoch": int(epoch),
-        "consumed": [int(x) for x in np.asarray(consumed.to_state()).reshape(-1)],
+        "consumed": flat_ranges(consumed),
         "world_size": int(world_size),
         "num_workers": int(num_workers),
         "batch_size": int(batch_size),
@@ -72,7 +75,17 @@ def segment_entry(
         "batches_before": int(batches_before),
         **({"fingerprint": str(fingerprint)} if fingerprint is not None else {}),
         **({"limited": True} if limited else {}),
+        **({"ahead": [[int(e), *flat_ranges(r)] for e, r in sorted(ahead.items())]} if ahead else {}),
     }
+
+
+def _ranges_of(flat: Sequence[int]) -> RangeSet:
+    return RangeSet.from_state(np.asarray(flat, dtype=np.int64).reshape(-1, 2))
+
+
+def flat_ranges(ranges: RangeSet) -> list[int]:
+    """A range set as plain ints ``[start, end, start, end, ...]`` (checkpoints load with ``weights_only``)."""
+    return [int(x) for x in np.asarray(ranges.to_state()).reshape(-1)]
 
 
 def history_state(segments: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -121,6 +134,23 @@ def replay_step(
     in time order (a mixture): without it the epoch is planned as ``total`` positions. A step outside
     the history is a :class:`StepNotInHistoryError` naming the range it covers.
     """
+    return next(iter(replay_steps(state, [step], global_step, orders).values()))
+
+
+def replay_steps(
+    state: Mapping[str, Any],
+    steps: Iterable[int],
+    global_step: int | None = None,
+    orders: Callable[[int, int], Order] | None = None,
+    *,
+    beyond: bool = False,
+) -> dict[int, list[RankStep]]:
+    """:func:`replay_step` of each of ``steps`` (in the order given), each epoch planned once.
+
+    ``beyond``: steps from the checkpoint's ``global_step`` on are replayed too, as the run that
+    wrote the checkpoint went on to train them on its topology (the last history entry's): what a
+    resume with ``skip=`` names when the steps after a checkpoint went wrong.
+    """
     segments = segments_of(state)
     end = global_step if global_step is not None else state.get("global_step")
     if not segments:
@@ -129,15 +159,75 @@ def replay_step(
             "or by ShardedData without the Trainer): no step can be replayed"
         )
     first = int(segments[0]["step"])
-    last = int(end) if end is not None else None
-    if step < first or (last is not None and step >= last):
-        covers = f"steps {first} to {last - 1}" if last is not None and last > first else "no step"
-        raise StepNotInHistoryError(
-            f"step {step} is not in this checkpoint's training history, which covers {covers}"
-            + (f" (its history starts at the resume at step {first})" if first > 0 else "")
-        )
-    k = max(i for i, s in enumerate(segments) if int(s["step"]) <= step)
-    seg = segments[k]
+    last = None if beyond or end is None else int(end)
+    plans: dict[tuple[int, int], Any] = {}  # (history entry, epoch) -> (plan, step it starts at, offset)
+    answers: dict[int, list[RankStep]] = {}
+    for step in steps:
+        if step < first or (last is not None and step >= last):
+            covers = f"steps {first} to {last - 1}" if last is not None and last > first else "no step"
+            raise StepNotInHistoryError(
+                f"step {step} is not in this checkpoint's training history, which covers {covers}"
+                + (f" (its history starts at the resume at step {first})" if first > 0 else "")
+            )
+        k = max(i for i, s in enumerate(segments) if int(s["step"]) <= step)
+        epoch, plan, start, offset, accumulate = _epoch_of(state, segments[k], k, step, orders, plans)
+        lo = max(0, (step - start) * accumulate - offset)
+        hi = min((step - start + 1) * accumulate - offset, plan.num_batches)
+        answer = []
+        for rank in range(plan.world_size):
+            rank_plan = plan.rank(rank)
+            tasks = [rank_plan.batch(_delivered(rank_plan, d)) for d in range(lo, hi)]
+            batches = [t.positions[: t.positions.size - t.num_padding] for t in tasks]
+            answer.append(RankStep(rank, epoch, batches))
+        answers[step] = answer
+    return answers
+
+
+def _epoch_of(
+    state: Mapping[str, Any],
+    seg: Mapping[str, Any],
+    k: int,
+    step: int,
+    orders: Callable[[int, int], Order] | None,
+    plans: dict[tuple[int, int], Any],
+) -> tuple[int, Any, int, int, int]:
+    """The epoch of history entry ``seg`` (the ``k``-th) that trained ``step``: ``(epoch, its plan,
+    the step it starts at, the batches its first window held already, accumulate)``; ``plans`` caches
+    each epoch's plan."""
+    _check_replayable(state, seg, orders)
+    layout = seg.get("worker_layout", "runs")
+    seed, total = int(state["seed"]), int(state["total"])
+    epoch, start = int(seg["epoch"]), int(seg["step"])
+    consumed = _ranges_of(seg["consumed"])
+    ahead = {int(e): _ranges_of(r) for e, *r in seg.get("ahead", [])}
+    accumulate = max(1, int(seg["accumulate"]))
+    offset = int(seg.get("batches_before", 0)) % accumulate  # the first window may be part-filled already
+    while True:
+        if (k, epoch) not in plans:
+            order: Order | int = orders(seed, epoch) if orders is not None else total
+            plan = plan_epoch(
+                order,
+                consumed,
+                epoch=epoch,
+                world_size=int(seg["world_size"]),
+                num_workers=int(seg["num_workers"]),
+                batch_size=int(seg["batch_size"]),
+                even_batches=seg["even_batches"],
+                worker_layout=layout,
+            )
+            plans[k, epoch] = (plan, start, offset)
+        plan, start, offset = plans[k, epoch]
+        steps = (
+            -(-(offset + plan.num_batches) // accumulate) if plan.num_batches else 0
+        )  # Lightning steps at the epoch's last batch too
+        if step < start + steps:
+            return epoch, plan, start, offset, accumulate
+        start, epoch, offset = start + steps, epoch + 1, 0
+        consumed = ahead.get(epoch, RangeSet())  # a later epoch starts with nothing but its skipped samples
+
+
+def _check_replayable(state: Mapping[str, Any], seg: Mapping[str, Any], orders: Callable[..., Any] | None) -> None:
+    """A :class:`StepNotInHistoryError` for a history entry whose steps cannot be replayed."""
     if seg["even_batches"] not in ("pad", "drop"):
         raise StepNotInHistoryError(
             f"steps {seg['step']} on were trained with even_batches={seg['even_batches']!r}, whose batches are "
@@ -161,44 +251,11 @@ def replay_step(
         )
     if orders is None and (manifest.get("streams") or manifest.get("schedule")):
         raise ValueError("replay_step: the steps of a mixture need orders= (its epochs' order)")
-    layout = seg.get("worker_layout", "runs")
-    if layout not in ("runs", "interleaved"):
+    if seg.get("worker_layout", "runs") not in ("runs", "interleaved"):
         raise StepNotInHistoryError(
             f"steps {seg['step']} on were trained by a strategy that deals batches as its workers finish them "
             "(dispatch): they cannot be replayed"
         )
-    seed, total = int(state["seed"]), int(state["total"])
-    epoch, start = int(seg["epoch"]), int(seg["step"])
-    consumed = RangeSet.from_state(np.asarray(seg["consumed"], dtype=np.int64).reshape(-1, 2))
-    accumulate = max(1, int(seg["accumulate"]))
-    offset = int(seg.get("batches_before", 0)) % accumulate  # the first window may be part-filled already
-    while True:
-        order: Order | int = orders(seed, epoch) if orders is not None else total
-        plan = plan_epoch(
-            order,
-            consumed,
-            epoch=epoch,
-            world_size=int(seg["world_size"]),
-            num_workers=int(seg["num_workers"]),
-            batch_size=int(seg["batch_size"]),
-            even_batches=seg["even_batches"],
-            worker_layout=layout,
-        )
-        steps = (
-            -(-(offset + plan.num_batches) // accumulate) if plan.num_batches else 0
-        )  # Lightning steps at the epoch's last batch too
-        if step < start + steps:
-            break
-        start, epoch, consumed, offset = start + steps, epoch + 1, RangeSet(), 0
-    lo = max(0, (step - start) * accumulate - offset)
-    hi = min((step - start + 1) * accumulate - offset, plan.num_batches)
-    answer = []
-    for rank in range(plan.world_size):
-        rank_plan = plan.rank(rank)
-        tasks = [rank_plan.batch(_delivered(rank_plan, d)) for d in range(lo, hi)]
-        batches = [t.positions[: t.positions.size - t.num_padding] for t in tasks]
-        answer.append(RankStep(rank, epoch, batches))
-    return answer
 
 
 def _delivered(plan: RankPlan, d: int) -> int:

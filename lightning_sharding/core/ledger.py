@@ -5,6 +5,8 @@ where ``consumed`` is a range set of epoch positions whose training step complet
 gradients are in an applied optimizer step.
 Positions of a completed step still waiting for an optimizer step (gradient accumulation) are
 ``pending``: they are never written to a checkpoint.
+Positions a resume with ``skip=`` left out (a loss spike's data) are ``skipped``: never trained, not
+served again in their epoch, and kept apart from ``consumed`` so the ledger still matches the weights.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.core.history import HISTORY_KEY, history_state, segments_of
+from lightning_sharding.core.history import HISTORY_KEY, flat_ranges, history_state, segments_of
 from lightning_sharding.core.rangeset import RangeSet
 
 LEDGER_VERSION = 1
@@ -24,6 +26,7 @@ CHANGED_VERSION = 2  # a ledger of an epoch whose mixture changed on resume: ear
 CONTROLLED_VERSION = 3  # a ledger of a mixture under online control (its decisions): earlier releases refuse it
 CHECKPOINT_KEY = "lightning_sharding"  # where a Lightning checkpoint holds the ledger
 GLOBAL_STEP_KEY = "global_step"  # the optimizer step whose weights the checkpointed ledger matches
+SKIPPED_KEY, SKIP_AHEAD_KEY, SKIPS_KEY = "skipped", "skip_ahead", "skips"  # what a skip= resume left out
 LOOP_STATE_KEY = "ledger"  # a ShardedData state, {"ledger": (entry,)}: DCP stores a tuple whole
 
 
@@ -134,6 +137,11 @@ class Ledger:
         # One entry per run that trained into this ledger (lightning_sharding.core.history): bookkeeping
         # only, never read by the plan; a state without it (an earlier release's) starts none.
         self.history: list[dict[str, Any]] = []
+        # Left out by a resume with ``skip=``: this epoch's positions, later epochs' (``{epoch: positions}``),
+        # and one record per skip applied (what was asked, at which checkpoint step, how many samples).
+        self.skipped = RangeSet()
+        self.skip_ahead: dict[int, RangeSet] = {}
+        self.skips: list[dict[str, Any]] = []
 
     @property
     def fingerprint(self) -> str:
@@ -149,6 +157,8 @@ class Ledger:
             self.epoch = int(epoch)
             self.consumed = RangeSet()
             self.pending = RangeSet()
+            self.skipped = self.skip_ahead.pop(self.epoch, RangeSet())
+            self.skip_ahead = {e: r for e, r in self.skip_ahead.items() if e > self.epoch}
 
     @property
     def consumed(self) -> RangeSet:
@@ -203,6 +213,22 @@ class Ledger:
         return self.consumed | self.pending
 
     @property
+    def settled(self) -> RangeSet:
+        """Positions not to be served again this epoch: :attr:`trained` or skipped. What the plan leaves out."""
+        trained = self.trained
+        return trained | self.skipped if self.skipped else trained
+
+    def skip(self, positions: Mapping[int, RangeSet]) -> None:
+        """Leave out ``{epoch: positions}`` (this epoch's or later ones'), never served in their epoch."""
+        for epoch, ranges in positions.items():
+            if epoch < self.epoch or not ranges:
+                continue
+            if epoch == self.epoch:
+                self.skipped = self.skipped | ranges
+            else:
+                self.skip_ahead[epoch] = self.skip_ahead.get(epoch, RangeSet()) | ranges
+
+    @property
     def done(self) -> RangeSet:
         """The old name of :attr:`trained` (deprecated in 0.2, goes away in the next release)."""
         warnings.warn(
@@ -230,6 +256,10 @@ class Ledger:
             state["decisions"] = [dict(d) for d in self.decisions]
         if self.history:  # an optional key: earlier releases read the state without it
             state[HISTORY_KEY] = history_state(self.history)
+        if self.skipped or self.skip_ahead or self.skips:  # optional keys too (a skip= resume)
+            state[SKIPPED_KEY] = flat_ranges(self.skipped)
+            state[SKIP_AHEAD_KEY] = [[e, *flat_ranges(r)] for e, r in sorted(self.skip_ahead.items())]
+            state[SKIPS_KEY] = [dict(s) for s in self.skips]
         return state
 
     @classmethod
@@ -263,6 +293,11 @@ class Ledger:
         if state.get("decisions") is not None:
             ledger.decisions = [dict(d) for d in state["decisions"]]
         ledger.history = segments_of(state)
+        if state.get(SKIPPED_KEY) is not None:
+            ledger.skipped = RangeSet.from_state(np.asarray(state[SKIPPED_KEY], dtype=np.int64).reshape(-1, 2))
+        for epoch, *flat in state.get(SKIP_AHEAD_KEY) or []:
+            ledger.skip_ahead[int(epoch)] = RangeSet.from_state(np.asarray(flat, dtype=np.int64).reshape(-1, 2))
+        ledger.skips = [dict(s) for s in state.get(SKIPS_KEY) or []]
         if ledger.consumed and int(ledger.consumed.ends[-1]) > ledger.total:
             raise CheckpointMismatchError(
                 f"malformed ledger state: consumed position {int(ledger.consumed.ends[-1]) - 1} "

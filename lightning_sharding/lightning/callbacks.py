@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_sharding.core.history import segment_entry
 from lightning_sharding.core.ledger import CHECKPOINT_KEY
+from lightning_sharding.core.skip import SkipError
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.lightning.progress_bar import show_train_total
@@ -80,6 +81,12 @@ class ShardingCallback(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         keeper = self._keeper(trainer)
+        if not keeper.skip_settled:
+            assert keeper.skip is not None
+            raise SkipError(
+                f"skip={keeper.skip.describe()!r} leaves out samples at a resume, and this fit starts from no "
+                "checkpoint: pass the checkpoint written before those steps, trainer.fit(..., ckpt_path=PATH)"
+            )
         if keeper.audit_dir is not None:
             self._audit = self._open_audit(trainer, keeper, keeper.audit_dir)
         # Counted when optimizer.step() returns, so that a save between the update and Lightning's own
@@ -151,7 +158,8 @@ class ShardingCallback(pl.Callback):
             segment_entry(
                 step=trainer.global_step,
                 epoch=ledger.epoch,
-                consumed=ledger.consumed,
+                consumed=ledger.consumed | ledger.skipped,  # what the plan leaves out
+                ahead=ledger.skip_ahead,
                 world_size=keeper.world.data_size,
                 num_workers=keeper.options.num_workers,
                 batch_size=keeper.options.batch_size,
@@ -292,11 +300,12 @@ class ShardingCallback(pl.Callback):
             batches_per_rank=plan.num_batches + loader.batches_before_plan if plan is not None and loader else 0,
             skipped=skipped,
             seconds=time.perf_counter() - self._epoch_start,
+            skipped_on_resume=len(keeper.ledger.skipped),
         )
         self.reports.append(report)
         # An epoch stopped early (max_steps, limit_train_batches) is not finished: the audit
         # then reports it in progress rather than missing samples.
-        finished = report.consumed + report.dropped == report.samples
+        finished = report.consumed + report.dropped + report.skipped_on_resume == report.samples
         if self._audit is not None and finished:
             self._audit.epoch_end(report.epoch, trainer.global_step, report.dropped)
         # The figures are global already (equal on every rank): "max" keeps them as they are.

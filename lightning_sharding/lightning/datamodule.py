@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.plan import EvenBatches
+from lightning_sharding.core.skip import Skip
 from lightning_sharding.core.world import DataParallel, World
 from lightning_sharding.lightning.callbacks import ShardingCallback
 from lightning_sharding.lightning.controller import controllers_of
@@ -134,6 +135,15 @@ class ShardedDataModule(pl.LightningDataModule):
             ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, ``cu_seqlens`` and
             ``max_seqlen``, or those of ``Packing(fields=...)`` (see :mod:`lightning_sharding.tokens.batch`).
             Strategy ``shard``.
+        skip: what a resume leaves out, for a checkpoint written before a loss spike: global steps
+            (``"81200-81400,81500"``, both ends included, or a list of steps), replayed from the
+            checkpoint's history as the run that wrote it went on to train them (``{"steps": ...,
+            "checkpoint": PATH}``: as a later checkpoint's history says, for steps trained after
+            another resume), or samples (``{"samples": "1200-1299", "epoch": E}``: epoch positions, as
+            ``lightning-sharding inspect --step`` prints them; the checkpoint's epoch by default). They
+            are recorded as skipped in the ledger, never trained nor served again in their epoch, and
+            shown in the summary, ``inspect`` and the audit. A checkpoint that applied a skip records it,
+            so a requeue with the same ``skip=`` applies it once. See docs/how-to/pretraining.md.
         **renamed: the spellings of 0.1 for one release, with a ``DeprecationWarning`` naming the new
             one: ``strategy=`` (now ``sharding=``), ``data_root_map=`` (``root_map=``), ``transport=``
             and ``prefetch_items=`` (settings of the strategy: ``sharding=ShardStrategy(transport=...)``).
@@ -172,6 +182,7 @@ class ShardedDataModule(pl.LightningDataModule):
         batch_composition: str = "mixed",
         packing: Packing | None = None,
         schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
+        skip: str | Sequence[int] | Mapping[str, Any] | Skip | None = None,
         **renamed: Any,
     ) -> None:
         # Every argument goes to the engine by its name: the signature above repeats the engine's for
@@ -197,6 +208,7 @@ class ShardedDataModule(pl.LightningDataModule):
     root_map: _EngineAttribute[dict[str, str]] = _EngineAttribute("root_map")
     data_root_map: _EngineAttribute[dict[str, str]] = _EngineAttribute("root_map")  # its name in 0.1
     audit_dir: _EngineAttribute[str | None] = _EngineAttribute("audit_dir")
+    skip: _EngineAttribute[Skip | None] = _EngineAttribute("skip", writable=False)
     ledger_keeper: _EngineAttribute[LedgerKeeper | None] = _EngineAttribute("keeper")
     manifest: _EngineAttribute[Manifest | None] = _EngineAttribute("manifest", writable=False)
     ledger: _EngineAttribute[Ledger | None] = _EngineAttribute("ledger", writable=False)

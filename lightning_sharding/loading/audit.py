@@ -34,6 +34,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
+from lightning_sharding.core.history import flat_ranges
 from lightning_sharding.core.private import make_dirs, open_or_create
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture import mixture_of
@@ -68,6 +69,12 @@ def run_header(keeper: LedgerKeeper, *, started: float, start_step: int, resumed
         header.update(mixture.composition_summary())
     if keeper.controlled:  # the decisions the run starts from (a resume's); it writes the later ones as lines
         header["decisions"] = [dict(d) for d in keeper.ledger.decisions or []]
+    ledger = keeper.ledger
+    skipped = ([[ledger.epoch, *flat_ranges(ledger.skipped)]] if ledger.skipped else []) + [
+        [e, *flat_ranges(r)] for e, r in sorted(ledger.skip_ahead.items())
+    ]
+    if skipped:  # left out by a resume with skip=: never trained, so not missing
+        header["skipped"] = skipped
     if keeper.mixture_from is not None:  # resumed a checkpoint of another mixture: the audit links the two
         header["mixture_from"] = keeper.mixture_from
     # What the epoch's order records beyond the manifest: a changed mixture's rest, linked to the mixture before.
@@ -154,11 +161,13 @@ class EpochAudit:
     dropped: int
     complete: bool
     streams: list[StreamAudit] = field(default_factory=list)
+    skipped: int = 0  # left out by a resume with skip= (never trained: not missing)
+    skipped_trained: int = 0  # of those, trained all the same: a violation
 
     @property
     def ok(self) -> bool:
         """Exactly-once holds (an unfinished epoch only needs no duplicates)."""
-        return self.duplicates == 0 and (self.missing == 0 or not self.complete)
+        return self.duplicates == 0 and self.skipped_trained == 0 and (self.missing == 0 or not self.complete)
 
 
 def _load(paths: Iterable[Path]) -> list[_Run]:
@@ -204,6 +213,11 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
     dropped: Counter[int] = Counter()
     finished: set[int] = set()
     decided: list[dict[str, Any]] = []  # the decisions the last run started from, and those it made
+    left_out: dict[int, RangeSet] = {}  # what resumes with skip= left out, per epoch
+    for run in runs:
+        for epoch, *flat in run.header.get("skipped") or []:
+            ranges = RangeSet.from_state(np.asarray(flat, dtype=np.int64).reshape(-1, 2))
+            left_out[int(epoch)] = left_out.get(int(epoch), RangeSet()) | ranges
     for i, run in enumerate(runs):
         cut = runs[i + 1].header["start_step"] if i + 1 < len(runs) else None
         if run.header.get("decisions") is not None:
@@ -248,17 +262,21 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
             )
             streams = _per_stream(header.get("streams"), counts, header, epoch)
         consumed = len(counts) + len(old_counts)
+        skipped = left_out.get(epoch, RangeSet())
+        trained_anyway = sum(1 for p in counts if p in skipped) if skipped else 0
         results.append(
             EpochAudit(
                 epoch=epoch,
                 expected=expected,
                 consumed=consumed,
                 duplicates=sum(c - 1 for c in counts.values()) + sum(c - 1 for c in old_counts.values()),
-                missing=expected - consumed - dropped[epoch],
+                missing=expected - consumed - dropped[epoch] - (len(skipped) - trained_anyway),
                 padding=padding[epoch],
                 dropped=dropped[epoch],
                 complete=epoch in finished,
                 streams=streams,
+                skipped=len(skipped),
+                skipped_trained=trained_anyway,
             )
         )
     return results
@@ -383,6 +401,9 @@ def format_audit(results: list[EpochAudit]) -> str:
     rows = []
     for r in results:
         status = "exactly-once" if r.ok and r.complete else ("in progress" if r.ok else "VIOLATED")
+        if r.skipped:
+            trained = f", {r.skipped_trained} TRAINED" if r.skipped_trained else ""
+            status += f" ({r.skipped} skipped on resume{trained})"
         rows.append(
             f"{r.epoch:>5} {r.expected:>9} {r.consumed:>9} {r.duplicates:>10} {r.missing:>8} {r.padding:>8} "
             f"{r.dropped:>8}  {status}"

@@ -21,6 +21,7 @@ from torch.utils.data import default_collate
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.plan import EvenBatches
+from lightning_sharding.core.skip import Skip, SkipError
 from lightning_sharding.core.world import DataParallel, World, check_data_parallel
 from lightning_sharding.distributed.collectives import broadcast_object
 from lightning_sharding.loading.agreement import agree
@@ -64,6 +65,7 @@ class LoadingEngine:
         audit_dir: str | None,
         val_reader: Reader | None,
         test_reader: Reader | None,
+        skip: Skip | None = None,
     ) -> None:
         self.owner = owner
         self.reader = reader
@@ -77,6 +79,7 @@ class LoadingEngine:
         self.allow_mixture_change = allow_mixture_change
         self.root_map = dict(root_map)
         self.audit_dir = audit_dir
+        self.skip = skip
         self.val_reader = val_reader
         self.test_reader = test_reader
         self.world = World()
@@ -118,6 +121,7 @@ class LoadingEngine:
         batch_composition: str = "mixed",
         packing: Packing | None = None,
         schedule: Sequence[Phase | Mapping[str, Any]] | None = None,
+        skip: str | Sequence[int] | Mapping[str, Any] | Skip | None = None,
         **renamed: Any,
     ) -> LoadingEngine:
         """The engine of these arguments, checked; each refusal names ``owner`` and the argument.
@@ -164,6 +168,15 @@ class LoadingEngine:
             chosen.check_data(data, owner)
         if data_parallel is not None and not callable(data_parallel):
             check_data_parallel(data_parallel, None, f"`{owner}(data_parallel={data_parallel!r})`")
+        try:
+            skipped = Skip.of(skip)
+        except SkipError as err:
+            raise ValueError(f"`{owner}(skip={skip!r})`: {str(err).removeprefix('skip= ')}") from None
+        if skipped is not None and chosen.takes == "source":
+            raise ValueError(
+                f"`{owner}(skip={skip!r})`: sharding={chosen.name!r} deals a source's samples as they come, "
+                "which no plan names: skip= goes with the strategies that read a reader"
+            )
         return cls(
             owner=owner,
             reader=data,
@@ -178,6 +191,7 @@ class LoadingEngine:
             audit_dir=audit_dir,
             val_reader=val_reader,
             test_reader=test_reader,
+            skip=skipped,
         )
 
     @property
@@ -217,7 +231,7 @@ class LoadingEngine:
         ledger = Ledger(seed=seed, total=manifest.total, manifest=manifest.summary())
         keep: dict[str, Any] = dict(seed_given=self.seed_given, audit_dir=self.audit_dir)
         keep.update(allow_data_change=self.allow_data_change, allow_mixture_change=self.allow_mixture_change)
-        keep.update(root_map=self.root_map)
+        keep.update(root_map=self.root_map, skip=self.skip)
         self.keeper = LedgerKeeper(ledger, manifest, self.world, self.options, **keep)
         return self.keeper
 

@@ -21,6 +21,7 @@ from lightning_sharding.core.identity import item_changes
 from lightning_sharding.core.ledger import GLOBAL_STEP_KEY, CheckpointMismatchError, Ledger, ledger_step_mismatch
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.skip import Skip, SkipError
 from lightning_sharding.core.spelling import option
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
@@ -61,6 +62,7 @@ class LedgerKeeper:
         allow_mixture_change: bool = False,
         audit_dir: str | None = None,
         root_map: Mapping[str, str] | None = None,
+        skip: Skip | None = None,
     ) -> None:
         self.ledger = ledger
         self.manifest = manifest
@@ -71,6 +73,8 @@ class LedgerKeeper:
         self.allow_mixture_change = allow_mixture_change
         self.audit_dir = audit_dir
         self.root_map = dict(root_map or {})
+        self.skip = skip
+        self.skip_settled = skip is None  # applied (or found applied) at a resume; checked at the run's start
         self.train_loader: TrainLoader | None = None
         self.group: Any = None  # the process group the ledgers are gathered over (None: the default one)
         self.restored_from: str | None = None  # the checkpoint restored, until the first loader after it
@@ -156,7 +160,11 @@ class LedgerKeeper:
         changed_now = self._change_note is not None and ledger.change is not None
         skipped = ledger.change["before"] if changed_now and epoch > ledger.epoch else None  # type: ignore[index]
         total = int(skipped["total"]) if skipped is not None else ledger.total
-        consumed = len(RangeSet.from_state(np.asarray(skipped["consumed"]))) if skipped else len(ledger.consumed)
+        consumed = (
+            len(RangeSet.from_state(np.asarray(skipped["consumed"])))
+            if skipped
+            else len(ledger.consumed) + len(ledger.skipped)
+        )
         left = total - consumed
         # "drop" (and "sync") may leave up to one sample per data-parallel rank untrained by design (a
         # batch per rank when a stratified or per_stream mixture's batches are blocks).
@@ -206,7 +214,14 @@ class LedgerKeeper:
             self._control(restored, source)
             self.ledger = restored
             self.restored_from = source
+            if self.skip is not None:
+                self._skip(state, global_step, source)
             return
+        if self.skip is not None:
+            raise SkipError(
+                f"skip={self.skip.describe()!r}: {source} was written for other data or another mixture, and skip= "
+                "leaves out samples of the checkpoint's own: resume without skip=, or on the checkpoint's data"
+            )
         change = self._explain(restored, state.get("items"))
         if self.allow_mixture_change and restored.manifest.get("streams") and self._go_on(restored, source, change):
             return
@@ -232,6 +247,48 @@ class LedgerKeeper:
         self.ledger = Ledger(
             seed=restored.seed, total=self.manifest.total, manifest=self.manifest.summary(), epoch=restored.epoch
         )
+
+    def _skip(self, state: Mapping[str, Any], global_step: int | None, source: str) -> None:
+        """Leave out what ``skip=`` names (a resume from ``state``, of weights of ``global_step``): into the
+        ledger as skipped, said on rank 0; once only, when the checkpoint records it applied already."""
+        skip, ledger = self.skip, self.ledger
+        assert skip is not None
+        asked = skip.describe()
+        self.skip_settled = True
+        done = next((s for s in ledger.skips if s.get("asked") == asked), None)
+        if done is not None:
+            if self.world.rank == 0:
+                print(
+                    f"lightning_sharding: {source}: skip= {asked} was applied at the resume from step "
+                    f"{done.get('at_step')} already, and this checkpoint holds it: nothing more is left out",
+                    file=sys.stderr,
+                )
+            return
+        saved = state["manifest"]
+        orders = self.manifest.order if saved.get("streams") or saved.get("schedule") else None  # as replay_step
+        try:
+            found, how = skip.positions(state, global_step, orders, load=_ledger_of)
+        except ValueError as err:  # a step the history cannot replay names why
+            raise SkipError(f"{source}: {err}") from err
+        trained = {e: r.intersection(ledger.consumed) for e, r in found.items() if e == ledger.epoch}
+        if any(trained.values()):
+            ((e, r),) = ((e, r) for e, r in trained.items() if r)
+            raise SkipError(
+                f"{source}: skip= {asked}: {len(r)} of its samples of epoch {e} (positions from "
+                f"{int(r.starts[0])}) are in the checkpoint's weights already: resume from a checkpoint "
+                "written before they trained"
+            )
+        ledger.skip(found)
+        counts = [[e, len(r)] for e, r in sorted(found.items())]
+        ledger.skips.append({"asked": asked, "at_step": int(global_step or 0), "counts": counts})
+        if self.world.rank == 0:
+            left = "; ".join(f"{n} sample(s) of epoch {e}" for e, n in counts) or "nothing"
+            replayed = f" (steps replayed {how})" if how else ""
+            print(
+                f"lightning_sharding: {source}: skip= {asked}: {left} left out{replayed}; "
+                "they are recorded as skipped, never trained nor served again in their epoch",
+                file=sys.stderr,
+            )
 
     @property
     def controlled(self) -> bool:
@@ -409,6 +466,20 @@ class LedgerKeeper:
         assert mixture is not None  # change_mixture refuses a manifest without one
         self.manifest = self.manifest.with_epochs(ChangedMixture(mixture, changed))
         return changed
+
+
+def _ledger_of(path: str) -> Mapping[str, Any]:
+    """The ledger entry of the checkpoint file ``path`` (``skip=``'s ``checkpoint``)."""
+    from lightning_sharding.core.ledger import CHECKPOINT_KEY
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as err:
+        raise SkipError(f"skip= checkpoint: cannot read {path}: {err}") from err
+    entry = ckpt.get(CHECKPOINT_KEY) if isinstance(ckpt, Mapping) else None
+    if not isinstance(entry, Mapping):
+        raise SkipError(f"skip= checkpoint: {path} holds no lightning_sharding data ledger")
+    return {**entry, "global_step": entry.get("global_step", ckpt.get("global_step"))}
 
 
 class ReplicaMismatchError(RuntimeError):

@@ -42,6 +42,7 @@ from lightning_sharding.strategies.base import TrainLoader
 # What only the Trainer's side does: its callback writes the audit, and its loops evaluate.
 _TRAINER_ONLY = {
     "audit_dir": "is written by the Trainer's callback",
+    "skip": "replays the steps of the Trainer's history, which ShardedData does not write",
     "val_reader": "is read by the Trainer's validation loop; evaluate in your loop from a loader of your own",
     "test_reader": "is read by the Trainer's test loop; evaluate in your loop from a loader of your own",
 }

@@ -23,6 +23,7 @@ class EpochReport:
     batches_per_rank: int
     skipped: int
     seconds: float
+    skipped_on_resume: int = 0  # left out by a resume with skip= (a loss spike's data)
 
     @property
     def samples_per_second(self) -> float:
@@ -60,6 +61,11 @@ def format_summary(
     ]
     if not rows:
         rows = ["  (no training epoch ended in this run)"]
+    rows += [
+        f"{r.epoch:>5} skip=: {r.skipped_on_resume} samples left out at the resume, never trained (not in consumed)"
+        for r in reports
+        if r.skipped_on_resume
+    ]
     if packing is not None:
         sequences = int(packing["tokens"] + packing["padding"]) // int(packing["seq_len"])
         share = 100 * packing["padding"] / max(1, packing["tokens"] + packing["padding"])

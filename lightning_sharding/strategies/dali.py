@@ -140,14 +140,14 @@ class DaliLoader(TrainLoader[PlanSampler]):
 
     def _pipeline_for(self, epoch: int) -> Any:
         ledger = self.sampler.ledger
-        if self._iterator is not None and self._next_epoch == epoch and not ledger.trained:
+        if self._iterator is not None and self._next_epoch == epoch and not ledger.settled:
             self._iterator.reset()
             return self._iterator
         self.close()
         plan = SourcePlan(
             total=ledger.total,
             epoch=epoch,
-            consumed=ledger.trained,
+            consumed=ledger.settled,
             world=self.sampler.world,
             num_sources=self.num_sources,
             batch_size=self.sampler.batch_size,

@@ -112,7 +112,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
         if not self.sync:
             epoch_plan = plan_epoch(
                 ledger.total,
-                ledger.trained,
+                ledger.settled,
                 epoch=ledger.epoch,
                 world_size=world.data_size,
                 num_workers=self.options.num_workers,
@@ -122,7 +122,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
             plan = epoch_plan.rank(world.data_rank)
             self.sampler.epoch_plan, self.sampler.num_batches = epoch_plan, plan.num_batches
         self.sampler.generation += 1
-        return Spec(self.sampler.generation, ctx, self.options.batch_size, plan, ledger.trained)
+        return Spec(self.sampler.generation, ctx, self.options.batch_size, plan, ledger.settled)
 
     def __iter__(self) -> Iterator[Any]:
         self.delivered.clear()

@@ -124,7 +124,7 @@ class PlanSampler(Sampler[BatchTask]):
             )
         return plan_epoch(
             order,
-            ledger.trained | self.delivered,
+            ledger.settled | self.delivered,
             epoch=ledger.epoch,
             world_size=self.world.data_size,
             num_workers=self.num_workers,

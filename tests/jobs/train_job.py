@@ -86,6 +86,7 @@ def _datamodule(cfg: dict[str, Any], out: Path) -> Any:
         seed=loading["seed"],
         even_batches=loading["even_batches"],
         audit_dir=str(out / "audit") if cfg["checks"]["audit"] else None,
+        **({"skip": cfg["training"]["skip"]} if cfg["training"].get("skip") is not None else {}),
     )
     if loading["loader"] == "dali":
         from lightning_sharding.lightning.dali import DaliDataModule

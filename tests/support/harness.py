@@ -157,6 +157,7 @@ class Training:
     # Instead of one fit: resume from each of these checkpoints in turn, one fresh Trainer each, in
     # this one process (segment "<segment>-<checkpoint stem>"), each to the end of training.
     resume_each: tuple[str, ...] = ()
+    skip: Any = None  # ShardedDataModule(skip=...): what the resume leaves out (a loss spike's steps or samples)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ def _plain(annotation: str) -> tuple[type, ...]:
     """The OmegaConf types an annotation of the signature (a string) can be held as."""
     names = {"int": int, "bool": bool, "float": float, "str": str, "int | None": int | None}
     names |= {"str | None": str | None, "Mapping[str, str] | None": dict[str, str]}
+    names |= {"str | Sequence[int] | Mapping[str, Any] | Skip | None": typing.Any}  # skip=: a string, list or mapping
     return (names[annotation],) if annotation in names else ()
 
 

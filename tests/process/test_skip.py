@@ -1,0 +1,151 @@
+"""``skip=``: a resume from a checkpoint written before a loss spike leaves the spike's data out.
+
+The session's shared first segment (tests/process/conftest.py: 2 ranks x 2 workers, a checkpoint at
+step 3, killed at step 6) stands for the run that spiked: the resume from its step-3 checkpoint, on
+another topology, skips steps 3-4. What those steps trained is known independently, from the records
+that the killed run's model kept of every batch it trained (the sample ids it read), and counted in the
+weights: each skipped sample never gets a gradient, every other one gets exactly one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_sharding.loading.audit import audit, format_audit
+from tests.process.test_packing import job as packed_job
+from tests.process.test_packing import planned_tokens
+from tests.support.data.streams import planned_ids
+from tests.support.data.tokens import write_corpus
+from tests.support.harness import (
+    FIRST_2X2,
+    FIRST_MIXTURE_2X2,
+    Segment,
+    Topology,
+    check_resume,
+    checkpoint_step,
+    weights_at_epoch_ends,
+    weights_of_run,
+)
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.processes]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "lightning_sharding.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def trained_at(segment: Segment, steps: tuple[int, ...]) -> list[int]:
+    """The sample ids (of packed tokens: token ids less one) every rank of ``segment`` trained at global
+    ``steps``, by the records its model kept of each batch (``gs``: the step count after the batch)."""
+    return [i for records in segment.records.values() for r in records if r["gs"] - 1 in steps for i in r["ids"]]
+
+
+def test_a_resume_with_skip_leaves_the_spike_steps_out_and_trains_every_other_sample_once(
+    tmp_path: Path, trained_2x2: Path
+) -> None:
+    total = sum(FIRST_2X2.data.sizes)
+    resume = FIRST_2X2.on(world_size=1, num_workers=3).but(training=dict(skip="3-4"))
+    _, segments = check_resume(tmp_path, FIRST_2X2, [resume], checkpoint_every=3, trained=trained_2x2)
+    killed, resumed = segments
+    # What the killed run trained at steps 3 and 4 (a record's gs is the step count after its batch),
+    # by its own records: every rank's, each sample id read.
+    spike = sorted(trained_at(killed, (3, 4)))
+    assert len(spike) == 2 * 2 * FIRST_2X2.loading.batch_size, "two steps of 2 ranks' batches of 8"
+    assert len(set(spike)) == len(spike)
+
+    # In the weights: the epoch gave every sample exactly one gradient but the skipped ones, which got none.
+    (w,) = weights_of_run(tmp_path, segments).values()
+    assert np.isin(w, (0.0, 1.0)).all(), np.unique(w)
+    assert np.flatnonzero(w == 0).tolist() == spike
+
+    # Said at the resume, and in the summary.
+    assert "skip= steps 3-4: 32 sample(s) of epoch 0 left out" in resumed.output, resumed.output[-3000:]
+    assert "2 data-parallel rank(s) x 2 worker(s)" in resumed.output
+    assert "skip=: 32 samples left out at the resume" in resumed.output
+
+    # The audit counts them as skipped, not missing, and exactly-once holds for the rest.
+    (row,) = audit([tmp_path])
+    assert (row.consumed, row.duplicates, row.missing, row.skipped, row.skipped_trained) == (total - 32, 0, 0, 32, 0)
+    proc = cli("audit", str(tmp_path))
+    assert proc.returncode == 0 and "exactly-once (32 skipped on resume)" in proc.stdout, proc.stdout + proc.stderr
+
+    # The resumed run's checkpoints record the skip; inspect shows it.
+    written = max(resumed.checkpoints, key=checkpoint_step)
+    state = torch.load(written, map_location="cpu", weights_only=True)["lightning_sharding"]
+    assert state["skips"][0]["asked"] == "steps 3-4" and state["skips"][0]["counts"] == [[0, 32]]
+    proc = cli("inspect", str(written))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "skipped      32 samples of epoch 0 (skip= steps 3-4 at the resume from step 3)" in proc.stdout, proc.stdout
+
+
+def test_a_mixture_resumed_with_skip_trains_every_other_draw_once(tmp_path: Path, trained_mixture_2x2: Path) -> None:
+    """The session's shared mixture segment (three streams, 150 draws an epoch, one stream drawn twice
+    an epoch), resumed from its step-3 checkpoint on 1 rank x 2 workers for two epochs, skipping steps
+    3-4: epoch 0's weights are its planned draws less those the killed run trained at steps 3-4, epoch
+    1's every planned draw (a skip leaves out one epoch's draws, not the samples for good)."""
+    resume = FIRST_MIXTURE_2X2.on(world_size=1, num_workers=2).but(training=dict(skip="3-4"))
+    _, segments = check_resume(tmp_path, FIRST_MIXTURE_2X2, [resume], checkpoint_every=3, trained=trained_mixture_2x2)
+    killed = segments[0]
+    spike = Counter(trained_at(killed, (3, 4)))
+    assert sum(spike.values()) == 32
+    data = FIRST_MIXTURE_2X2.data
+    streams, seed = list(data.streams or ()), FIRST_MIXTURE_2X2.loading.seed or 0
+    weights = weights_of_run(tmp_path, segments)
+    for epoch, left_out in ((0, spike), (1, Counter())):
+        planned = planned_ids(streams, data.samples_per_epoch, seed, epoch) - left_out
+        expected = np.zeros(weights[epoch].size)
+        expected[list(planned)] = list(planned.values())
+        before = weights[epoch - 1] if epoch else 0.0
+        np.testing.assert_array_equal(weights[epoch] - before, expected, err_msg=f"epoch {epoch}")
+    results = audit([tmp_path])
+    assert [(r.epoch, r.skipped, r.missing, r.duplicates, r.ok, r.complete) for r in results] == [
+        (0, 32, 0, 0, True, True),
+        (1, 0, 0, 0, True, True),
+    ], format_audit(results)
+
+
+def test_packed_tokens_resumed_with_skip_train_every_other_planned_token_once(tmp_path: Path) -> None:
+    """Packed (best_fit) token sequences of Megatron files, 2 ranks x 2 workers killed after a checkpoint at
+    step 3, resumed on 1 x 2 skipping steps 3-4: in the weights (one per token id), epoch 0 trains
+    every planned token once but the sequences of those steps, which the killed run's records name,
+    and epoch 1 trains every one."""
+    corpus = tmp_path / "corpus"
+    total = write_corpus(corpus, files=4, documents=24)
+    planned = planned_tokens(corpus, "best_fit")
+    first = packed_job(corpus, "best_fit", Topology(2, 2)).but(checks=dict(audit=True))
+    resume = packed_job(corpus, "best_fit", Topology(1, 2)).but(checks=dict(audit=True), training=dict(skip="3-4"))
+    out = tmp_path / "run"
+    _, segments = check_resume(out, first, [resume], checkpoint_every=3)
+    killed = segments[0]
+    spike = trained_at(killed, (3, 4))
+    assert spike and len(set(spike)) == len(spike)
+    weights = weights_at_epoch_ends(out, "seg1")
+    expected = np.zeros(total + 1)
+    expected[planned] = 1.0
+    skipped = np.zeros(total + 1)
+    skipped[np.asarray(spike) + 1] = 1.0  # a record's ids are token ids less one (tests/jobs/parts.py)
+    np.testing.assert_array_equal(weights[0], expected - skipped, err_msg="epoch 0: all planned tokens but the skipped")
+    np.testing.assert_array_equal(weights[1] - weights[0], expected, err_msg="epoch 1: every planned token")
+    rows = audit([out])
+    assert [(r.skipped, r.missing, r.duplicates, r.ok) for r in rows] == [(12, 0, 0, True), (0, 0, 0, True)], rows
+
+
+def test_skip_in_a_fit_that_resumes_no_checkpoint_is_refused_before_any_step() -> None:
+    from lightning_sharding import ShardedDataModule, SyntheticReader
+    from lightning_sharding.core.skip import SkipError
+    from lightning_sharding.train import Regressor
+    from tests.support.harness import cpu_trainer
+
+    dm = ShardedDataModule(SyntheticReader(sizes=[16]), batch_size=4, skip="3-4")
+    model = Regressor(dim=8, hidden=4, learning_rate=0.01)
+    with pytest.raises(SkipError, match=r"starts from no checkpoint: pass .* ckpt_path=PATH"):
+        cpu_trainer(max_epochs=1).fit(model, datamodule=dm)
+    assert model.global_step == 0
