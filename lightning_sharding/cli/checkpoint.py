@@ -43,6 +43,12 @@ def register(sub: Any) -> None:
         "N), replayed from the checkpoint's training history without reading data: epoch positions, and with "
         "--data the item and index of each sample (of packed sequences: each document's token range)",
     )
+    inspect.add_argument(
+        "--past",
+        action="store_true",
+        help="with --step N past the checkpoint's steps: name step N as the run that wrote the checkpoint went on "
+        "to train it, on its last topology (what skip= leaves out at a resume from this checkpoint)",
+    )
     inspect.add_argument("--config-dir", help="a directory of your own train configs (default: the packaged ones)")
     inspect.add_argument("--config-name", default="train", help="the config to compose (default: train)")
     inspect.set_defaults(func=_inspect)
@@ -271,7 +277,7 @@ def _inspect(args: argparse.Namespace) -> int:
             batch_size = (ckpt[CHECKPOINT_KEY].get("writer") or {}).get("batch_size")
             manifest = _manifest(_compose(args.data, args.config_dir, args.config_name), batch_size)
         try:
-            print(format_step(ckpt[CHECKPOINT_KEY], args.step, ckpt.get("global_step"), manifest))
+            print(format_step(ckpt[CHECKPOINT_KEY], args.step, ckpt.get("global_step"), manifest, past=args.past))
         except ValueError as err:
             raise CliError(f"{path}: {err}") from None
     if plot is not None:
@@ -317,12 +323,15 @@ def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir
     return "\n".join(lines + [f"  - {c}" for c in changes])
 
 
-def format_step(state: Mapping[str, Any], step: int, global_step: Any = None, manifest: Any = None) -> str:
+def format_step(
+    state: Mapping[str, Any], step: int, global_step: Any = None, manifest: Any = None, *, past: bool = False
+) -> str:
     """What global step ``step`` trained on every data-parallel rank, replayed from the ledger ``state``'s
     history (:func:`~lightning_sharding.core.history.replay_step`): each micro-batch's epoch positions,
     and, given the data's ``manifest`` (of the checkpoint's data), each sample's item and index, or of
-    packed sequences each document's token range. Raises ``ValueError`` for a step it cannot replay."""
-    from lightning_sharding.core.history import replay_step, segments_of
+    packed sequences each document's token range. Raises ``ValueError`` for a step it cannot replay.
+    ``past``: a step from the checkpoint's ``global_step`` on is named as its run went on to train it."""
+    from lightning_sharding.core.history import StepNotInHistoryError, replay_steps, segments_of
     from lightning_sharding.core.ledger import Ledger
 
     ledger = Ledger.from_state_dict(state)
@@ -332,9 +341,23 @@ def format_step(state: Mapping[str, Any], step: int, global_step: Any = None, ma
     if needs_order and manifest is None:
         raise ValueError("the checkpoint's data is a mixture: pass --data with its data to replay its steps")
     orders = manifest.order if manifest is not None else None
-    ranks = replay_step(state, step, None if global_step is None else int(global_step), orders)
+    recorded = global_step if global_step is not None else state.get("global_step")
+    held = int(recorded) if recorded is not None else None
+    past = past and held is not None and step >= held and bool(segments_of(state))
+    try:
+        ranks = replay_steps(state, [step], held, orders, beyond=past)[step]
+    except StepNotInHistoryError as err:
+        if held is not None and step >= held:  # a step after the checkpoint: --past names it
+            hint = "--past names it as the run that wrote it went on to train it"
+            raise StepNotInHistoryError(f"{err}; {hint}") from None
+        raise
     first = int(segments_of(state)[0]["step"])
     lines = [f"step         {step} (epoch {ranks[0].epoch}), {len(ranks)} data-parallel ranks"]
+    if past:
+        lines.append(
+            f"past         the checkpoint holds steps up to {held - 1 if held else 0}: step {step} as the run that "
+            "wrote it went on to train it (on its last topology), what skip= would leave out at a resume from it"
+        )
     if first > 0:
         lines.append(f"history      starts at step {first}: the checkpoint resumed there from one without a history")
     for got in ranks:

@@ -360,7 +360,8 @@ class ShardingCallback(pl.Callback):
             summary = keeper.manifest.summary()
             packing = summary.get("packing")
             streams = [s for s in summary.get("streams") or [] if "packing" in s]
-            print(format_summary(self.reports, keeper.options, keeper.ledger.seed, self.worlds, packing, streams))
+            seed, skips = keeper.ledger.seed, keeper.ledger.skips
+            print(format_summary(self.reports, keeper.options, seed, self.worlds, packing, streams, skips))
 
     def summary(self) -> list[dict[str, Any]]:
         """The epoch reports as plain dicts."""

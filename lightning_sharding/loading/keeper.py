@@ -9,6 +9,7 @@ and restores one, and tells the train loader when a checkpoint is saved. Under a
 
 from __future__ import annotations
 
+import pickle
 import sys
 import warnings
 from collections.abc import Mapping
@@ -474,7 +475,7 @@ def _ledger_of(path: str) -> Mapping[str, Any]:
 
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as err:
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
         raise SkipError(f"skip= checkpoint: cannot read {path}: {err}") from err
     entry = ckpt.get(CHECKPOINT_KEY) if isinstance(ckpt, Mapping) else None
     if not isinstance(entry, Mapping):

@@ -38,10 +38,12 @@ def format_summary(
     worlds: list[World],
     packing: Mapping[str, Any] | None = None,
     packed_streams: Sequence[Mapping[str, Any]] = (),
+    skips: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """A one-screen table of what every epoch served, and where every rank ran; with ``packing``
     (a packed manifest's summary of it), the tokens an epoch's sequences hold; with
-    ``packed_streams`` (a mixture's packed streams' summaries), each stream's share of sequences."""
+    ``packed_streams`` (a mixture's packed streams' summaries), each stream's share of sequences; with
+    ``skips`` (the ledger's record of resumes with ``skip=``), what each left out."""
     replicas = ""
     if worlds and worlds[0].data_size != len(worlds):
         replicas = f" in {worlds[0].data_size} data-parallel replicas of {worlds[0].replica_size}"
@@ -61,11 +63,9 @@ def format_summary(
     ]
     if not rows:
         rows = ["  (no training epoch ended in this run)"]
-    rows += [
-        f"{r.epoch:>5} skip=: {r.skipped_on_resume} samples left out at the resume, never trained (not in consumed)"
-        for r in reports
-        if r.skipped_on_resume
-    ]
+    for skip in skips:  # what resumes with skip= left out: never trained, so not in consumed
+        counts = "; ".join(f"{n} of epoch {e}" for e, n in skip.get("counts", []))
+        rows.append(f"skip= {skip.get('asked')} at the resume from step {skip.get('at_step')}: left out {counts}")
     if packing is not None:
         sequences = int(packing["tokens"] + packing["padding"]) // int(packing["seq_len"])
         share = 100 * packing["padding"] / max(1, packing["tokens"] + packing["padding"])

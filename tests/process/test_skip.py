@@ -69,7 +69,7 @@ def test_a_resume_with_skip_leaves_the_spike_steps_out_and_trains_every_other_sa
     # Said at the resume, and in the summary.
     assert "skip= steps 3-4: 32 sample(s) of epoch 0 left out" in resumed.output, resumed.output[-3000:]
     assert "2 data-parallel rank(s) x 2 worker(s)" in resumed.output
-    assert "skip=: 32 samples left out at the resume" in resumed.output
+    assert "skip= steps 3-4 at the resume from step 3: left out 32 of epoch 0" in resumed.output
 
     # The audit counts them as skipped, not missing, and exactly-once holds for the rest.
     (row,) = audit([tmp_path])

@@ -420,6 +420,11 @@ def test_inspect_of_a_packed_checkpoint_gives_the_packing_and_with_data_the_toke
         assert ranges and sum(int(b) - int(a) for a, b in ranges) <= 16, pieces
     code, out, err = run(capsys, "inspect", str(ckpt), "--step", "5")
     assert code != 0 and "step 5 is not in this checkpoint's training history, which covers steps 0 to 4" in err
+    assert "--past names it" in err
+    # --past: a step after the checkpoint, as its run went on (what skip= would leave out): the next 4 sequences.
+    code, out, err = run(capsys, "inspect", str(ckpt), "--step", "5", "--past")
+    assert code == 0 and "past         the checkpoint holds steps up to 4" in out, out + err
+    assert re.search(r"rank 0: positions \[20, 24\)", out), out
 
 
 def test_inspect_a_real_checkpoint(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:

@@ -134,3 +134,29 @@ def test_a_resume_applies_a_skip_once_and_refuses_steps_its_weights_hold(capsys:
         _keeper({"samples": "38-40"}).restore(state, 3, "ckpt-3")  # type: ignore[attr-defined]
     with pytest.raises(SkipError, match="are in the checkpoint's weights already"):
         _keeper({"samples": "0-5"}).restore(state, 3, "ckpt-3")  # type: ignore[attr-defined]
+
+
+def test_steps_trained_after_another_resume_are_replayed_from_the_later_checkpoint_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The spike's steps were trained by a resume on 2 ranks, which the step-3 checkpoint (1 rank) does not
+    know: ``checkpoint=`` names a later one whose history holds them, and its positions are left out."""
+    import torch
+
+    from lightning_sharding.core.history import replay_step
+
+    state = _checkpoint_state(3)
+    later = Ledger.from_state_dict(state)
+    entry = dict(num_workers=0, batch_size=4, accumulate=1, even_batches="pad")
+    later.history.append(segment_entry(step=3, epoch=0, consumed=later.consumed, world_size=2, **entry))  # type: ignore[arg-type]
+    later.consumed = later.consumed | RangeSet.interval(12, 36)
+    path = tmp_path / "late.ckpt"
+    saved = {**later.state_dict(), "global_step": 6}
+    saved["consumed"] = torch.from_numpy(saved["consumed"])  # as a checkpoint holds it (weights_only)
+    torch.save({"lightning_sharding": saved, "global_step": 6}, path)
+    keeper = _keeper({"steps": "4-5", "checkpoint": str(path)})
+    keeper.restore(state, 3, "ckpt-3")  # type: ignore[attr-defined]
+    on_two_ranks = np.concatenate([r.positions for s in (4, 5) for r in replay_step(later.state_dict(), s, 6)])
+    assert keeper.ledger.skipped == RangeSet.from_positions(on_two_ranks)  # type: ignore[attr-defined]
+    assert len(on_two_ranks) == 16  # 2 steps x 2 ranks x 4, where the step-3 checkpoint's run would give 8
+    assert f"as {path}'s history replays them" in capsys.readouterr().err
