@@ -63,7 +63,8 @@ class DataOptions:
     # again, with a warning), rather than refusing it.
     allow_data_change: bool = _default("allow_data_change")
     # What a resume leaves out (a loss spike's data): global steps "81200-81400,81500" (both ends included),
-    # or {steps: ..., checkpoint: PATH} / {samples: "1200-1299", epoch: E}. docs/how-to/pretraining.md.
+    # or {steps: ..., checkpoint: PATH} / {samples: "1200-1299", epoch: E} / {documents: 287} (packed).
+    # docs/how-to/pretraining.md.
     skip: Any = _default("skip")
 
     def known_total(self) -> int | None:

@@ -17,11 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from lightning_sharding.core.history import replay_steps, segments_of
 from lightning_sharding.core.rangeset import RangeSet
 
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
-_KEYS = ("steps", "samples", "epoch", "checkpoint")
+_KEYS = ("steps", "samples", "documents", "epoch", "checkpoint")
+_CHUNK = 1 << 18  # sequences whose pieces are looked at at once, for documents=
 
 
 class SkipError(ValueError):
@@ -63,11 +66,14 @@ def _ranges(value: Any, what: str) -> tuple[tuple[int, int], ...]:
 class Skip:
     """What a resume leaves out. ``steps``: global steps (``trainer.global_step`` while they trained,
     as logged), inclusive ranges; ``samples``: epoch positions of ``epoch`` (default: the checkpoint's
-    epoch), inclusive ranges; ``checkpoint``: a later checkpoint whose history holds ``steps`` (they
-    were trained after another resume, on a topology the resumed checkpoint does not know)."""
+    epoch), inclusive ranges; ``documents``: of packed token sequences, the sequences of ``epoch`` that
+    hold any token of these documents (numbered as ``inspect --step --data`` prints them), inclusive
+    ranges; ``checkpoint``: a later checkpoint whose history holds ``steps`` (they were trained after
+    another resume, on a topology the resumed checkpoint does not know)."""
 
     steps: tuple[tuple[int, int], ...] = ()
     samples: tuple[tuple[int, int], ...] = ()
+    documents: tuple[tuple[int, int], ...] = ()
     epoch: int | None = None
     checkpoint: str | None = None
 
@@ -81,18 +87,21 @@ class Skip:
             unknown = [k for k in value if k not in _KEYS]
             if unknown:
                 raise SkipError(f"skip= has no key {unknown[0]!r}: give {', '.join(_KEYS)}")
-            if value.get("steps") is None and value.get("samples") is None:
-                raise SkipError("skip= names neither steps nor samples: give steps='first-last' or samples=")
+            if all(value.get(k) is None for k in ("steps", "samples", "documents")):
+                raise SkipError(
+                    "skip= names no steps, samples or documents: give steps='first-last', samples= or documents="
+                )
             epoch = value.get("epoch")
             if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
                 raise SkipError(f"skip= epoch: {epoch!r} is not a non-negative integer")
-            if value.get("epoch") is not None and value.get("samples") is None:
-                raise SkipError("skip= epoch: names the epoch of samples=, and none are given")
+            if value.get("epoch") is not None and value.get("samples") is None and value.get("documents") is None:
+                raise SkipError("skip= epoch: names the epoch of samples= or documents=, and neither is given")
             if value.get("checkpoint") is not None and value.get("steps") is None:
                 raise SkipError("skip= checkpoint: replays steps=, and none are given")
             return cls(
                 steps=_ranges(value["steps"], "steps") if value.get("steps") is not None else (),
                 samples=_ranges(value["samples"], "samples") if value.get("samples") is not None else (),
+                documents=_ranges(value["documents"], "documents") if value.get("documents") is not None else (),
                 epoch=epoch,
                 checkpoint=str(value["checkpoint"]) if value.get("checkpoint") is not None else None,
             )
@@ -105,9 +114,11 @@ class Skip:
             return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in ranges)
 
         parts = [f"steps {shown(self.steps)}"] if self.steps else []
+        epoch = f" of epoch {self.epoch}" if self.epoch is not None else ""
         if self.samples:
-            epoch = f" of epoch {self.epoch}" if self.epoch is not None else ""
             parts.append(f"samples {shown(self.samples)}{epoch}")
+        if self.documents:
+            parts.append(f"the sequences of documents {shown(self.documents)}{epoch}")
         if self.checkpoint is not None:
             parts.append(f"as {self.checkpoint} trained them")
         return ", ".join(parts)
@@ -118,10 +129,12 @@ class Skip:
         global_step: int | None,
         orders: Callable[[int, int], Any] | None,
         load: Callable[[str], Mapping[str, Any]] | None = None,
+        order_of: Callable[[int], Any] | None = None,
     ) -> tuple[dict[int, RangeSet], str]:
         """``({epoch: positions}, how the steps were replayed)`` of this skip at a resume from the ledger
         ``state`` (a checkpoint's entry) whose weights are of ``global_step``; ``orders`` gives an epoch's
-        order (a mixture's), ``load(path)`` a checkpoint's ledger entry (for ``checkpoint``)."""
+        order (a mixture's), ``load(path)`` a checkpoint's ledger entry (for ``checkpoint``),
+        ``order_of(epoch)`` an epoch's order of packed sequences (for ``documents``; ``None``: not packed)."""
         found: dict[int, RangeSet] = {}
         how = ""
         held = int(global_step if global_step is not None else state.get("global_step") or 0)
@@ -171,4 +184,36 @@ class Skip:
                 raise SkipError(f"skip= samples: position {bad[0]} is outside an epoch of {total} samples")
             chosen = RangeSet.from_ranges((a, b + 1) for a, b in self.samples)
             found[at] = found.get(at, RangeSet()) | chosen
+        if self.documents:
+            at = self.epoch if self.epoch is not None else epoch
+            if at < epoch:
+                raise SkipError(f"skip= epoch {at}: the checkpoint is in epoch {epoch} already; epoch {at} is over")
+            order = order_of(at) if order_of is not None else None
+            if order is None or not hasattr(order, "pieces"):
+                raise SkipError(
+                    "skip= documents: names documents of packed token sequences (one reader with packing=), and "
+                    "this data is not that: give samples= (epoch positions, as inspect --step prints them)"
+                )
+            found[at] = found.get(at, RangeSet()) | _holding(order, self.documents)
         return found, how
+
+
+def _holding(order: Any, documents: tuple[tuple[int, int], ...]) -> RangeSet:
+    """The sequences of a packed ``order`` holding a token of ``documents`` (inclusive ranges)."""
+    count = int(order.epochs.lengths.size)
+    beyond = [b for _, b in documents if b >= count]
+    if beyond:
+        raise SkipError(f"skip= documents: document {beyond[0]} is not in this data, which holds {count} documents")
+    wanted = RangeSet.from_ranges((a, b + 1) for a, b in documents)
+    starts, ends = wanted.starts, wanted.ends
+    hits = []
+    for lo in range(0, int(order.total), _CHUNK):
+        positions = np.arange(lo, min(lo + _CHUNK, int(order.total)), dtype=np.int64)
+        rows, docs, _, _ = order.pieces(positions)
+        k = np.searchsorted(starts, docs, side="right") - 1
+        inside = (k >= 0) & (docs < ends[np.maximum(k, 0)])
+        hits.append(positions[rows[inside]])
+    held = RangeSet.from_positions(np.concatenate(hits)) if hits else RangeSet()
+    if not held:
+        raise SkipError("skip= documents: no sequence of the epoch holds a token of them (a document of no tokens?)")
+    return held

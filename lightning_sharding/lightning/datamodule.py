@@ -140,7 +140,8 @@ class ShardedDataModule(pl.LightningDataModule):
             checkpoint's history as the run that wrote it went on to train them (``{"steps": ...,
             "checkpoint": PATH}``: as a later checkpoint's history says, for steps trained after
             another resume), or samples (``{"samples": "1200-1299", "epoch": E}``: epoch positions, as
-            ``lightning-sharding inspect --step`` prints them; the checkpoint's epoch by default). They
+            ``lightning-sharding inspect --step`` prints them; the checkpoint's epoch by default), or of
+            packed sequences the sequences holding a token of a document (``{"documents": "287"}``). They
             are recorded as skipped in the ledger, never trained nor served again in their epoch, and
             shown in the summary, ``inspect`` and the audit. A checkpoint that applied a skip records it,
             so a requeue with the same ``skip=`` applies it once. See docs/how-to/pretraining.md.

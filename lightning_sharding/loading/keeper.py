@@ -13,6 +13,7 @@ import pickle
 import sys
 import warnings
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -268,7 +269,8 @@ class LedgerKeeper:
         saved = state["manifest"]
         orders = self.manifest.order if saved.get("streams") or saved.get("schedule") else None  # as replay_step
         try:
-            found, how = skip.positions(state, global_step, orders, load=_ledger_of)
+            packed = None if mixture_of(self.manifest) is not None else partial(self.manifest.order, ledger.seed)
+            found, how = skip.positions(state, global_step, orders, load=_ledger_of, order_of=packed)
         except ValueError as err:  # a step the history cannot replay names why
             raise SkipError(f"{source}: {err}") from err
         trained = {e: r.intersection(ledger.consumed) for e, r in found.items() if e == ledger.epoch}

@@ -13,12 +13,14 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from lightning_sharding.loading.audit import audit, format_audit
+from lightning_sharding.tokens import PackedReader
 from tests.process.test_packing import job as packed_job
 from tests.process.test_packing import planned_tokens
 from tests.support.data.streams import planned_ids
@@ -30,6 +32,8 @@ from tests.support.harness import (
     Topology,
     check_resume,
     checkpoint_step,
+    first_segment,
+    run_segment,
     weights_at_epoch_ends,
     weights_of_run,
 )
@@ -114,28 +118,58 @@ def test_a_mixture_resumed_with_skip_trains_every_other_draw_once(tmp_path: Path
 
 def test_packed_tokens_resumed_with_skip_train_every_other_planned_token_once(tmp_path: Path) -> None:
     """Packed (best_fit) token sequences of Megatron files, 2 ranks x 2 workers killed after a checkpoint at
-    step 3, resumed on 1 x 2 skipping steps 3-4: in the weights (one per token id), epoch 0 trains
-    every planned token once but the sequences of those steps, which the killed run's records name,
-    and epoch 1 trains every one."""
+    step 3, resumed on 1 x 2 skipping steps 3-4 and one document: in the weights (one per token id),
+    epoch 0 trains every planned token once but those of the sequences of those steps, which the killed
+    run's records name, and of the sequences holding the document (another document's tokens beside
+    it in a sequence go too); epoch 1 trains every one."""
+    from lightning_sharding.core.rangeset import RangeSet
+    from tests.support.data.tokens import packed_reader, packed_spec
+
     corpus = tmp_path / "corpus"
     total = write_corpus(corpus, files=4, documents=24)
     planned = planned_tokens(corpus, "best_fit")
     first = packed_job(corpus, "best_fit", Topology(2, 2)).but(checks=dict(audit=True))
-    resume = packed_job(corpus, "best_fit", Topology(1, 2)).but(checks=dict(audit=True), training=dict(skip="3-4"))
-    out = tmp_path / "run"
-    _, segments = check_resume(out, first, [resume], checkpoint_every=3)
-    killed = segments[0]
+    out, trained = tmp_path / "run", tmp_path / "first"
+    killed = run_segment(trained, "seg0", first_segment(first, checkpoint_every=3), expect_death=True)
+    # A document none of whose sequences the checkpoint holds or the spike's steps trained, by the epoch's order.
+    (ckpt,) = [p for p in killed.checkpoints if checkpoint_step(p) == 3]
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["lightning_sharding"]
+    reader = PackedReader(packed_reader(str(corpus)), packed_spec(first.data.tokens or {}))
+    order = reader.manifest().order(int(state["seed"]), 0)
+    rows, docs, starts, stops = order.pieces(np.arange(order.total))
     spike = trained_at(killed, (3, 4))
-    assert spike and len(set(spike)) == len(spike)
+    spiked_rows = {int(r) for r, d, a in zip(rows, docs, starts, strict=True) if order_token(order, d, a) in set(spike)}
+    taken = RangeSet.from_state(np.asarray(state["consumed"])).to_array().tolist() + sorted(spiked_rows)
+    document = next(d for d in sorted(set(docs.tolist())) if not set(rows[docs == d].tolist()) & set(taken))
+    held = rows[docs == document]
+    resume = packed_job(corpus, "best_fit", Topology(1, 2)).but(
+        checks=dict(audit=True), training=dict(skip={"steps": "3-4", "documents": [document]})
+    )
+    segments = check_resume(out, first, [resume], checkpoint_every=3, trained=trained)[1]
+    assert f"the sequences of documents {document}: " in segments[1].output, segments[1].output[-3000:]
     weights = weights_at_epoch_ends(out, "seg1")
     expected = np.zeros(total + 1)
     expected[planned] = 1.0
     skipped = np.zeros(total + 1)
     skipped[np.asarray(spike) + 1] = 1.0  # a record's ids are token ids less one (tests/jobs/parts.py)
+    for r, d, a, b in zip(rows, docs, starts, stops, strict=True):
+        if r in held:  # every token of the sequences holding the document, its own and its neighbours'
+            skipped[order_token(order, d, a) + 1 : order_token(order, d, b) + 1] = 1.0
     np.testing.assert_array_equal(weights[0], expected - skipped, err_msg="epoch 0: all planned tokens but the skipped")
     np.testing.assert_array_equal(weights[1] - weights[0], expected, err_msg="epoch 1: every planned token")
-    rows = audit([out])
-    assert [(r.skipped, r.missing, r.duplicates, r.ok) for r in rows] == [(12, 0, 0, True), (0, 0, 0, True)], rows
+    rows_audited = audit([out])
+    skipped_sequences = 12 + len(set(held.tolist()))
+    assert [(r.skipped, r.missing, r.duplicates, r.ok) for r in rows_audited] == [
+        (skipped_sequences, 0, 0, True),
+        (0, 0, 0, True),
+    ], rows_audited
+
+
+def order_token(order: Any, document: int, offset: int) -> int:
+    """The id less one of token ``offset`` of ``document`` (the corpus numbers tokens 1..T in file
+    order, documents one after another: tests/support/data/tokens.py)."""
+    epochs = order.epochs
+    return int(np.concatenate(([0], np.cumsum(epochs.lengths)))[document]) + int(offset)
 
 
 def test_skip_in_a_fit_that_resumes_no_checkpoint_is_refused_before_any_step() -> None:

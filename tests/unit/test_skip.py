@@ -38,7 +38,7 @@ def test_skip_takes_step_ranges_lists_and_mappings_and_says_them_back() -> None:
         ("4..5", "'4..5' is not a number or a range 'first-last'"),
         ("9-4", "the range '9-4' ends before it starts"),
         ({"step": "4"}, "skip= has no key 'step'"),
-        ({"epoch": 1}, "names neither steps nor samples"),
+        ({"epoch": 1}, "names no steps, samples or documents"),
         ({"checkpoint": "x.ckpt", "samples": [3]}, "checkpoint: replays steps="),
         ([True], "True is not a non-negative integer"),
         (3.5, "3.5 is neither ranges"),
@@ -134,6 +134,8 @@ def test_a_resume_applies_a_skip_once_and_refuses_steps_its_weights_hold(capsys:
         _keeper({"samples": "38-40"}).restore(state, 3, "ckpt-3")  # type: ignore[attr-defined]
     with pytest.raises(SkipError, match="are in the checkpoint's weights already"):
         _keeper({"samples": "0-5"}).restore(state, 3, "ckpt-3")  # type: ignore[attr-defined]
+    with pytest.raises(SkipError, match="names documents of packed token sequences .* give samples="):
+        _keeper({"documents": "2"}).restore(state, 3, "ckpt-3")  # type: ignore[attr-defined]
 
 
 def test_steps_trained_after_another_resume_are_replayed_from_the_later_checkpoint_named(
