@@ -145,12 +145,16 @@ def format_inspect(path: Path, ckpt: Mapping[str, Any]) -> str:
 
 def _skip_lines(ledger: Any) -> list[str]:
     """What resumes with ``skip=`` left out: never trained, not served again in their epoch."""
-    asked = "; ".join(f"skip= {s.get('asked')} at the resume from step {s.get('at_step')}" for s in ledger.skips)
     held = [(ledger.epoch, ledger.skipped)] if ledger.skipped else []
-    return [
-        f"skipped      {len(ranges)} samples of epoch {epoch} ({asked})"
-        for epoch, ranges in held + sorted(ledger.skip_ahead.items())
-    ]
+    lines = []
+    for epoch, ranges in held + sorted(ledger.skip_ahead.items()):
+        asked = "; ".join(
+            f"skip= {s.get('asked')} at the resume from step {s.get('at_step')}"
+            for s in ledger.skips
+            if any(e == epoch for e, _ in s.get("counts", []))
+        )
+        lines.append(f"skipped      {len(ranges)} samples of epoch {epoch}" + (f" ({asked})" if asked else ""))
+    return lines
 
 
 def _history_lines(history: list[dict[str, Any]], own_loop: bool) -> list[str]:

@@ -161,6 +161,7 @@ def replay_steps(
     first = int(segments[0]["step"])
     last = None if beyond or end is None else int(end)
     plans: dict[tuple[int, int], Any] = {}  # (history entry, epoch) -> (plan, step it starts at, offset)
+    rank_plans: dict[tuple[int, int, int], RankPlan] = {}
     answers: dict[int, list[RankStep]] = {}
     for step in steps:
         if step < first or (last is not None and step >= last):
@@ -170,12 +171,19 @@ def replay_steps(
                 + (f" (its history starts at the resume at step {first})" if first > 0 else "")
             )
         k = max(i for i, s in enumerate(segments) if int(s["step"]) <= step)
+        if beyond and state.get("decisions") is not None and (end is None or step >= int(end)):
+            raise StepNotInHistoryError(
+                "the checkpoint's mixture is under online control: the decisions made after it plan its epochs "
+                "again, so steps after it cannot be named from it"
+            )
         epoch, plan, start, offset, accumulate = _epoch_of(state, segments[k], k, step, orders, plans)
         lo = max(0, (step - start) * accumulate - offset)
         hi = min((step - start + 1) * accumulate - offset, plan.num_batches)
         answer = []
         for rank in range(plan.world_size):
-            rank_plan = plan.rank(rank)
+            if (k, epoch, rank) not in rank_plans:  # a rank's plan can cost O(epoch) to make (time order)
+                rank_plans[k, epoch, rank] = plan.rank(rank)
+            rank_plan = rank_plans[k, epoch, rank]
             tasks = [rank_plan.batch(_delivered(rank_plan, d)) for d in range(lo, hi)]
             batches = [t.positions[: t.positions.size - t.num_padding] for t in tasks]
             answer.append(RankStep(rank, epoch, batches))
@@ -253,8 +261,8 @@ def _check_replayable(state: Mapping[str, Any], seg: Mapping[str, Any], orders: 
         raise ValueError("replay_step: the steps of a mixture need orders= (its epochs' order)")
     if seg.get("worker_layout", "runs") not in ("runs", "interleaved"):
         raise StepNotInHistoryError(
-            f"steps {seg['step']} on were trained by a strategy that deals batches as its workers finish them "
-            "(dispatch): they cannot be replayed"
+            f"steps {seg['step']} on were trained by a strategy that deals batches otherwise than a plan's workers "
+            "(dispatch, as its workers finish them; dali with several sources, merged): they cannot be replayed"
         )
 
 

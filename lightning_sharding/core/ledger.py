@@ -24,6 +24,7 @@ from lightning_sharding.core.rangeset import RangeSet
 LEDGER_VERSION = 1
 CHANGED_VERSION = 2  # a ledger of an epoch whose mixture changed on resume: earlier releases refuse it
 CONTROLLED_VERSION = 3  # a ledger of a mixture under online control (its decisions): earlier releases refuse it
+SKIPPED_VERSION = 4  # a ledger with samples left out by skip=: earlier releases, which would train them, refuse it
 CHECKPOINT_KEY = "lightning_sharding"  # where a Lightning checkpoint holds the ledger
 GLOBAL_STEP_KEY = "global_step"  # the optimizer step whose weights the checkpointed ledger matches
 SKIPPED_KEY, SKIP_AHEAD_KEY, SKIPS_KEY = "skipped", "skip_ahead", "skips"  # what a skip= resume left out
@@ -242,8 +243,9 @@ class Ledger:
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed state; pending positions are left out on purpose."""
         version = self.VERSION if self.change is None else CHANGED_VERSION
+        version = CONTROLLED_VERSION if self.decisions is not None else version
         state = {
-            "version": CONTROLLED_VERSION if self.decisions is not None else version,
+            "version": SKIPPED_VERSION if self.skipped or self.skip_ahead else version,
             "seed": self.seed,
             "epoch": self.epoch,
             "total": self.total,
@@ -274,6 +276,8 @@ class Ledger:
         if version == CHANGED_VERSION and isinstance(state.get("change"), Mapping):
             pass
         elif version == CONTROLLED_VERSION and isinstance(state.get("decisions"), list):
+            pass
+        elif version == SKIPPED_VERSION and state.get(SKIPPED_KEY) is not None:
             pass
         elif version != cls.VERSION:
             raise CheckpointMismatchError(

@@ -12,6 +12,7 @@ checkpoint applies it once.
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,11 +33,14 @@ class SkipError(ValueError):
 
 
 def _ranges(value: Any, what: str) -> tuple[tuple[int, int], ...]:
-    """``"4-5,9"`` or ``[4, 5, 9]`` (or one int) as inclusive ranges ``((4, 5), (9, 9))``."""
-    if isinstance(value, bool):
+    """``"4-5,9"`` or ``[4, 5, 9]`` (or one int, or a NumPy array of them) as inclusive ranges
+    ``((4, 5), (9, 9))``."""
+    if isinstance(value, bool | np.bool_):
         raise SkipError(f"skip= {what}: {value!r} is not a step or sample number")
-    if isinstance(value, int):
-        value = [value]
+    if isinstance(value, numbers.Integral):
+        value = [int(value)]
+    if isinstance(value, np.ndarray) and value.ndim == 1 and np.issubdtype(value.dtype, np.integer):
+        value = value.tolist()
     parts: list[tuple[int, int]] = []
     if isinstance(value, str):
         for piece in value.split(","):
@@ -50,16 +54,22 @@ def _ranges(value: Any, what: str) -> tuple[tuple[int, int], ...]:
             if last < first:
                 raise SkipError(f"skip= {what}: the range {piece.strip()!r} ends before it starts")
             parts.append((first, last))
-    elif isinstance(value, Sequence):
+    elif isinstance(value, Sequence) and not isinstance(value, bytes | bytearray):
         for x in value:
-            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            if isinstance(x, bool | np.bool_) or not isinstance(x, numbers.Integral) or x < 0:
                 raise SkipError(f"skip= {what}: {x!r} is not a non-negative integer")
             parts.append((int(x), int(x)))
     else:
         raise SkipError(f"skip= {what}: {value!r} is neither ranges like '4-5,9' nor a list of integers")
     if not parts:
         raise SkipError(f"skip= {what}: names nothing")
-    return tuple(parts)
+    merged: list[tuple[int, int]] = []  # sorted, touching ranges joined: [4, 5, 6] says 4-6
+    for a, b in sorted(parts):
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return tuple(merged)
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,12 @@ class Skip:
                         "the checkpoint resumed: its steps name other samples"
                     )
                 end, beyond = int(source.get("global_step") or 0), False
+            far = replay_steps(source, [steps[-1]], end, orders, beyond=beyond)[steps[-1]][0].epoch
+            if far > epoch + 1:  # a typo (a digit too many) would leave out epochs of data
+                raise SkipError(
+                    f"skip= steps: step {steps[-1]} would be trained in epoch {far}, and the checkpoint is in epoch "
+                    f"{epoch}: skip= leaves out steps of this epoch and the next; check the step numbers"
+                )
             for step, ranks in replay_steps(source, steps, end, orders, beyond=beyond).items():
                 for got in ranks:
                     if got.epoch < epoch:

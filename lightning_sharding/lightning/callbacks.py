@@ -168,8 +168,7 @@ class ShardingCallback(pl.Callback):
                 batches_before=batches_before,
                 fingerprint=ledger.fingerprint,
                 limited=_limited(trainer.limit_train_batches),
-                # the sampler's layout of a strategy that deals batches by the plan (None: dispatch's)
-                worker_layout=getattr(getattr(keeper.train_loader, "sampler", None), "worker_layout", None),
+                worker_layout=_replay_layout(keeper.train_loader),
             )
         )
 
@@ -366,6 +365,14 @@ class ShardingCallback(pl.Callback):
     def summary(self) -> list[dict[str, Any]]:
         """The epoch reports as plain dicts."""
         return [{**asdict(r), "samples_per_second": r.samples_per_second} for r in self.reports]
+
+
+def _replay_layout(loader: Any) -> str | None:
+    """How the loader deals a rank's batches, as the history replays them: its sampler's layout of a
+    strategy that deals batches by the plan's workers; ``None`` for one that does not (dispatch), and
+    ``"merged"`` for dali with several sources (each batch merges a run of every source's)."""
+    layout = getattr(getattr(loader, "sampler", None), "worker_layout", None)
+    return "merged" if layout is not None and getattr(loader, "num_sources", 1) > 1 else layout
 
 
 def _limited(limit: int | float | None) -> bool:

@@ -213,13 +213,10 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
     dropped: Counter[int] = Counter()
     finished: set[int] = set()
     decided: list[dict[str, Any]] = []  # the decisions the last run started from, and those it made
-    left_out: dict[int, RangeSet] = {}  # what resumes with skip= left out, per epoch
-    for run in runs:
-        for epoch, *flat in run.header.get("skipped") or []:
-            ranges = RangeSet.from_state(np.asarray(flat, dtype=np.int64).reshape(-1, 2))
-            left_out[int(epoch)] = left_out.get(int(epoch), RangeSet()) | ranges
     for i, run in enumerate(runs):
-        cut = runs[i + 1].header["start_step"] if i + 1 < len(runs) else None
+        # A run holds up to the earliest step a later run resumed from (a rollback to an older checkpoint,
+        # as a resume with skip= does, cuts every run after that step, not only the one just before).
+        cut = min((int(r.header["start_step"]) for r in runs[i + 1 :]), default=None)
         if run.header.get("decisions") is not None:
             decided = list(run.header["decisions"])
         for rank, lines in run.lines.items():
@@ -262,7 +259,7 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
             )
             streams = _per_stream(header.get("streams"), counts, header, epoch)
         consumed = len(counts) + len(old_counts)
-        skipped = left_out.get(epoch, RangeSet())
+        skipped = _left_out(headers.get(epoch), epoch)
         trained_anyway = sum(1 for p in counts if p in skipped) if skipped else 0
         results.append(
             EpochAudit(
@@ -280,6 +277,15 @@ def audit(directories: Sequence[str | Path]) -> list[EpochAudit]:
             )
         )
     return results
+
+
+def _left_out(header: dict[str, Any] | None, epoch: int) -> RangeSet:
+    """What resumes with ``skip=`` left out of ``epoch``, by the header of the last run that trained in
+    it: its ledger held every skip of its line of runs (a run rolled back before a skip holds none)."""
+    for at, *flat in (header or {}).get("skipped") or []:
+        if int(at) == epoch:
+            return RangeSet.from_state(np.asarray(flat, dtype=np.int64).reshape(-1, 2))
+    return RangeSet()
 
 
 def _check_chain(runs: list[_Run]) -> None:

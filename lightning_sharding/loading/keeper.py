@@ -192,6 +192,11 @@ class LedgerKeeper:
         """Restore a checkpoint's ledger; a checkpoint of other data is a clear error, and a ledger
         that does not record ``global_step`` (the checkpoint's optimizer step) is warned about."""
         if state is None:
+            if self.skip is not None:
+                raise SkipError(
+                    f"skip={self.skip.describe()!r}: {source} holds no lightning_sharding data ledger, so nothing "
+                    "names what it trained: resume from a checkpoint of ShardedDataModule, or without skip="
+                )
             warnings.warn(
                 f"{source} holds no lightning_sharding data ledger (it was written without "
                 "ShardedDataModule): the interrupted epoch restarts from its beginning",
@@ -266,19 +271,21 @@ class LedgerKeeper:
                     file=sys.stderr,
                 )
             return
-        saved = state["manifest"]
-        orders = self.manifest.order if saved.get("streams") or saved.get("schedule") else None  # as replay_step
+        saved, order = state["manifest"], partial(self.manifest.order, shuffle=self.options.shuffle)  # the loader's
+        orders = order if saved.get("streams") or saved.get("schedule") else None  # as replay_step takes them
         try:
-            packed = None if mixture_of(self.manifest) is not None else partial(self.manifest.order, ledger.seed)
+            packed = None if mixture_of(self.manifest) is not None else partial(order, ledger.seed)
             found, how = skip.positions(state, global_step, orders, load=_ledger_of, order_of=packed)
         except ValueError as err:  # a step the history cannot replay names why
             raise SkipError(f"{source}: {err}") from err
         trained = {e: r.intersection(ledger.consumed) for e, r in found.items() if e == ledger.epoch}
         if any(trained.values()):
             ((e, r),) = ((e, r) for e, r in trained.items() if r)
+            finished = len(ledger.consumed) + len(ledger.skipped) >= ledger.total
+            hint = f" (it finished epoch {e}: name epoch={e + 1} for the next one)" if finished else ""
             raise SkipError(
                 f"{source}: skip= {asked}: {len(r)} of its samples of epoch {e} (positions from "
-                f"{int(r.starts[0])}) are in the checkpoint's weights already: resume from a checkpoint "
+                f"{int(r.starts[0])}) are in the checkpoint's weights already{hint}: resume from a checkpoint "
                 "written before they trained"
             )
         ledger.skip(found)
@@ -429,6 +436,11 @@ class LedgerKeeper:
         ``False`` when that cannot be done and ``allow_data_change`` restarts the epoch instead."""
         before = restored.state_dict()
         try:
+            if restored.skipped or restored.skip_ahead:
+                raise CheckpointMismatchError(
+                    f"{source} left samples of epoch {restored.epoch} out at a resume with skip=, and a changed "
+                    "mixture would draw them again: resume with the checkpoint's mixture until the epoch ends"
+                )
             if restored.change is not None:
                 raise CheckpointMismatchError(
                     f"{source}: its epoch {restored.epoch} already changed its mixture once, and the mixture differs "

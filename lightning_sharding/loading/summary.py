@@ -63,9 +63,11 @@ def format_summary(
     ]
     if not rows:
         rows = ["  (no training epoch ended in this run)"]
-    for skip in skips:  # what resumes with skip= left out: never trained, so not in consumed
-        counts = "; ".join(f"{n} of epoch {e}" for e, n in skip.get("counts", []))
-        rows.append(f"skip= {skip.get('asked')} at the resume from step {skip.get('at_step')}: left out {counts}")
+    shown = {r.epoch for r in reports}
+    for skip in skips:  # what resumes with skip= left out of the epochs above: never trained, not in consumed
+        counts = "; ".join(f"{n} of epoch {e}" for e, n in skip.get("counts", []) if not shown or e in shown)
+        if counts:
+            rows.append(f"skip= {skip.get('asked')} at the resume from step {skip.get('at_step')}: left out {counts}")
     if packing is not None:
         sequences = int(packing["tokens"] + packing["padding"]) // int(packing["seq_len"])
         share = 100 * packing["padding"] / max(1, packing["tokens"] + packing["padding"])

@@ -37,6 +37,7 @@ from tests.support.harness import (
     weights_at_epoch_ends,
     weights_of_run,
 )
+from tests.support.replay import assert_replay_matches_audit
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.processes]
 
@@ -55,10 +56,13 @@ def trained_at(segment: Segment, steps: tuple[int, ...]) -> list[int]:
 def test_a_resume_with_skip_leaves_the_spike_steps_out_and_trains_every_other_sample_once(
     tmp_path: Path, trained_2x2: Path
 ) -> None:
+    """The resume on 1 rank x 3 workers is killed after its own checkpoint at step 6 too, and requeued
+    on 2 ranks x 1 worker with the same ``skip=`` from that checkpoint, which applied it already."""
     total = sum(FIRST_2X2.data.sizes)
     resume = FIRST_2X2.on(world_size=1, num_workers=3).but(training=dict(skip="3-4"))
-    _, segments = check_resume(tmp_path, FIRST_2X2, [resume], checkpoint_every=3, trained=trained_2x2)
-    killed, resumed = segments
+    requeue = resume.on(world_size=2, num_workers=1)
+    _, segments = check_resume(tmp_path, FIRST_2X2, [resume, requeue], checkpoint_every=3, trained=trained_2x2)
+    killed, resumed, requeued = segments
     # What the killed run trained at steps 3 and 4 (a record's gs is the step count after its batch),
     # by its own records: every rank's, each sample id read.
     spike = sorted(trained_at(killed, (3, 4)))
@@ -70,10 +74,11 @@ def test_a_resume_with_skip_leaves_the_spike_steps_out_and_trains_every_other_sa
     assert np.isin(w, (0.0, 1.0)).all(), np.unique(w)
     assert np.flatnonzero(w == 0).tolist() == spike
 
-    # Said at the resume, and in the summary.
+    # Said at the resume, once, and in the summary of the run that ends the epoch.
     assert "skip= steps 3-4: 32 sample(s) of epoch 0 left out" in resumed.output, resumed.output[-3000:]
     assert "2 data-parallel rank(s) x 2 worker(s)" in resumed.output
-    assert "skip= steps 3-4 at the resume from step 3: left out 32 of epoch 0" in resumed.output
+    assert "skip= steps 3-4 was applied at the resume from step 3 already" in requeued.output, requeued.output[-3000:]
+    assert "skip= steps 3-4 at the resume from step 3: left out 32 of epoch 0" in requeued.output
 
     # The audit counts them as skipped, not missing, and exactly-once holds for the rest.
     (row,) = audit([tmp_path])
@@ -81,8 +86,10 @@ def test_a_resume_with_skip_leaves_the_spike_steps_out_and_trains_every_other_sa
     proc = cli("audit", str(tmp_path))
     assert proc.returncode == 0 and "exactly-once (32 skipped on resume)" in proc.stdout, proc.stdout + proc.stderr
 
-    # The resumed run's checkpoints record the skip; inspect shows it.
-    written = max(resumed.checkpoints, key=checkpoint_step)
+    # The last run's checkpoints record the skip; inspect shows it. Their history, whose resume at step 3
+    # planned without the skipped samples, names every step as the audit trail recorded it.
+    written = max(requeued.checkpoints, key=checkpoint_step)
+    assert_replay_matches_audit(written, tmp_path, first_steps=range(12))
     state = torch.load(written, map_location="cpu", weights_only=True)["lightning_sharding"]
     assert state["skips"][0]["asked"] == "steps 3-4" and state["skips"][0]["counts"] == [[0, 32]]
     proc = cli("inspect", str(written))

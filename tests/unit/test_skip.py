@@ -162,3 +162,109 @@ def test_steps_trained_after_another_resume_are_replayed_from_the_later_checkpoi
     assert keeper.ledger.skipped == RangeSet.from_positions(on_two_ranks)  # type: ignore[attr-defined]
     assert len(on_two_ranks) == 16  # 2 steps x 2 ranks x 4, where the step-3 checkpoint's run would give 8
     assert f"as {path}'s history replays them" in capsys.readouterr().err
+
+
+def test_documents_follow_the_loaders_order_also_unshuffled(tmp_path: Path) -> None:
+    """``documents=`` leaves out the sequences that hold the document in the order the loader serves,
+    which ``shuffle=False`` changes: the keeper plans with the loader's own setting."""
+    from lightning_sharding.core.world import World
+    from lightning_sharding.loading.engine import LoadingEngine
+    from lightning_sharding.tokens import IndexedTokens, Packing
+    from tests.support.data.tokens import write_corpus
+
+    write_corpus(tmp_path, files=2, documents=12)
+    for shuffle in (False, True):
+        reader = IndexedTokens(f"{tmp_path}/part-*.idx")
+        arguments = dict(batch_size=2, seed=3, shuffle=shuffle, packing=Packing(seq_len=16, mode="best_fit"))
+        plain = LoadingEngine.from_arguments("ShardedDataModule", reader, **arguments)  # type: ignore[arg-type]
+        keeper = plain.setup(plain.reader, World())  # type: ignore[arg-type]
+        entry = dict(world_size=1, num_workers=0, batch_size=2, accumulate=1, even_batches="pad")
+        keeper.ledger.history.append(segment_entry(step=0, epoch=0, consumed=RangeSet(), **entry))  # type: ignore[arg-type]
+        state = {**keeper.ledger.state_dict(), "global_step": 0}
+        order = keeper.manifest.order(3, 0, shuffle=shuffle)
+        rows, docs, _, _ = order.pieces(np.arange(order.total))
+        engine = LoadingEngine.from_arguments("ShardedDataModule", reader, **arguments, skip={"documents": 5})  # type: ignore[arg-type]
+        skipping = engine.setup(engine.reader, World())  # type: ignore[arg-type]
+        skipping.restore(state, 0, "ckpt-0")
+        assert skipping.ledger.skipped == RangeSet.from_positions(rows[docs == 5]), shuffle
+
+
+def test_a_ledger_with_skipped_samples_is_one_an_earlier_release_refuses_and_this_one_reads() -> None:
+    from lightning_sharding.core.ledger import LEDGER_VERSION, SKIPPED_VERSION
+
+    ledger = Ledger(seed=1, total=20, manifest={"fingerprint": "f"})
+    assert ledger.state_dict()["version"] == LEDGER_VERSION
+    ledger.skip({0: RangeSet.interval(2, 4)})
+    state = ledger.state_dict()
+    assert state["version"] == SKIPPED_VERSION != LEDGER_VERSION  # a release before skip= refuses it by version
+    assert Ledger.from_state_dict(state).skipped.ranges() == [(2, 4)]
+
+
+def _run(
+    directory: Path, run: str, started: float, start: int, lines: list[dict[str, object]], **header: object
+) -> None:
+    from lightning_sharding.loading.audit import AuditWriter
+
+    base = {"started": started, "world_size": 1, "seed": 5, "total": 12, "fingerprint": "f", "start_step": start}
+    writer = AuditWriter(directory, run, 0, {**base, **header})
+    for line in lines:
+        writer._write(line)
+    writer.close()
+
+
+def test_the_audit_cuts_every_run_at_a_rollback_and_takes_the_skips_of_the_line_that_trained() -> None:
+    """Run a trains steps 0-5 (2 positions a step), run b resumes at step 4 and trains 4-5 again, then
+    the loss spiked: run c resumes from step 2 with skip= leaving steps 2-3's positions [4, 8) out, and
+    trains the rest. Exactly-once holds with 4 skipped; a run d rolled back to step 2 again without
+    skip= trains them, and the skips of the line it replaced no longer count."""
+    import tempfile
+
+    from lightning_sharding.loading.audit import audit
+
+    def steps(first: int, positions: list[tuple[int, int]], end: bool = False) -> list[dict[str, object]]:
+        lines: list[dict[str, object]] = [
+            {"kind": "step", "epoch": 0, "gs": first + k + 1, "pos": [list(p)], "pad": 0}
+            for k, p in enumerate(positions)
+        ]
+        gs = first + len(positions)
+        return lines + ([{"kind": "epoch_end", "epoch": 0, "gs": gs, "dropped": 0}] if end else [])
+
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        _run(root, "a", 1.0, 0, steps(0, [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)]))
+        _run(root, "b", 2.0, 4, steps(4, [(8, 10), (10, 12)]))
+        _run(root, "c", 3.0, 2, steps(2, [(8, 10), (10, 12)], end=True), skipped=[[0, 4, 8]])
+        (row,) = audit([root])
+        assert (row.consumed, row.duplicates, row.missing, row.skipped, row.skipped_trained, row.ok) == (
+            8,
+            0,
+            0,
+            4,
+            0,
+            True,
+        )
+        _run(root, "d", 4.0, 2, steps(2, [(4, 6), (6, 8), (8, 10), (10, 12)], end=True))
+        (row,) = audit([root])
+        assert (row.consumed, row.duplicates, row.missing, row.skipped, row.ok) == (12, 0, 0, 0, True)
+
+
+def test_a_mixture_changed_at_a_resume_is_refused_while_its_epoch_holds_skipped_samples() -> None:
+    """A changed mixture draws the rest of the epoch anew: the skipped samples would be drawn again."""
+    from lightning_sharding.core.ledger import CheckpointMismatchError
+    from lightning_sharding.core.world import World
+    from lightning_sharding.loading.engine import LoadingEngine
+    from lightning_sharding.mixture import Stream
+
+    def keeper(web: int, **more: object) -> object:
+        streams = [Stream("web", SyntheticReader(sizes=[30]), weight=web), Stream("code", SyntheticReader(sizes=[20]))]
+        engine = LoadingEngine.from_arguments("ShardedDataModule", batch_size=4, seed=3, streams=streams, **more)  # type: ignore[arg-type]
+        return engine.setup(engine.reader, World())  # type: ignore[arg-type]
+
+    before = keeper(1, skip={"samples": "8-11"})
+    ledger = before.ledger  # type: ignore[attr-defined]
+    ledger.consumed = RangeSet.interval(0, 8)
+    before.restore({**ledger.state_dict(), "global_step": 2}, 2, "ckpt-2")  # type: ignore[attr-defined]
+    state = {**before.ledger.state_dict(), "global_step": 4}  # type: ignore[attr-defined]
+    assert state["skipped"] == [8, 12]
+    with pytest.raises(CheckpointMismatchError, match="left samples of epoch 0 out at a resume with skip="):
+        keeper(3, allow_mixture_change=True).restore(state, 4, "ckpt-4")  # type: ignore[attr-defined]
