@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -274,14 +275,16 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.data is not None:
         print(compare_with_data(ckpt[CHECKPOINT_KEY], args.data, args.config_dir, args.config_name))
     if args.step is not None:
-        manifest = None
+        manifest, shuffle = None, True
         if args.data is not None:
             from lightning_sharding.cli.plan import _compose, _manifest
 
             batch_size = (ckpt[CHECKPOINT_KEY].get("writer") or {}).get("batch_size")
-            manifest = _manifest(_compose(args.data, args.config_dir, args.config_name), batch_size)
+            cfg = _compose(args.data, args.config_dir, args.config_name)
+            manifest, shuffle = _manifest(cfg, batch_size), bool(cfg.data.get("shuffle", True))
         try:
-            print(format_step(ckpt[CHECKPOINT_KEY], args.step, ckpt.get("global_step"), manifest, past=args.past))
+            state, step, held = ckpt[CHECKPOINT_KEY], args.step, ckpt.get("global_step")
+            print(format_step(state, step, held, manifest, past=args.past, shuffle=shuffle))
         except ValueError as err:
             raise CliError(f"{path}: {err}") from None
     if plot is not None:
@@ -328,13 +331,20 @@ def compare_with_data(state: Mapping[str, Any], overrides: list[str], config_dir
 
 
 def format_step(
-    state: Mapping[str, Any], step: int, global_step: Any = None, manifest: Any = None, *, past: bool = False
+    state: Mapping[str, Any],
+    step: int,
+    global_step: Any = None,
+    manifest: Any = None,
+    *,
+    past: bool = False,
+    shuffle: bool = True,
 ) -> str:
     """What global step ``step`` trained on every data-parallel rank, replayed from the ledger ``state``'s
     history (:func:`~lightning_sharding.core.history.replay_step`): each micro-batch's epoch positions,
     and, given the data's ``manifest`` (of the checkpoint's data), each sample's item and index, or of
     packed sequences each document's token range. Raises ``ValueError`` for a step it cannot replay.
-    ``past``: a step from the checkpoint's ``global_step`` on is named as its run went on to train it."""
+    ``past``: a step from the checkpoint's ``global_step`` on is named as its run went on to train it;
+    ``shuffle``: the data's setting (``data.shuffle``), which its orders follow."""
     from lightning_sharding.core.history import StepNotInHistoryError, replay_steps, segments_of
     from lightning_sharding.core.ledger import Ledger
 
@@ -344,7 +354,7 @@ def format_step(
     needs_order = bool(ledger.manifest.get("streams") or ledger.manifest.get("schedule"))
     if needs_order and manifest is None:
         raise ValueError("the checkpoint's data is a mixture: pass --data with its data to replay its steps")
-    orders = manifest.order if manifest is not None else None
+    orders = partial(manifest.order, shuffle=shuffle) if manifest is not None else None
     recorded = global_step if global_step is not None else state.get("global_step")
     held = int(recorded) if recorded is not None else None
     past = past and held is not None and step >= held and bool(segments_of(state))
@@ -365,7 +375,7 @@ def format_step(
     if first > 0:
         lines.append(f"history      starts at step {first}: the checkpoint resumed there from one without a history")
     for got in ranks:
-        order = manifest.order(ledger.seed, got.epoch) if manifest is not None else None
+        order = orders(ledger.seed, got.epoch) if orders is not None else None
         for i, positions in enumerate(got.batches):
             where = f"rank {got.rank}" + (f" micro-batch {i}" if len(got.batches) > 1 else "")
             ranges = ", ".join(f"[{a}, {b})" for a, b in RangeSet.from_positions(positions).ranges())
