@@ -190,3 +190,36 @@ def test_skip_in_a_fit_that_resumes_no_checkpoint_is_refused_before_any_step() -
     with pytest.raises(SkipError, match=r"starts from no checkpoint: pass .* ckpt_path=PATH"):
         cpu_trainer(max_epochs=1).fit(model, datamodule=dm)
     assert model.global_step == 0
+
+
+def test_a_skip_across_an_epoch_end_with_accumulation_leaves_out_each_epochs_share(tmp_path: Path) -> None:
+    """An uninterrupted reference run (2 ranks x 2 workers, accumulation 2, two epochs of 7 steps)
+    names by its audit trail what steps 5-7 trained: the last two steps of epoch 0 (the last a single
+    micro-batch) and the first of epoch 1. A resume from its step-3 checkpoint on 1 x 3 with
+    ``skip="5-7"`` leaves those out of each epoch (the next epoch's share waits in the ledger): in the
+    weights, each epoch trains every sample once but its own skipped ones."""
+    from lightning_sharding.core.order import EpochOrder
+    from tests.support.replay import audited_steps
+
+    sizes = FIRST_2X2.data.sizes
+    job = FIRST_2X2.but(training=dict(epochs=2, accumulate=2), saves=dict(checkpoint_every=3))
+    ref = run_segment(tmp_path / "ref", "ref", job)
+    (ckpt,) = [p for p in ref.checkpoints if checkpoint_step(p) == 3]
+    trail = audited_steps(tmp_path / "ref")
+    assert max(trail) == 13, sorted(trail)  # 13 batches a rank an epoch: 7 steps, the last of one micro-batch
+    seed, first = FIRST_2X2.loading.seed or 0, np.concatenate(([0], np.cumsum(sizes)))
+    left_out = {}
+    for epoch, steps in ((0, (5, 6)), (1, (7,))):
+        positions = np.asarray([p for s in steps for held in trail[s].values() for p in held], dtype=np.int64)
+        items, index = EpochOrder(sizes, seed, epoch).locate(positions)
+        left_out[epoch] = first[items] + index
+    assert (left_out[0].size, left_out[1].size) == (40, 32)  # step 6: the last 8 samples of epoch 0
+    resume = job.on(world_size=1, num_workers=3).but(training=dict(resume_from=str(ckpt), skip="5-7"))
+    run = run_segment(tmp_path / "run", "seg1", resume)
+    assert "40 sample(s) of epoch 0; 32 sample(s) of epoch 1 left out" in run.output, run.output[-3000:]
+    weights = weights_at_epoch_ends(tmp_path / "run", "seg1")
+    total = sum(sizes)
+    for epoch, before in ((0, np.zeros(total)), (1, weights[0])):
+        expected = np.ones(total)
+        expected[left_out[epoch]] = 0.0
+        np.testing.assert_array_equal(weights[epoch] - before, expected, err_msg=f"epoch {epoch}")
