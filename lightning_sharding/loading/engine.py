@@ -172,11 +172,10 @@ class LoadingEngine:
             skipped = Skip.of(skip)
         except SkipError as err:
             raise ValueError(f"`{owner}(skip={skip!r})`: {str(err).removeprefix('skip= ')}") from None
-        if skipped is not None and skipped.steps and chosen.name == "dali" and num_workers > 1:
-            raise ValueError(
-                f"`{owner}(skip={skip!r})`: sharding='dali' with {num_workers} sources merges a run of every source's "
-                "into each batch, which the history does not replay: steps cannot be named; give samples="
-            )
+        reason = chosen.refusal("skip_steps", num_workers) if skipped is not None and skipped.steps else None
+        if reason is not None:
+            message = refusal_message(chosen, "skip_steps", num_workers, reason)
+            raise ValueError(f"`{owner}(skip={skip!r})`: {message}, or name samples (skip={{'samples': ...}})")
         if skipped is not None and chosen.takes == "source":
             raise ValueError(
                 f"`{owner}(skip={skip!r})`: sharding={chosen.name!r} deals a source's samples as they come, "

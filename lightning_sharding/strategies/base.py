@@ -193,8 +193,9 @@ class Strategy(ABC):
 
         Asked for every loader option whose value differs from its default (``even_batches``,
         ``on_error``, ``batch_transform``, ``persistent_workers``, ...), and for what the data asks:
-        ``streams`` (a mixture; the value is its batch composition), ``packing`` (packed sequences)
-        and ``mixture_control`` (a ``MixtureController`` that replans a pass mid-way).
+        ``streams`` (a mixture; the value is its batch composition), ``packing`` (packed sequences),
+        ``mixture_control`` (a ``MixtureController`` that replans a pass mid-way) and ``skip_steps``
+        (``skip=`` naming global steps, replayed from the training history; the value is ``num_workers``).
 
         The base strategy refuses ``on_error="skip"``, an ``even_batches`` other than ``"pad"`` or
         ``"drop"``, a ``batch_transform``, a mixture, packed sequences and mixture control; it takes

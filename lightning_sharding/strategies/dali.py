@@ -233,6 +233,11 @@ class DaliStrategy(Strategy):
             return None if value == "raise" else "cannot fill the place of a skipped sample in a DALI pipeline"
         if setting == "streams":  # a mixture, of mixed batches
             return None if value == "mixed" else "plans only ['mixed'] batches"
+        if setting == "skip_steps" and value > 1:  # the value: num_workers, its sources
+            return (
+                f"merges a run of each of its {value} sources into every batch, which the training history does "
+                "not replay: skip= cannot name its steps"
+            )
         return super().refusal(setting, value)
 
     def __init__(

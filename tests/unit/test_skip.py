@@ -268,3 +268,10 @@ def test_a_mixture_changed_at_a_resume_is_refused_while_its_epoch_holds_skipped_
     assert state["skipped"] == [8, 12]
     with pytest.raises(CheckpointMismatchError, match="left samples of epoch 0 out at a resume with skip="):
         keeper(3, allow_mixture_change=True).restore(state, 4, "ckpt-4")  # type: ignore[attr-defined]
+
+
+def test_steps_are_refused_by_a_strategy_whose_batches_the_history_does_not_replay() -> None:
+    with pytest.raises(ValueError, match=r"strategy 'dali' merges a run of each of its 2 sources .* name samples"):
+        ShardedDataModule(SyntheticReader(sizes=[8]), sharding="dali", num_workers=2, skip="3-4")
+    ShardedDataModule(SyntheticReader(sizes=[8]), sharding="dali", num_workers=2, skip={"samples": "3-4"})
+    ShardedDataModule(SyntheticReader(sizes=[8]), sharding="dali", num_workers=1, skip="3-4")
