@@ -270,6 +270,7 @@ def test_a_mixture_changed_at_a_resume_is_refused_while_its_epoch_holds_skipped_
         keeper(3, allow_mixture_change=True).restore(state, 4, "ckpt-4")  # type: ignore[attr-defined]
 
 
+@pytest.mark.needs("nvidia.dali")  # a DaliStrategy is made only where DALI is installed
 def test_steps_are_refused_by_a_strategy_whose_batches_the_history_does_not_replay() -> None:
     with pytest.raises(ValueError, match=r"strategy 'dali' merges a run of each of its 2 sources .* name samples"):
         ShardedDataModule(SyntheticReader(sizes=[8]), sharding="dali", num_workers=2, skip="3-4")
