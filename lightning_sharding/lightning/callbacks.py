@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_sharding.core.history import segment_entry
 from lightning_sharding.core.ledger import CHECKPOINT_KEY
 from lightning_sharding.core.skip import SkipError
+from lightning_sharding.core.spelling import from_the_command_line
 from lightning_sharding.core.world import World
 from lightning_sharding.distributed.collectives import gather_objects
 from lightning_sharding.lightning.progress_bar import show_train_total
@@ -83,9 +84,10 @@ class ShardingCallback(pl.Callback):
         keeper = self._keeper(trainer)
         if not keeper.skip_settled:
             assert keeper.skip is not None
+            resume = "ckpt_path=PATH" if from_the_command_line() else "trainer.fit(..., ckpt_path=PATH)"
             raise SkipError(
                 f"skip={keeper.skip.describe()!r} leaves out samples at a resume, and this fit starts from no "
-                "checkpoint: pass the checkpoint written before those steps, trainer.fit(..., ckpt_path=PATH)"
+                f"checkpoint: pass the checkpoint written before those steps, {resume}"
             )
         if keeper.audit_dir is not None:
             self._audit = self._open_audit(trainer, keeper, keeper.audit_dir)

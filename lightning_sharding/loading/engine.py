@@ -22,6 +22,7 @@ from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
 from lightning_sharding.core.plan import EvenBatches
 from lightning_sharding.core.skip import Skip, SkipError
+from lightning_sharding.core.spelling import option
 from lightning_sharding.core.world import DataParallel, World, check_data_parallel
 from lightning_sharding.distributed.collectives import broadcast_object
 from lightning_sharding.loading.agreement import agree
@@ -175,7 +176,8 @@ class LoadingEngine:
         reason = chosen.refusal("skip_steps", num_workers) if skipped is not None and skipped.steps else None
         if reason is not None:
             message = refusal_message(chosen, "skip_steps", num_workers, reason)
-            raise ValueError(f"`{owner}(skip={skip!r})`: {message}, or name samples (skip={{'samples': ...}})")
+            samples = option("skip", {"samples": "FIRST-LAST"})
+            raise ValueError(f"`{owner}(skip={skip!r})`: {message}, or name samples ({samples})")
         if skipped is not None and chosen.takes == "source":
             raise ValueError(
                 f"`{owner}(skip={skip!r})`: sharding={chosen.name!r} deals a source's samples as they come, "
