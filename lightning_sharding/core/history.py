@@ -79,7 +79,8 @@ def segment_entry(
     }
 
 
-def _ranges_of(flat: Sequence[int]) -> RangeSet:
+def ranges_of_flat(flat: Sequence[int]) -> RangeSet:
+    """The range set of :func:`flat_ranges`' plain ints ``[start, end, start, end, ...]``."""
     return RangeSet.from_state(np.asarray(flat, dtype=np.int64).reshape(-1, 2))
 
 
@@ -206,8 +207,8 @@ def _epoch_of(
     layout = seg.get("worker_layout", "runs")
     seed, total = int(state["seed"]), int(state["total"])
     epoch, start = int(seg["epoch"]), int(seg["step"])
-    consumed = _ranges_of(seg["consumed"])
-    ahead = {int(e): _ranges_of(r) for e, *r in seg.get("ahead", [])}
+    consumed = ranges_of_flat(seg["consumed"])
+    ahead = {int(e): ranges_of_flat(r) for e, *r in seg.get("ahead", [])}
     accumulate = max(1, int(seg["accumulate"]))
     offset = int(seg.get("batches_before", 0)) % accumulate  # the first window may be part-filled already
     while True:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_sharding.core.history import HISTORY_KEY, flat_ranges, history_state, segments_of
+from lightning_sharding.core.history import HISTORY_KEY, flat_ranges, history_state, ranges_of_flat, segments_of
 from lightning_sharding.core.rangeset import RangeSet
 
 LEDGER_VERSION = 1
@@ -298,9 +298,9 @@ class Ledger:
             ledger.decisions = [dict(d) for d in state["decisions"]]
         ledger.history = segments_of(state)
         if state.get(SKIPPED_KEY) is not None:
-            ledger.skipped = RangeSet.from_state(np.asarray(state[SKIPPED_KEY], dtype=np.int64).reshape(-1, 2))
+            ledger.skipped = ranges_of_flat(state[SKIPPED_KEY])
         for epoch, *flat in state.get(SKIP_AHEAD_KEY) or []:
-            ledger.skip_ahead[int(epoch)] = RangeSet.from_state(np.asarray(flat, dtype=np.int64).reshape(-1, 2))
+            ledger.skip_ahead[int(epoch)] = ranges_of_flat(flat)
         ledger.skips = [dict(s) for s in state.get(SKIPS_KEY) or []]
         if ledger.consumed and int(ledger.consumed.ends[-1]) > ledger.total:
             raise CheckpointMismatchError(

@@ -34,7 +34,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_sharding.core.history import flat_ranges
+from lightning_sharding.core.history import flat_ranges, ranges_of_flat
 from lightning_sharding.core.private import make_dirs, open_or_create
 from lightning_sharding.core.rangeset import RangeSet
 from lightning_sharding.mixture import mixture_of
@@ -284,7 +284,7 @@ def _left_out(header: dict[str, Any] | None, epoch: int) -> RangeSet:
     it: its ledger held every skip of its line of runs (a run rolled back before a skip holds none)."""
     for at, *flat in (header or {}).get("skipped") or []:
         if int(at) == epoch:
-            return RangeSet.from_state(np.asarray(flat, dtype=np.int64).reshape(-1, 2))
+            return ranges_of_flat(flat)
     return RangeSet()
 
 
