@@ -167,6 +167,7 @@ def test_sample_seed_is_the_same_whatever_the_topology() -> None:
     from lightning_sharding.core.world import SampleContext
 
     seen: dict[int, dict[int, int]] = {}
+    pairs: list[tuple[int, int]] = []
     for world_size in (1, 3):
         reader = ContextReader([6, 9])
         manifest = Manifest.from_items(reader.items())
@@ -174,6 +175,8 @@ def test_sample_seed_is_the_same_whatever_the_topology() -> None:
             loader = make_loader(reader, rank=rank, world_size=world_size, num_workers=0, batch_size=2)
 
             def transform(sample: Any, ctx: SampleContext) -> Any:
+                alone = SampleContext(ctx.worker, ctx.position, ctx.item, ctx.index)  # no seed given: derived here
+                pairs.append((ctx.sample_seed, alone.sample_seed))
                 return {**sample, "seed": ctx.sample_seed % 2**31}
 
             loader._loader.dataset.transform = transform  # type: ignore[attr-defined]
@@ -183,6 +186,8 @@ def test_sample_seed_is_the_same_whatever_the_topology() -> None:
         assert len(seen[world_size]) == manifest.total
     assert seen[1] == seen[3]
     assert len(set(seen[1].values())) == len(seen[1])
+    # The loader derives a batch's seeds at once; each is the one the sample's context derives alone.
+    assert len(pairs) == 2 * manifest.total and all(a == b for a, b in pairs)
 
 
 def test_order_mapping_is_vectorised_over_a_batch() -> None:

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.core.order import EpochOrder, _permutation_tail, _rng, _tails_exact, derive_seed
+from lightning_sharding.core.order import (
+    EpochOrder,
+    _permutation_tail,
+    _rng,
+    _tails_exact,
+    derive_seed,
+    derive_seeds,
+)
 from lightning_sharding.core.plan import plan_epoch
 from lightning_sharding.core.rangeset import RangeSet
 
@@ -154,6 +161,32 @@ def test_derive_seed_separates_nearby_inputs(seed: int, epoch: int, rank: int, w
     assert base != derive_seed(seed, epoch, rank, worker + 1)
     assert base != derive_seed(seed + 1, epoch, rank, worker)
     assert base != derive_seed(seed, rank, epoch, worker) or epoch == rank
+
+
+@SETTINGS
+@given(
+    seeds,
+    st.lists(st.integers(-(2**63), 2**64 - 1), max_size=4),
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=20),
+)
+def test_derive_seeds_is_derive_seed_over_an_array(seed: int, words: list[int], last: list[int]) -> None:
+    """The vectorised hash gives SeedSequence's values bit for bit, for few and many words, and for
+    last words of one and of two 32-bit words."""
+    got = derive_seeds(seed, tuple(words), np.array(last, dtype=np.uint64))
+    assert got.dtype == np.uint64
+    assert got.tolist() == [derive_seed(seed, *words, p) for p in last]
+
+
+def test_derive_seeds_at_the_word_edges() -> None:
+    edges = [0, 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**63 - 1, 2**64 - 1]
+    for seed, words in ((0, ()), (0, (0x5A3C, 0)), (-1, (0x5A3C, 3)), (2**40, (7, 2**33, 0))):
+        got = derive_seeds(seed, words, np.array(edges, dtype=np.uint64)).tolist()
+        assert got == [derive_seed(seed, *words, p) for p in edges]
+    positions = np.arange(10**6, 10**6 + 64, dtype=np.int64)  # a batch's positions, as the loader passes them
+    expected = [derive_seed(5, 0x5A3C, 2, p) for p in positions.tolist()]
+    assert derive_seeds(5, (0x5A3C, 2), positions).tolist() == expected
+    with pytest.raises(ValueError, match="non-negative"):
+        derive_seeds(0, (), np.array([3, -1]))
 
 
 def test_derive_seed_and_order_are_pinned() -> None:
