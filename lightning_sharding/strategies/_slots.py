@@ -21,6 +21,7 @@ is removed by :func:`~lightning_sharding.strategies._shared_memory.sweep_dead` (
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -120,26 +121,79 @@ class SlotStates:
         return worker * self.per_worker + slot
 
 
+def _aligned(nbytes: int) -> int:
+    """The room a tensor of ``nbytes`` takes in a slot: each tensor starts 64-byte aligned."""
+    return -(-nbytes // 64) * 64
+
+
+class _Writing:
+    """A free slot a batch's tensors are being made in (:meth:`WorkerSlots.take`): the tensors
+    handed out so far, as ``{offset: nbytes}``, and where the next one goes."""
+
+    def __init__(self, slot: int, buffer: mmap.mmap, address: int) -> None:
+        self.slot, self.buffer, self.address = slot, buffer, address
+        self.regions: dict[int, int] = {}
+        self.at = 0
+
+
 class WorkerSlots:
-    """A worker's side: its slots, mapped once; ``pack`` writes a batch into a free one."""
+    """A worker's side: its slots, mapped once; ``pack`` writes a batch into a free one.
+
+    A collate may make the batch's tensors in a free slot to begin with (:meth:`begin`, :meth:`take`):
+    ``pack`` then sends them where they are, copying only what was made elsewhere. Only for a batch
+    nothing else in the worker keeps: once sent, the slot's memory is the training process's until
+    it lets go, and the next batch written there would change a tensor kept in the worker."""
 
     def __init__(self, states: SlotStates, worker: int) -> None:
         self.states = states
         self.worker = worker
         self.maps: list[tuple[str, mmap.mmap] | None] = [None] * states.per_worker
         self.generation = itertools.count()
+        self._addresses: dict[int, int] = {}  # each mapped slot's address
+        self._writing: _Writing | None = None
+
+    def begin(self) -> None:
+        """The next batch's tensors may be made in a free slot (the largest one mapped), by :meth:`take`."""
+        flags, best = self.states.flags, None
+        for slot, mapped in enumerate(self.maps):
+            if mapped is not None and flags[self.states.index(self.worker, slot)] == 0:
+                if best is None or len(mapped[1]) > len(best[1][1]):
+                    best = (slot, mapped)
+        self._writing = None if best is None else _Writing(best[0], best[1][1], self._addresses[best[0]])
+
+    def reset(self) -> None:
+        """No batch is being made in a slot (a new one starts)."""
+        self._writing = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An empty tensor of ``shape`` and ``dtype`` in the slot :meth:`begin` chose, after the ones
+        taken before it; ``None`` where there is none, or it is full."""
+        writing = self._writing
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if writing is None or not nbytes or writing.at + nbytes > len(writing.buffer):
+            return None
+        out = torch.frombuffer(writing.buffer, dtype=torch.uint8, count=nbytes, offset=writing.at)
+        writing.regions[writing.at] = nbytes
+        writing.at += _aligned(nbytes)
+        return out.view(dtype).view(shape)
 
     def pack(self, batch: Any) -> Any:
         """``batch`` as a :class:`SlotBatch` in a free slot, or as it is (small, unpoolable, none free)."""
+        writing, self._writing = self._writing, None
         tensors: list[torch.Tensor] = []
         try:
             tree = _flatten(batch, tensors)
         except _Unpoolable:
-            return batch
+            return self._leave(batch, writing)
         sizes = [t.numel() * t.element_size() for t in tensors]
-        total = sum(-(-n // 64) * 64 for n in sizes)  # each tensor 64-byte aligned
+        total = sum(_aligned(n) for n in sizes)
         if total < MIN_BYTES:
-            return batch
+            return self._leave(batch, writing)
+        if writing is not None:
+            placed = self._pack_in_place(writing, tensors, sizes, tree)
+            if placed is not None:
+                return placed
+            self._leave(batch, writing)  # copied from there into another slot, or a new file for it
         flags = self.states.flags
         free = [s for s in range(self.states.per_worker) if flags[self.states.index(self.worker, s)] == 0]
         if not free:
@@ -150,13 +204,43 @@ class WorkerSlots:
         offsets = []
         at = 0  # where the next tensor starts in the slot
         for t, n in zip(tensors, sizes, strict=True):
-            view = torch.frombuffer(buffer, dtype=torch.uint8, count=n, offset=at) if n else None
-            if view is not None:
-                view.copy_(t.contiguous().view(-1).view(torch.uint8))
+            _copy_into(buffer, at, t, n)
             offsets.append(at)
-            at += -(-n // 64) * 64
+            at += _aligned(n)
         tree = _map_leaves(tree, lambda leaf: Leaf(offsets[leaf.offset], sizes[leaf.offset], leaf.dtype, leaf.shape))
         return SlotBatch(self.worker, slot, name, len(buffer), tree)
+
+    def _pack_in_place(
+        self, writing: _Writing, tensors: list[torch.Tensor], sizes: list[int], tree: Any
+    ) -> SlotBatch | None:
+        """The batch sent from the slot its tensors were made in (:meth:`take`), the others copied
+        in after them; ``None`` when they do not fit there."""
+        offsets, copies = [], []
+        at = writing.at
+        for t, n in zip(tensors, sizes, strict=True):
+            start = t.data_ptr() - writing.address
+            if n and writing.regions.get(start) == n and t.is_contiguous():
+                offsets.append(start)  # made there: nothing to copy
+                continue
+            offsets.append(at)  # after every tensor made there: this copy overwrites none of them
+            copies.append((t, n, at))
+            at += _aligned(n)
+        if at > len(writing.buffer):
+            return None
+        self.states.flags[self.states.index(self.worker, writing.slot)] = 1
+        for t, n, offset in copies:
+            _copy_into(writing.buffer, offset, t, n)
+        name = self.maps[writing.slot][0]  # type: ignore[index]  # begin() chose a mapped slot
+        tree = _map_leaves(tree, lambda leaf: Leaf(offsets[leaf.offset], sizes[leaf.offset], leaf.dtype, leaf.shape))
+        return SlotBatch(self.worker, writing.slot, name, len(writing.buffer), tree)
+
+    def _leave(self, batch: Any, writing: _Writing | None) -> Any:
+        """``batch`` for PyTorch's path. Tensors made in a slot (:meth:`take`) stay where they are
+        while PyTorch's queue sends them: that slot is left to them (its mapping dropped here; the
+        next batch that needs one maps a new file)."""
+        if writing is not None and writing.regions:
+            self.maps[writing.slot] = None
+        return batch
 
     def _fits(self, slot: int, total: int) -> bool:
         current = self.maps[slot]
@@ -176,7 +260,15 @@ class WorkerSlots:
         finally:
             os.close(fd)
         self.maps[slot] = (name, mapping)  # an old, smaller mapping goes once nothing views it
+        self._addresses[slot] = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
         return name, mapping
+
+
+def _copy_into(buffer: mmap.mmap, offset: int, t: torch.Tensor, nbytes: int) -> None:
+    """``t``'s bytes into ``buffer`` at ``offset``."""
+    if nbytes:
+        view = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+        view.copy_(t.contiguous().view(-1).view(torch.uint8))
 
 
 class SlotPool:

@@ -59,3 +59,90 @@ def test_a_packed_batch_unpacks_to_equal_tensors_viewing_its_slot(dtype: torch.d
         assert pool.states.flags[flag] == 0, "nothing views the slot any more: it is free"
     finally:
         pool.close()
+
+
+def _crops(n: int, seed: int) -> list[dict[str, object]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"image": torch.randint(0, 255, (3, 8, 8), generator=g, dtype=torch.uint8), "label": i} for i in range(n)]
+
+
+def _expected(samples: list[dict[str, object]]) -> dict[str, torch.Tensor]:
+    return {"image": torch.stack([s["image"] for s in samples]), "label": torch.tensor([s["label"] for s in samples])}
+
+
+def _free_all(pool: SlotPool) -> None:
+    gc.collect()
+    for i in range(len(pool.states.flags)):
+        assert pool.states.flags[i] == 0, "a batch still holds its slot"
+
+
+def test_a_batch_collated_straight_into_a_free_slot_is_sent_from_there_uncopied() -> None:
+    """Once a slot is mapped, the next batch's tensors are stacked in it and sent where they lie; what
+    the collate made elsewhere (the labels) is copied in after them. Every batch unpacks equal."""
+    from lightning_sharding.strategies._batches import pooled_collate
+
+    pool = SlotPool(1, 2, multiprocessing.get_context("spawn"), pin_memory=False)
+    try:
+        slots = WorkerSlots(pool.states, 0)
+        samples = _crops(6, 0)
+        slots.begin()  # no slot mapped yet: the first batch is made in the worker's memory and copied
+        first = pooled_collate(samples, slots)
+        assert slots.take((1,), torch.uint8) is None
+        packed = slots.pack(first)
+        assert isinstance(packed, SlotBatch)
+        got = pool.unpack(packed)
+        assert all(torch.equal(got[k], v) for k, v in _expected(samples).items())
+        del got
+        _free_all(pool)
+        for seed in (1, 2):
+            samples = _crops(6, seed)
+            slots.begin()
+            batch = pooled_collate(samples, slots)
+            address = slots._addresses[packed.slot]
+            assert batch["image"].data_ptr() == address, "the images are stacked in the free slot"
+            packed = slots.pack(batch)
+            assert isinstance(packed, SlotBatch) and pool.states.flags[pool.states.index(0, packed.slot)] == 1
+            assert packed.tree["image"].offset == 0, "sent from where it was stacked"
+            got = pool.unpack(packed)
+            assert all(torch.equal(got[k], v) for k, v in _expected(samples).items())
+            del got, batch
+            _free_all(pool)
+    finally:
+        pool.close()
+
+
+def test_a_batch_changed_after_its_collate_into_a_slot_still_arrives_as_changed() -> None:
+    """A batch whose tensors are views of, or reordered from, what was stacked in the slot: copied in
+    after the stacked ones, never over them; a tensor PyTorch's path sends (one that needs grad)
+    keeps its slot to itself: the next batch is made elsewhere."""
+    from lightning_sharding.strategies._batches import pooled_collate
+
+    pool = SlotPool(1, 2, multiprocessing.get_context("spawn"), pin_memory=False)
+    try:
+        slots = WorkerSlots(pool.states, 0)
+        slots.begin()
+        pool.unpack(slots.pack(pooled_collate(_crops(6, 0), slots)))
+        _free_all(pool)
+        samples = _crops(6, 1)
+        slots.begin()
+        made = pooled_collate(samples, slots)
+        changed = {"label": made["label"] * 2, "crop": made["image"][:, :, 2:6], "image": made["image"].flip(0)}
+        want = {k: v.clone() for k, v in changed.items()}
+        got = pool.unpack(slots.pack(changed))
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        del got
+        _free_all(pool)
+
+        slots.begin()
+        made = pooled_collate(_crops(6, 2), slots)
+        slot = slots._writing.slot  # type: ignore[union-attr]
+        kept = {"image": made["image"], "grad": torch.zeros(2, requires_grad=True)}
+        want_image = made["image"].clone()
+        assert slots.pack(kept) is kept  # PyTorch's path: a tensor that needs grad
+        assert slots.maps[slot] is None, "the slot stays with the tensors PyTorch's queue sends"
+        slots.begin()
+        again = pooled_collate(_crops(6, 3), slots)
+        pool.unpack(slots.pack(again))
+        assert torch.equal(kept["image"], want_image), "the next batch did not write over it"
+    finally:
+        pool.close()
