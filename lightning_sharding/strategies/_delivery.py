@@ -94,8 +94,9 @@ class Provenance:
         return np.concatenate((self.real_positions, self.skipped)) if len(self.skipped) else self.real_positions
 
 
-def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | None) -> Any:
-    """``batch`` with a boolean ``padding_key`` entry of shape ``(size,)`` when it is a dict."""
+def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | None, pin_memory: bool = False) -> Any:
+    """``batch`` with a boolean ``padding_key`` entry of shape ``(size,)`` when it is a dict (in pinned
+    memory with ``pin_memory``, as the batch's other tensors: a copy to the GPU then waits for none)."""
     if padding_key is None or not isinstance(batch, Mapping):
         return batch
     if padding_key in batch:
@@ -103,7 +104,7 @@ def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | Non
             f"the batch already has a key {padding_key!r}, where lightning_sharding puts its padding "
             "flags; pass another `padding_key=` (or None) to ShardedDataModule"
         )
-    flags = torch.zeros(size, dtype=torch.bool)
+    flags = torch.zeros(size, dtype=torch.bool, pin_memory=pin_memory)
     if num_padding:
         flags[size - num_padding :] = True
     return {**batch, padding_key: flags}
@@ -112,9 +113,10 @@ def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | Non
 class DeliveredLog:
     """Provenance of the batches handed to training whose steps are not accounted yet, oldest first."""
 
-    def __init__(self, *, padding_key: str | None, track: bool) -> None:
+    def __init__(self, *, padding_key: str | None, track: bool, pin_memory: bool = False) -> None:
         self.padding_key = padding_key
         self.track = track
+        self.pin_memory = pin_memory and torch.cuda.is_available()  # the padding flags too, as the DataLoader
         self._queue: deque[Provenance] = deque()
         self._stats: Counter[str] = Counter()  # the readers' counters since take_metrics()
 
@@ -140,7 +142,8 @@ class DeliveredLog:
             self._stats.update(delivery.stats)
         if self.track:
             self._queue.append(Provenance(delivery.epoch, delivery.positions, delivery.num_padding, delivery.skipped))
-        return flag_padding(delivery.batch, len(delivery.positions), delivery.num_padding, self.padding_key)
+        positions, num_padding = len(delivery.positions), delivery.num_padding
+        return flag_padding(delivery.batch, positions, num_padding, self.padding_key, self.pin_memory)
 
     def take_metrics(self) -> dict[str, float]:
         """The readers' figures since the last call, as logger metrics: ``data/cache_hit`` (the

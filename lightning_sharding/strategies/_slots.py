@@ -25,11 +25,13 @@ import math
 import mmap
 import os
 import secrets
+import warnings
 import weakref
 from multiprocessing.context import BaseContext
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 import lightning_sharding.strategies._shared_memory as shared_memory
@@ -281,7 +283,11 @@ class SlotPool:
         # the one prefetched ahead, and one of slack; more than that is a consumer keeping batches.
         self.states = SlotStates(num_workers, (prefetch_factor or 2) + 3, context)
         self.pin_memory = pin_memory and torch.cuda.is_available()  # as the DataLoader: no GPU, no pinning
-        self.maps: dict[tuple[int, int], tuple[str, mmap.mmap]] = {}
+        # Each slot's mapping is pinned once where CUDA lets us (page-locked where it lies, as PyTorch's
+        # own checkpoint stager pins shared memory): its batches are then pinned without a copy.
+        self.pinned_in_place = self.pin_memory
+        # (name, mapping, the mapping as one array: pinned with it, kept while a batch views the slot)
+        self.maps: dict[tuple[int, int], tuple[str, mmap.mmap, npt.NDArray[np.uint8]]] = {}
         self._finalizer = weakref.finalize(self, _unlink_prefix, self.states.prefix)
 
     def unpack(self, batch: Any) -> Any:
@@ -298,11 +304,14 @@ class SlotPool:
             finally:
                 os.close(fd)
                 path.unlink(missing_ok=True)  # mapped on both sides: the name is no longer needed
-            mapped = self.maps[key] = (batch.name, mapping)
-        base = np.frombuffer(mapped[1], dtype=np.uint8)  # one per batch: its finalizer frees the slot
-        flags = self.states.flags
-        flag = self.states.index(*key)
-        weakref.finalize(base, flags.__setitem__, flag, 0)
+            whole = np.frombuffer(mapping, dtype=np.uint8)
+            if self.pinned_in_place:
+                self.pinned_in_place = _pin(whole)
+            mapped = self.maps[key] = (batch.name, mapping, whole)
+        # One per batch, on the mapping itself (a view of `whole` would not be the base its tensors keep):
+        # its finalizer frees the slot, and keeps `whole` (and the pinning) until then.
+        base = np.frombuffer(mapped[1], dtype=np.uint8)
+        weakref.finalize(base, _free_slot, self.states.flags, self.states.index(*key), mapped[2])
 
         def tensor(leaf: Leaf) -> torch.Tensor:
             if not leaf.nbytes:
@@ -313,13 +322,46 @@ class SlotPool:
             else:
                 raw = torch.frombuffer(base, dtype=torch.uint8, count=leaf.nbytes, offset=leaf.offset)
                 out = raw.view(leaf.dtype).view(leaf.shape)
-            return out.pin_memory() if self.pin_memory else out
+            return out.pin_memory() if self.pin_memory and not self.pinned_in_place else out
 
         return _map_leaves(batch.tree, tensor)
 
     def close(self) -> None:
         """Unlink what a worker made but this process never mapped (mapped slots have no name)."""
         self._finalizer()
+
+
+def _free_slot(flags: Any, flag: int, whole: npt.NDArray[np.uint8]) -> None:
+    """Nothing views a batch's slot any more: the worker may write its next batch there. (``whole`` was
+    kept alive until now: a pinned mapping stays pinned while a batch of it may be copying to the GPU.)"""
+    flags[flag] = 0
+
+
+def _pin(whole: npt.NDArray[np.uint8]) -> bool:
+    """Page-lock ``whole`` (a slot's mapping) for the GPU until it goes; ``False``, warned, where CUDA
+    refuses: then each batch is copied into pinned memory instead, as PyTorch's DataLoader does."""
+    address, size = whole.ctypes.data, whole.nbytes
+    error = int(_cudart().cudaHostRegister(address, size, 1))  # 1: cudaHostRegisterPortable
+    if error:
+        warnings.warn(
+            f"pin_memory: CUDA did not pin the shared-memory slots batches arrive in (cudaHostRegister error "
+            f"{error}); each batch is copied into pinned memory instead, which costs the training process a copy",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    # Before the mapping goes (the array's finalizer runs while it still holds the mapping).
+    weakref.finalize(whole, _unpin, address).atexit = False  # at exit the process's pins go with it
+    return True
+
+
+def _unpin(address: int) -> None:
+    _cudart().cudaHostUnregister(address)
+
+
+def _cudart() -> Any:
+    """The CUDA runtime module PyTorch binds (untyped there)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
 def _unlink_prefix(prefix: str) -> None:

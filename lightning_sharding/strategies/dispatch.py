@@ -81,7 +81,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
         self.queue_size = queue_size
         self._start_method = options.multiprocessing_context
         self.sampler = DispatchSampler(ledger)
-        self.delivered = DeliveredLog(padding_key=options.padding_key, track=track)
+        self.delivered = DeliveredLog(padding_key=options.padding_key, track=track, pin_memory=options.pin_memory)
         self._group = cpu_group(world.world_size) if self.sync else None
         self._process: Any = None
         self._loader: DataLoader[Any] | None = None

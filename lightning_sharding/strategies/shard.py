@@ -226,7 +226,7 @@ class ShardedLoader(TrainLoader):
         transport: Transport = "pool",
     ) -> None:
         self.sampler = sampler
-        self.delivered = DeliveredLog(padding_key=options.padding_key, track=track)
+        self.delivered = DeliveredLog(padding_key=options.padding_key, track=track, pin_memory=options.pin_memory)
         self._iterator: Iterator[Any] | None = None
         self._options = options
         self._dataset = dataset

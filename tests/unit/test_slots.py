@@ -146,3 +146,35 @@ def test_a_batch_changed_after_its_collate_into_a_slot_still_arrives_as_changed(
         assert torch.equal(kept["image"], want_image), "the next batch did not write over it"
     finally:
         pool.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned memory)")
+def test_with_pin_memory_each_slot_is_pinned_once_and_batches_arrive_pinned_in_place() -> None:
+    """On a GPU, a slot's mapping is page-locked once: its batches are pinned where they lie (no copy),
+    a batch kept while its slot grows stays pinned and equal, and every copy to the GPU is exact."""
+    pool = SlotPool(1, 2, multiprocessing.get_context("spawn"), pin_memory=True)
+    try:
+        slots = WorkerSlots(pool.states, 0)
+        kept = None
+        for i, n in enumerate([1 << 20, 3 << 20, 3 << 20, 8 << 20, 1 << 20, 20 << 20] * 2):
+            g = torch.Generator().manual_seed(i)
+            batch = {"x": torch.randint(0, 255, (n,), generator=g, dtype=torch.uint8), "y": torch.arange(10)}
+            packed = slots.pack(batch)
+            assert isinstance(packed, SlotBatch)
+            got = pool.unpack(packed)
+            whole = pool.maps[(0, packed.slot)][2]
+            assert whole.ctypes.data <= got["x"].data_ptr() < whole.ctypes.data + whole.nbytes, "not copied out"
+            assert got["x"].is_pinned() and got["y"].is_pinned()
+            on_gpu = {k: v.to("cuda", non_blocking=True) for k, v in got.items()}
+            torch.cuda.synchronize()
+            assert all(torch.equal(on_gpu[k].cpu(), batch[k]) for k in batch)
+            if i == 1:
+                kept = (got, batch)
+            del got, on_gpu
+            gc.collect()
+        assert pool.pinned_in_place
+        assert kept is not None
+        got, batch = kept
+        assert got["x"].is_pinned() and torch.equal(got["x"].to("cuda").cpu(), batch["x"])
+    finally:
+        pool.close()
