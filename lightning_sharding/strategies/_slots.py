@@ -25,13 +25,11 @@ import math
 import mmap
 import os
 import secrets
-import warnings
 import weakref
 from multiprocessing.context import BaseContext
 from typing import Any, NamedTuple
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
 import lightning_sharding.strategies._shared_memory as shared_memory
@@ -153,6 +151,7 @@ class WorkerSlots:
         self.generation = itertools.count()
         self._addresses: dict[int, int] = {}  # each mapped slot's address
         self._writing: _Writing | None = None
+        self._dropped: dict[int, int] = {}  # the size of a slot's next file, where _leave dropped its mapping
 
     def begin(self) -> None:
         """The next batch's tensors may be made in a free slot (the largest one mapped), by :meth:`take`."""
@@ -189,13 +188,13 @@ class WorkerSlots:
             return self._leave(batch, writing)
         sizes = [t.numel() * t.element_size() for t in tensors]
         total = sum(_aligned(n) for n in sizes)
-        if total < MIN_BYTES:
+        if total < MIN_BYTES or not total:  # nothing to carry (strings, empty tensors): PyTorch's path
             return self._leave(batch, writing)
         if writing is not None:
             placed = self._pack_in_place(writing, tensors, sizes, tree)
             if placed is not None:
                 return placed
-            self._leave(batch, writing)  # copied from there into another slot, or a new file for it
+            self._leave(batch, writing, grew=True)  # copied from there into another slot, or a new file for it
         flags = self.states.flags
         free = [s for s in range(self.states.per_worker) if flags[self.states.index(self.worker, s)] == 0]
         if not free:
@@ -236,11 +235,13 @@ class WorkerSlots:
         tree = _map_leaves(tree, lambda leaf: Leaf(offsets[leaf.offset], sizes[leaf.offset], leaf.dtype, leaf.shape))
         return SlotBatch(self.worker, writing.slot, name, len(writing.buffer), tree)
 
-    def _leave(self, batch: Any, writing: _Writing | None) -> Any:
+    def _leave(self, batch: Any, writing: _Writing | None, *, grew: bool = False) -> Any:
         """``batch`` for PyTorch's path. Tensors made in a slot (:meth:`take`) stay where they are
         while PyTorch's queue sends them: that slot is left to them (its mapping dropped here; the
-        next batch that needs one maps a new file)."""
+        next batch that needs one maps a new file, of the old one's size, or twice it when the
+        batch outgrew it, as a slot grows)."""
         if writing is not None and writing.regions:
+            self._dropped[writing.slot] = len(writing.buffer) * (2 if grew else 1)
             self.maps[writing.slot] = None
         return batch
 
@@ -253,7 +254,7 @@ class WorkerSlots:
         current = self.maps[slot]
         if current is not None and len(current[1]) >= total:
             return current
-        size = max(total, 2 * len(current[1]) if current is not None else total)
+        size = max(total, 2 * len(current[1]) if current is not None else self._dropped.pop(slot, total))
         name = f"{self.states.prefix}-w{self.worker}.{os.getpid()}-s{slot}-g{next(self.generation)}"
         fd = create_file(shared_memory.SHM_DIR / name, os.O_RDWR)  # 0600 whatever the umask
         try:
@@ -283,11 +284,7 @@ class SlotPool:
         # the one prefetched ahead, and one of slack; more than that is a consumer keeping batches.
         self.states = SlotStates(num_workers, (prefetch_factor or 2) + 3, context)
         self.pin_memory = pin_memory and torch.cuda.is_available()  # as the DataLoader: no GPU, no pinning
-        # Each slot's mapping is pinned once where CUDA lets us (page-locked where it lies, as PyTorch's
-        # own checkpoint stager pins shared memory): its batches are then pinned without a copy.
-        self.pinned_in_place = self.pin_memory
-        # (name, mapping, the mapping as one array: pinned with it, kept while a batch views the slot)
-        self.maps: dict[tuple[int, int], tuple[str, mmap.mmap, npt.NDArray[np.uint8]]] = {}
+        self.maps: dict[tuple[int, int], tuple[str, mmap.mmap]] = {}
         self._finalizer = weakref.finalize(self, _unlink_prefix, self.states.prefix)
 
     def unpack(self, batch: Any) -> Any:
@@ -304,14 +301,11 @@ class SlotPool:
             finally:
                 os.close(fd)
                 path.unlink(missing_ok=True)  # mapped on both sides: the name is no longer needed
-            whole = np.frombuffer(mapping, dtype=np.uint8)
-            if self.pinned_in_place:
-                self.pinned_in_place = _pin(whole)
-            mapped = self.maps[key] = (batch.name, mapping, whole)
-        # One per batch, on the mapping itself (a view of `whole` would not be the base its tensors keep):
-        # its finalizer frees the slot, and keeps `whole` (and the pinning) until then.
-        base = np.frombuffer(mapped[1], dtype=np.uint8)
-        weakref.finalize(base, _free_slot, self.states.flags, self.states.index(*key), mapped[2])
+            mapped = self.maps[key] = (batch.name, mapping)
+        base = np.frombuffer(mapped[1], dtype=np.uint8)  # one per batch: its finalizer frees the slot
+        flags = self.states.flags
+        flag = self.states.index(*key)
+        weakref.finalize(base, flags.__setitem__, flag, 0)
 
         def tensor(leaf: Leaf) -> torch.Tensor:
             if not leaf.nbytes:
@@ -322,46 +316,13 @@ class SlotPool:
             else:
                 raw = torch.frombuffer(base, dtype=torch.uint8, count=leaf.nbytes, offset=leaf.offset)
                 out = raw.view(leaf.dtype).view(leaf.shape)
-            return out.pin_memory() if self.pin_memory and not self.pinned_in_place else out
+            return out.pin_memory() if self.pin_memory else out
 
         return _map_leaves(batch.tree, tensor)
 
     def close(self) -> None:
         """Unlink what a worker made but this process never mapped (mapped slots have no name)."""
         self._finalizer()
-
-
-def _free_slot(flags: Any, flag: int, whole: npt.NDArray[np.uint8]) -> None:
-    """Nothing views a batch's slot any more: the worker may write its next batch there. (``whole`` was
-    kept alive until now: a pinned mapping stays pinned while a batch of it may be copying to the GPU.)"""
-    flags[flag] = 0
-
-
-def _pin(whole: npt.NDArray[np.uint8]) -> bool:
-    """Page-lock ``whole`` (a slot's mapping) for the GPU until it goes; ``False``, warned, where CUDA
-    refuses: then each batch is copied into pinned memory instead, as PyTorch's DataLoader does."""
-    address, size = whole.ctypes.data, whole.nbytes
-    error = int(_cudart().cudaHostRegister(address, size, 1))  # 1: cudaHostRegisterPortable
-    if error:
-        warnings.warn(
-            f"pin_memory: CUDA did not pin the shared-memory slots batches arrive in (cudaHostRegister error "
-            f"{error}); each batch is copied into pinned memory instead, which costs the training process a copy",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return False
-    # Before the mapping goes (the array's finalizer runs while it still holds the mapping).
-    weakref.finalize(whole, _unpin, address).atexit = False  # at exit the process's pins go with it
-    return True
-
-
-def _unpin(address: int) -> None:
-    _cudart().cudaHostUnregister(address)
-
-
-def _cudart() -> Any:
-    """The CUDA runtime module PyTorch binds (untyped there)."""
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
 def _unlink_prefix(prefix: str) -> None:

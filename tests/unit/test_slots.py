@@ -149,32 +149,63 @@ def test_a_batch_changed_after_its_collate_into_a_slot_still_arrives_as_changed(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned memory)")
-def test_with_pin_memory_each_slot_is_pinned_once_and_batches_arrive_pinned_in_place() -> None:
-    """On a GPU, a slot's mapping is page-locked once: its batches are pinned where they lie (no copy),
-    a batch kept while its slot grows stays pinned and equal, and every copy to the GPU is exact."""
+def test_with_pin_memory_batches_and_their_padding_flags_arrive_pinned() -> None:
+    """On a GPU, each batch of a slot arrives pinned (copied out of the slot into PyTorch's pinned
+    memory, which keeps it until a copy to the GPU that reads it is done), a batch kept while later
+    ones come stays equal, every copy to the GPU is exact, and the padding flags are pinned too."""
+    from lightning_sharding.strategies._delivery import flag_padding
+
     pool = SlotPool(1, 2, multiprocessing.get_context("spawn"), pin_memory=True)
     try:
         slots = WorkerSlots(pool.states, 0)
         kept = None
-        for i, n in enumerate([1 << 20, 3 << 20, 3 << 20, 8 << 20, 1 << 20, 20 << 20] * 2):
+        for i, n in enumerate([1 << 20, 3 << 20, 3 << 20, 8 << 20, 1 << 20] * 2):
             g = torch.Generator().manual_seed(i)
             batch = {"x": torch.randint(0, 255, (n,), generator=g, dtype=torch.uint8), "y": torch.arange(10)}
-            packed = slots.pack(batch)
-            assert isinstance(packed, SlotBatch)
-            got = pool.unpack(packed)
-            whole = pool.maps[(0, packed.slot)][2]
-            assert whole.ctypes.data <= got["x"].data_ptr() < whole.ctypes.data + whole.nbytes, "not copied out"
-            assert got["x"].is_pinned() and got["y"].is_pinned()
+            got = flag_padding(pool.unpack(slots.pack(batch)), 10, 2, "is_padding", pin_memory=True)
+            assert all(t.is_pinned() for t in got.values())
             on_gpu = {k: v.to("cuda", non_blocking=True) for k, v in got.items()}
             torch.cuda.synchronize()
             assert all(torch.equal(on_gpu[k].cpu(), batch[k]) for k in batch)
+            assert on_gpu["is_padding"].tolist() == [False] * 8 + [True] * 2
             if i == 1:
                 kept = (got, batch)
             del got, on_gpu
             gc.collect()
-        assert pool.pinned_in_place
         assert kept is not None
         got, batch = kept
-        assert got["x"].is_pinned() and torch.equal(got["x"].to("cuda").cpu(), batch["x"])
+        assert torch.equal(got["x"].to("cuda").cpu(), batch["x"])
+    finally:
+        pool.close()
+
+
+def test_batches_that_creep_larger_grow_their_slot_by_doubling_also_when_collated_into_it() -> None:
+    """Padded to the longest sequence, batches grow a little each time: a batch that outgrows the slot
+    it was stacked into goes to a new file twice the size, as a slot grows, not one file a batch."""
+    from lightning_sharding.strategies._batches import pooled_collate
+
+    pool = SlotPool(1, 2, multiprocessing.get_context("spawn"), pin_memory=False)
+    try:
+        slots = WorkerSlots(pool.states, 0)
+        for i in range(40):
+            samples = [{"tokens": torch.full((1000 + 50 * i,), j), "label": torch.tensor(j)} for j in range(8)]
+            slots.reset()
+            slots.begin()
+            got = pool.unpack(slots.pack(pooled_collate(samples, slots)))
+            assert torch.equal(got["tokens"], torch.stack([s["tokens"] for s in samples]))
+            del got
+            gc.collect()
+        assert next(slots.generation) <= 4, "a new slot file for nearly every batch"
+    finally:
+        pool.close()
+
+
+def test_a_batch_with_nothing_to_carry_goes_pytorchs_way() -> None:
+    """Strings only, or empty tensors: nothing for a slot (mapping an empty file failed the worker)."""
+    pool = SlotPool(1, 2, multiprocessing.get_context("spawn"), pin_memory=False)
+    try:
+        slots = WorkerSlots(pool.states, 0)
+        for batch in ({"name": ["a", "b"]}, {"e": torch.zeros(0, 3)}):
+            assert slots.pack(batch) is batch
     finally:
         pool.close()
