@@ -226,14 +226,17 @@ class SampleContext:
     item: int
     index: int
     stream: str | None = None
-    # The sample's seed when the batch derived its samples' at once (sample_seeds): the same value.
-    _seed: int | None = field(default=None, repr=False, compare=False)
+    # (its batch's seeds, its row) where the loader made it (sample_contexts): the same value, derived
+    # for the whole batch at once the first time a sample asks. Not an argument: dataclasses.replace
+    # of another position derives that position's own.
+    _batch_seeds: tuple[_BatchSeeds, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def sample_seed(self) -> int:
         """A seed for this sample's randomness."""
-        if self._seed is not None:
-            return self._seed
+        if self._batch_seeds is not None:
+            seeds, row = self._batch_seeds
+            return seeds[row]
         return derive_seed(self.worker.seed, _SAMPLE_SEEDS, self.worker.epoch, self.position)
 
     @property
@@ -244,9 +247,46 @@ class SampleContext:
 
 def sample_seeds(worker: WorkerContext, positions: npt.NDArray[np.int64]) -> list[int]:
     """:attr:`SampleContext.sample_seed` of the samples at ``positions``, derived at once (a batch's,
-    for its per-sample transforms: about 0.6 us a sample instead of 12)."""
+    for its per-sample transforms: about 0.6 us a sample instead of 12; a few one by one)."""
+    if len(positions) < 4:  # the array's fixed cost is more than a few samples'
+        return [derive_seed(worker.seed, _SAMPLE_SEEDS, worker.epoch, p) for p in np.asarray(positions).tolist()]
     seeds: list[int] = derive_seeds(worker.seed, (_SAMPLE_SEEDS, worker.epoch), positions).tolist()
     return seeds
+
+
+class _BatchSeeds:
+    """A batch's sample seeds, derived together when a sample first asks for its own (a transform
+    that draws none costs nothing)."""
+
+    __slots__ = ("_positions", "_values", "_worker")
+
+    def __init__(self, worker: WorkerContext, positions: npt.NDArray[np.int64]) -> None:
+        self._worker, self._positions = worker, positions
+        self._values: list[int] | None = None
+
+    def __getitem__(self, row: int) -> int:
+        if self._values is None:
+            self._values = sample_seeds(self._worker, self._positions)
+        return self._values[row]
+
+
+def sample_contexts(
+    worker: WorkerContext,
+    positions: npt.NDArray[np.int64],
+    items: list[int],
+    indices: list[int],
+    streams: list[str | None] | None = None,
+) -> list[SampleContext]:
+    """The contexts of a batch's samples (its rows' positions, items, indices and streams), whose
+    seeds are derived for the whole batch at once when one is first read."""
+    seeds = _BatchSeeds(worker, positions)
+    names = streams if streams is not None else [None] * len(items)
+    contexts = []
+    for row, (p, i, j, n) in enumerate(zip(positions.tolist(), items, indices, names, strict=True)):
+        ctx = SampleContext(worker, p, i, j, n)
+        object.__setattr__(ctx, "_batch_seeds", (seeds, row))  # frozen: set once, here
+        contexts.append(ctx)
+    return contexts
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.order import Order
 from lightning_sharding.core.plan import BatchTask
 from lightning_sharding.core.spelling import option
-from lightning_sharding.core.world import BatchContext, SampleContext, WorkerContext, World, sample_seeds
+from lightning_sharding.core.world import BatchContext, SampleContext, WorkerContext, World, sample_contexts
 from lightning_sharding.mixture import mixture_of
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.readers.storage import is_transient
@@ -188,13 +188,8 @@ class PlannedBatches(Dataset[Delivery]):
         if self.transform is not None:
             transform = self._transform  # the per-sample loop is the hot path: plain ints, no lookups
             names = self._stream_names_of(item_ids)
-            seeds = sample_seeds(ctx, task.positions)
-            samples = [
-                transform(s, SampleContext(ctx, p, i, j, n, _seed=seed))
-                for s, p, i, j, n, seed in zip(
-                    samples, task.positions.tolist(), item_ids.tolist(), indices.tolist(), names, seeds, strict=True
-                )
-            ]
+            contexts = sample_contexts(ctx, task.positions, item_ids.tolist(), indices.tolist(), names)
+            samples = [transform(s, c) for s, c in zip(samples, contexts, strict=True)]
         while True:  # each pass marks at least one more misfit as failed, or raises
             try:
                 if Failed not in map(type, samples):

@@ -27,7 +27,7 @@ from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Item, Manifest
 from lightning_sharding.core.order import EpochOrder
 from lightning_sharding.core.plan import BatchTask
-from lightning_sharding.core.world import SampleContext, World, sample_seeds
+from lightning_sharding.core.world import World, sample_contexts
 from lightning_sharding.readers.windows import WindowedReader
 from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import Delivery
@@ -170,12 +170,9 @@ class BroadcastBatches(PlannedBatches):
         if self.transform is None:
             batch = reader.make_batch(windows, ids, global_starts)
         else:
-            seeds = sample_seeds(ctx, task.positions)
+            contexts = sample_contexts(ctx, task.positions, item_ids.tolist(), indices.tolist())
             samples = [
-                self.transform(
-                    {"x": windows[i], "id": int(ids[i]), "start": int(global_starts[i])},
-                    SampleContext(ctx, int(task.positions[i]), int(item_ids[i]), int(indices[i]), _seed=seeds[i]),
-                )
+                self.transform({"x": windows[i], "id": int(ids[i]), "start": int(global_starts[i])}, contexts[i])
                 for i in range(len(ids))
             ]
             batch = self.collate_fn(samples)
