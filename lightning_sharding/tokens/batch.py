@@ -193,7 +193,10 @@ class Buffers:
     """``int64`` arrays for :class:`ConcatRun`, each used again once nothing else holds it (every
     batch sliced from it is gone): fresh memory for every stretch costs page faults, several times
     the time of writing the fields on this project's machine. At most :attr:`LIMIT` are kept; a
-    batch held on to for long only makes another array be allocated.
+    batch held on to for long only makes another array be allocated. The free array used last goes
+    out first: on this project's machine a 512 KiB copy ran at 14 us among arrays that stay in cache
+    and at 155-185 us once they pass about 4 MiB, and handing out the oldest free array (the previous
+    stretch's set but one) made a packed batch at 0 workers 135 us, the newest 116 (A/B, 6 rounds).
 
     Whether an array is free is read from its reference count, compared with the count of an array
     nothing else holds, measured the same way when the pool is made: how many references the
@@ -215,12 +218,16 @@ class Buffers:
 
     def take(self, size: int) -> Int64Array:
         """An array of ``size`` elements (of undefined values) that nothing else uses."""
-        for base, count in zip(self._held, self._counts(self._held), strict=True):
-            if count == self._free and base.size >= size:
+        held = self._held
+        counts = self._counts(held)
+        for k in range(len(held) - 1, -1, -1):  # the array used last first: its memory is likeliest in cache
+            base = held[k]
+            if counts[k] == self._free and base.size >= size:
+                held.append(held.pop(k))
                 return base[:size]
         base = np.empty(size, dtype=np.int64)
-        if len(self._held) < self.LIMIT:
-            self._held.append(base)
+        if len(held) < self.LIMIT:
+            held.append(base)
         return base[:size]
 
 

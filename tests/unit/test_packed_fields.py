@@ -328,6 +328,20 @@ def test_a_stretchs_array_is_used_again_only_once_no_batch_holds_it() -> None:
     assert len(buffers._held) == 2
 
 
+def test_the_free_array_used_last_goes_out_first() -> None:
+    """Its memory is the likeliest in cache: a stretch's fields are written into warm arrays."""
+    buffers = Buffers()
+    a, b = buffers.take(100), buffers.take(100)
+    a_at, b_at = a.ctypes.data, b.ctypes.data
+    del a, b
+    first = buffers.take(100)
+    assert first.ctypes.data == b_at, "b was taken last"
+    second = buffers.take(100)
+    assert second.ctypes.data == a_at
+    del second
+    assert buffers.take(100).ctypes.data == a_at, "a, freed last, before b still held"
+
+
 def test_a_bad_token_is_named_where_the_reference_named_it() -> None:
     docs = [[np.array([1, 2, 3, 4, 5]), np.array([6, 7, 8])], [np.array([9, 10, 11, 12])]]
     for bad in range(12):  # token `bad` (in file order) out of the vocabulary, and every one after it
