@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -55,6 +56,8 @@ def test_the_sampler_is_asked_when_the_pass_starts_as_pytorchs_iterator_asks_it(
     assert [b["k"] for b in batches] == [1, 2]
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(60)
 def test_with_workers_a_pass_is_the_dataloaders_own_iterator() -> None:
     loader = _loader(Squares(), num_workers=1, multiprocessing_context="fork")
     it = passes(loader)
