@@ -108,7 +108,7 @@ _MIX_L, _MIX_R, _MASK32, _POOL = 0xCA01F9DD, 0x4973F715, 0xFFFFFFFF, 4
 def derive_seeds(seed: int, words: tuple[int, ...], last: npt.ArrayLike) -> npt.NDArray[np.uint64]:
     """``derive_seed(seed, *words, p)`` for every ``p`` of ``last`` (non-negative integers), at once:
     the same values, bit for bit, from NumPy's ``SeedSequence`` hash run over the whole array (a seed
-    costs about 12 us through ``SeedSequence``; a batch of 64 about 25 us this way)."""
+    costs about 12 us through ``SeedSequence``; a batch of 64 about 40 us this way)."""
     values = np.asarray(last).reshape(-1)
     if values.size and int(values.min()) < 0:
         raise ValueError(f"derive_seeds takes non-negative integers, got {int(values.min())}")
