@@ -209,11 +209,10 @@ class PlannedBatches(Dataset[Delivery]):
         slots = self._worker_slots() if self.collate_fn is default_collate else None
         if slots is None:
             return self.collate_fn(samples)
-        # Straight into a slot when nothing else sees the batch before it is sent: a batch_transform
-        # might keep its tensors (a memory bank), which the slot's next batch would then change.
-        if self.batch_transform is None:
-            slots.begin()
-        return pooled_collate(samples, slots if self.batch_transform is None else None)
+        if self.batch_transform is not None:  # it might keep the tensors (a memory bank): not in a slot
+            return pooled_collate(samples)
+        slots.begin()  # nothing else sees the batch before it is sent: straight into a slot
+        return pooled_collate(samples, slots)
 
     def _tell_ahead(self, task: BatchTask, item_ids: npt.NDArray[np.int64]) -> None:
         """Tell the reader this batch's items, then those the epoch order lays out after its last

@@ -170,7 +170,7 @@ class WorkerSlots:
         """An empty tensor of ``shape`` and ``dtype`` in the slot :meth:`begin` chose, after the ones
         taken before it; ``None`` where there is none, or it is full."""
         writing = self._writing
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if writing is None or not nbytes or writing.at + nbytes > len(writing.buffer):
             return None
         out = torch.frombuffer(writing.buffer, dtype=torch.uint8, count=nbytes, offset=writing.at)
