@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lightning_sharding.tokens.packing import Packing, counting, distinct
+from lightning_sharding.tokens.packing import Packing, counting
 
 Int64Array = npt.NDArray[np.int64]
 IGNORE_INDEX = -100
@@ -79,7 +79,8 @@ def packed_batch(
         raise ValueError(f"the reader returned {flat.size} tokens for pieces of {total + after.size}")
     if packing.vocab_size is not None and flat.size and (int(flat.min()) < 0 or int(flat.max()) >= packing.vocab_size):
         _refuse_token(flat, packing.vocab_size, ends, n, start, stop, np.flatnonzero(goes), doc, name)
-    tokens = flat[:total].astype(np.int64)  # in piece order; a copy (a reader may hand back its own memory)
+    tokens = on_page(total)  # in piece order; a copy (a reader may hand back its own memory)
+    tokens[:] = flat[:total]
     full = total == size  # no padding: piece order is the batch's layout
     if not full:
         used = np.bincount(row, weights=n, minlength=rows).astype(np.int64)
@@ -95,7 +96,7 @@ def packed_batch(
 
     batch: dict[str, Any] = {"input_ids": laid(tokens, packing.pad_id)}
     if "labels" in fields:
-        labels = np.empty(total, dtype=np.int64)
+        labels = on_page(total)  # as the tokens: never 8 bytes past them in a page (see Buffers)
         labels[:-1] = tokens[1:]  # the next token, right inside a piece
         lasts = ends - 1  # each piece's last token
         labels[lasts[goes]] = flat[total:]
@@ -126,6 +127,18 @@ def packed_batch(
             batch["max_seqlen"] = int(np.diff(cut).max()) if size else 0
         batch["cu_seqlens"] = torch.from_numpy(bounds)
     return batch
+
+
+def on_page(size: int) -> Int64Array:
+    """An ``int64`` array of ``size`` elements (of undefined values) starting on a page (:data:`Buffers.ALIGN`)."""
+    owner, at = _page_owner(size)
+    return owner[at : at + size]
+
+
+def _page_owner(size: int) -> tuple[Int64Array, int]:
+    """An array owning its memory, with room for ``size`` elements from element ``at`` on, which starts a page."""
+    owner = np.empty(size + Buffers.ALIGN // 8, dtype=np.int64)
+    return owner, (-owner.ctypes.data % Buffers.ALIGN) // 8  # malloc aligns to 16 bytes: whole elements
 
 
 def _refuse_token(
@@ -198,6 +211,12 @@ class Buffers:
     and at 155-185 us once they pass about 4 MiB, and handing out the oldest free array (the previous
     stretch's set but one) made a packed batch at 0 workers 135 us, the newest 116 (A/B, 6 rounds).
 
+    Every array starts on a page (:data:`ALIGN` bytes): ``labels`` is the tokens copied one place
+    on, and where ``labels`` started 16 bytes past the tokens in its page (two arrays one after the
+    other from ``malloc``) the copy's target ran 8 bytes ahead of its source, modulo a page, which
+    ``memcpy`` on this project's machine (AMD EPYC) copies 14x slower: 200 us for 512 KiB against 14
+    (``benchmarks.packing``'s notes).
+
     Whether an array is free is read from its reference count, compared with the count of an array
     nothing else holds, measured the same way when the pool is made: how many references the
     interpreter counts while looking (the list's, the loop's name, the call's argument) differs
@@ -206,29 +225,30 @@ class Buffers:
     """
 
     LIMIT = 16
+    ALIGN = 4096
 
     def __init__(self) -> None:
-        self._held: list[Int64Array] = []
-        self._free = self._counts([np.empty(1, dtype=np.int64)])[0]
+        self._held: list[tuple[Int64Array, int]] = []  # an array that owns its memory, where its page starts
+        self._free = self._count([(np.empty(1, dtype=np.int64), 0)], 0)
 
     @staticmethod
-    def _counts(held: list[Int64Array]) -> list[int]:
-        """The reference count of each array of ``held``, as :meth:`take` reads them."""
-        return [sys.getrefcount(base) for base in held]
+    def _count(held: list[tuple[Int64Array, int]], k: int) -> int:
+        """The reference count of the array of ``held[k]``, as :meth:`take` reads it."""
+        return sys.getrefcount(held[k][0])
 
     def take(self, size: int) -> Int64Array:
-        """An array of ``size`` elements (of undefined values) that nothing else uses."""
-        held = self._held
-        counts = self._counts(held)
+        """An array of ``size`` elements (of undefined values), starting on a page, that nothing else uses."""
+        held, count, free = self._held, self._count, self._free
         for k in range(len(held) - 1, -1, -1):  # the array used last first: its memory is likeliest in cache
-            base = held[k]
-            if counts[k] == self._free and base.size >= size:
-                held.append(held.pop(k))
-                return base[:size]
-        base = np.empty(size, dtype=np.int64)
+            if count(held, k) == free:
+                owner, at = held[k]
+                if owner.size - at >= size:
+                    held.append(held.pop(k))
+                    return owner[at : at + size]
+        owner, at = _page_owner(size)
         if len(held) < self.LIMIT:
-            held.append(base)
-        return base[:size]
+            held.append((owner, at))
+        return owner[at : at + size]
 
 
 class ConcatRun:
@@ -297,18 +317,27 @@ class ConcatRun:
                 last = last[(last + 1) % seq_len == 0]
             labels[last] = IGNORE_INDEX
             self.labels = labels
-        # Pieces start where a document or a sequence starts.
+        # Pieces start where a document or a sequence starts: both lists sorted, merged, a start shared once.
         cuts = np.concatenate((doc_start[1:] - lo, counting(size)[::seq_len]))
         cuts.sort()
-        self.cuts = distinct(cuts)
-        self.pieces = np.diff(self.cuts, append=size)
-        # (np.repeat's arrays live only here: freed at once, their memory is used again.)
+        keep = np.empty(cuts.size, dtype=bool)
+        keep[0] = True
+        np.not_equal(cuts[1:], cuts[:-1], out=keep[1:])
+        cuts = cuts[keep]
+        self.pieces = pieces = np.empty_like(cuts)
+        np.subtract(cuts[1:], cuts[:-1], out=pieces[:-1])
+        pieces[-1] = size - cuts[-1]
+        # For cu_seqlens: the cuts and the stretch's end, int32, and where each sequence's cuts begin.
+        self.bounds = np.empty(cuts.size + 1, dtype=np.int32)
+        self.bounds[:-1] = cuts
+        self.bounds[-1] = size
+        self.sequence_cut = cuts.searchsorted(counting(size + 1)[::seq_len]).tolist()
+        # np.repeat's arrays are the fields themselves: a copy into a pooled array cost more than it saved.
         if "position_ids" in fields:  # the count since the piece's start
-            self.positions = take(size)
-            np.subtract(counting(size), np.repeat(self.cuts, self.pieces), out=self.positions)
+            self.positions = np.repeat(cuts, pieces)
+            np.subtract(counting(size), self.positions, out=self.positions)
         if "document_ids" in fields:
-            self.documents = take(size)
-            self.documents[:] = np.repeat(docs, n)
+            self.documents = np.repeat(docs, n)
 
     def holds(self, order: Any, first: int, rows: int) -> bool:
         """Whether the sequences ``[first, first + rows)`` of ``order`` are built here and not
@@ -330,10 +359,7 @@ class ConcatRun:
         if "document_ids" in fields:
             batch["document_ids"] = torch.from_numpy(self.documents[a:b].reshape(rows, seq_len))
         if "cu_seqlens" in fields:
-            i, j = self.cuts.searchsorted((a, b)).tolist()  # a sequence's start is a cut
-            bounds = np.empty(j - i + 1, dtype=np.int32)
-            np.subtract(self.cuts[i:j], a, out=bounds[:-1], casting="unsafe")
-            bounds[-1] = b - a
-            batch["cu_seqlens"] = torch.from_numpy(bounds)
+            i, j = self.sequence_cut[first - self.first], self.sequence_cut[first - self.first + rows]
+            batch["cu_seqlens"] = torch.from_numpy(self.bounds[i : j + 1] - a)  # the next sequence's start ends it
             batch["max_seqlen"] = int(self.pieces[i:j].max())
         return batch

@@ -15,6 +15,10 @@ from lightning_sharding.tokens.batch import Buffers, ConcatRun, packed_batch
 from lightning_sharding.tokens.documents import DocumentReader
 from lightning_sharding.tokens.packing import PackedEpochs, Packing, distinct, ranges
 
+# The tokens of a stretch of consecutive ``concat`` sequences built at once (ConcatRun): about 2^16 (a
+# larger stretch builds slower a token on this project's machine, a smaller one pays its calls more often).
+STRETCH_TOKENS = 1 << 16
+
 
 class PackedReader(Reader):
     """The documents of ``documents``, packed by ``packing`` into sequences: the manifest's epochs
@@ -36,10 +40,12 @@ class PackedReader(Reader):
         self.packing = packing
         self.fetch_ahead = documents.fetch_ahead
         self._run: ConcatRun | None = None
+        self._readers: tuple[Any, ...] | None = None  # (items, epochs, read, name, fill) of the last stretch
         self._buffers = Buffers()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_run": None, "_buffers": Buffers()}  # a worker builds its own stretches
+        # A worker builds its own stretches.
+        return {**self.__dict__, "_run": None, "_readers": None, "_buffers": Buffers()}
 
     def scrub(self, text: str) -> str:
         """``text`` without the secrets of the documents' reader."""
@@ -87,12 +93,10 @@ class PackedReader(Reader):
             if run is not None and run.holds(order, start, rows):
                 return run.batch(start, rows)
             if (start + rows) * seq_len <= epochs.tokens:  # no sequence of it is the epoch's last, padded
-                # This batch and the next ones, built at once: about 2^16 tokens (a larger stretch builds
-                # slower a token on this project's machine), up to the epoch's last full sequence.
-                ahead = max(1, min(16, (1 << 16) // (rows * seq_len)))
+                # This batch and the next ones, built at once, up to the epoch's last full sequence.
+                ahead = max(1, min(16, STRETCH_TOKENS // (rows * seq_len)))
                 stop = min(start + ahead * rows, epochs.tokens // seq_len)
-                read, name = self._spans(items, epochs), self._namer(items, epochs)
-                fill = self._fill(items, epochs)
+                read, name, fill = self._stretch_readers(items, epochs)
                 self._run = ConcatRun(order, start, stop, read, self.packing, name, fill, self._buffers)
                 return self._run.batch(start, rows)
         first = epochs.first_document
@@ -103,6 +107,14 @@ class PackedReader(Reader):
             documents.ahead([items[i] for i in now.tolist()], [items[i] for i in np.asarray(later).tolist()])
         read, name = self._spans(items, epochs), self._namer(items, epochs)
         return packed_batch(rows, pieces, epochs.lengths, read, self.packing, name)
+
+    def _stretch_readers(self, items: Sequence[Item], epochs: PackedEpochs) -> tuple[Any, Any, Any]:
+        """``(read, name, fill)`` for a stretch over ``items``, made once for the same items and epochs."""
+        made = self._readers
+        if made is None or made[0] is not items or made[1] is not epochs:
+            read, name, fill = self._spans(items, epochs), self._namer(items, epochs), self._fill(items, epochs)
+            self._readers = made = (items, epochs, read, name, fill)
+        return made[2:]
 
     def _spans(
         self, items: Sequence[Item], epochs: PackedEpochs
@@ -135,6 +147,7 @@ class PackedReader(Reader):
         item's token array each (:meth:`DocumentReader.token_array`), or gathered where it has none."""
         first, base, documents = epochs.first_document, epochs.token_start_in_item, self.documents
         read = self._spans(items, epochs)
+        arrays: dict[int, Any] = {}  # the items' token arrays asked so far (a reader keeps its maps too)
 
         def fill(
             docs: npt.NDArray[np.int64],
@@ -142,19 +155,21 @@ class PackedReader(Reader):
             stops: npt.NDArray[np.int64],
             out: npt.NDArray[np.int64],
         ) -> None:
-            item = np.searchsorted(first, docs, side="right") - 1
-            arrays = {k: documents.token_array(items[k]) for k in distinct(item).tolist()}
-            if any(a is None for a in arrays.values()):
-                got = np.asarray(read(docs, starts, stops))
-                if got.shape != out.shape:
-                    raise ValueError(f"the reader returned {got.size} tokens for pieces of {out.size}")
-                out[:] = got
-                return
+            item = first.searchsorted(docs, side="right")  # counted from 1
+            keys = item.tolist()
+            for k in set(keys).difference(arrays):
+                array = documents.token_array(items[k - 1])
+                if array is None:  # read by range for now (a remote file not yet copied): gathered
+                    got = np.asarray(read(docs, starts, stops))
+                    if got.shape != out.shape:
+                        raise ValueError(f"the reader returned {got.size} tokens for pieces of {out.size}")
+                    out[:] = got
+                    return
+                arrays[k] = array
             lo = base[docs] + starts
-            at = 0
-            for k, a, b in zip(item.tolist(), lo.tolist(), (lo + stops - starts).tolist(), strict=True):
-                out[at : at + b - a] = arrays[k][a:b]  # type: ignore[index]
-                at += b - a
+            spans = zip(keys, lo.tolist(), (lo + stops - starts).tolist(), strict=True)
+            views = [arrays[k][a:b] for k, a, b in spans]
+            np.concatenate(views, out=out, casting="unsafe")  # one call: a slice assignment a span cost more
 
         return fill
 
@@ -168,5 +183,6 @@ class PackedReader(Reader):
 
 
 def _consecutive(positions: npt.NDArray[np.int64]) -> bool:
-    """Whether ``positions`` are ``p, p + 1, ...``."""
-    return positions.size < 2 or bool((positions[1:] - positions[:-1] == 1).all())
+    """Whether ``positions`` are ``p, p + 1, ...`` (a batch's few: Python's lists are quicker than arrays)."""
+    listed = positions.tolist()
+    return not listed or listed == list(range(listed[0], listed[0] + len(listed)))
