@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.history import HISTORY_KEY, flat_ranges, history_state, ranges_of_flat, segments_of
-from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet, is_run
 
 LEDGER_VERSION = 1
 CHANGED_VERSION = 2  # a ledger of an epoch whose mixture changed on resume: earlier releases refuse it
@@ -189,8 +189,8 @@ class Ledger:
         p = np.asarray(positions, dtype=np.int64).reshape(-1)
         if p.size == 0:
             return
-        first = int(p[0])
-        if int(p[-1]) - first == p.size - 1 and (p.size < 3 or bool((p[1:] - p[:-1] == 1).all())):
+        first, last = p[0].item(), p[-1].item()
+        if last - first == p.size - 1 and (p.size < 3 or is_run(p)):
             self._pending_runs.add(first, first + p.size)
         else:
             self._pending = self.pending | RangeSet.from_positions(p)

@@ -30,6 +30,15 @@ def _merge(starts: Int64Array, ends: Int64Array) -> tuple[Int64Array, Int64Array
     return starts[first], np.maximum.reduceat(ends, first).astype(np.int64)
 
 
+def is_run(positions: Int64Array) -> bool:
+    """Whether ``positions`` (shape ``(n,)``) are ``p, p + 1, ...``: a batch's few compared as Python
+    lists (about 1 us for 8, against 2-3 for the same test on arrays), more as arrays."""
+    if positions.size <= 64:
+        listed = positions.tolist()
+        return not listed or listed == list(range(listed[0], listed[0] + len(listed)))
+    return bool((positions[1:] - positions[:-1] == 1).all())
+
+
 class RangeSet:
     """An immutable set of integers stored as closed-open ranges ``[starts[i], ends[i])``.
 

@@ -327,11 +327,12 @@ class ConcatRun:
         self.pieces = pieces = np.empty_like(cuts)
         np.subtract(cuts[1:], cuts[:-1], out=pieces[:-1])
         pieces[-1] = size - cuts[-1]
-        # For cu_seqlens: the cuts and the stretch's end, int32, and where each sequence's cuts begin.
-        self.bounds = np.empty(cuts.size + 1, dtype=np.int32)
-        self.bounds[:-1] = cuts
-        self.bounds[-1] = size
-        self.sequence_cut = cuts.searchsorted(counting(size + 1)[::seq_len]).tolist()
+        if "cu_seqlens" in fields:  # the cuts and the stretch's end, int32, and where each sequence's cuts begin
+            self.bounds = np.empty(cuts.size + 1, dtype=np.int32)
+            self.bounds[:-1] = cuts
+            self.bounds[-1] = size
+            self.sequence_cut = cuts.searchsorted(counting(size + 1)[::seq_len]).tolist()
+            self.piece_lengths = pieces.tolist()  # a batch's longest: max() of a short list beats an array's
         # np.repeat's arrays are the fields themselves: a copy into a pooled array cost more than it saved.
         if "position_ids" in fields:  # the count since the piece's start
             self.positions = np.repeat(cuts, pieces)
@@ -361,5 +362,5 @@ class ConcatRun:
         if "cu_seqlens" in fields:
             i, j = self.sequence_cut[first - self.first], self.sequence_cut[first - self.first + rows]
             batch["cu_seqlens"] = torch.from_numpy(self.bounds[i : j + 1] - a)  # the next sequence's start ends it
-            batch["max_seqlen"] = int(self.pieces[i:j].max())
+            batch["max_seqlen"] = max(self.piece_lengths[i:j])
         return batch

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_sharding.core.manifest import Item, Manifest
+from lightning_sharding.core.rangeset import is_run
 from lightning_sharding.core.world import WorkerContext
 from lightning_sharding.readers.base import Reader
 from lightning_sharding.tokens.batch import Buffers, ConcatRun, packed_batch
@@ -88,7 +89,7 @@ class PackedReader(Reader):
         documents, seq_len = self.documents, self.packing.seq_len
         rows = len(positions)
         start = int(positions[0]) if rows else 0
-        if rows and order.mode == "concat" and not documents.fetch_ahead and _consecutive(positions):
+        if rows and order.mode == "concat" and not documents.fetch_ahead and is_run(positions):
             run = self._run
             if run is not None and run.holds(order, start, rows):
                 return run.batch(start, rows)
@@ -180,9 +181,3 @@ class PackedReader(Reader):
             return f"document {index} of {items[item].key!r}"
 
         return name
-
-
-def _consecutive(positions: npt.NDArray[np.int64]) -> bool:
-    """Whether ``positions`` are ``p, p + 1, ...`` (a batch's few: Python's lists are quicker than arrays)."""
-    listed = positions.tolist()
-    return not listed or listed == list(range(listed[0], listed[0] + len(listed)))

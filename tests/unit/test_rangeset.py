@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sharding.core.rangeset import RangeSet
+from lightning_sharding.core.rangeset import RangeSet, is_run
 
 BOUND = 300  # small enough that set models stay cheap, big enough for many ranges
 
@@ -221,3 +221,18 @@ def test_empty_state_round_trips() -> None:
     assert RangeSet.from_state(empty.to_state()) == empty
     assert RangeSet.from_state([]) == empty
     assert len(empty) == 0 and not empty and empty.to_array().shape == (0,)
+
+
+@SETTINGS
+@given(
+    start=st.integers(-(2**40), 2**40),
+    size=st.integers(0, 200),
+    change=st.none() | st.tuples(st.integers(0, 199), st.sampled_from([-1, 1, 2, -(2**33)])),
+)
+def test_is_run_says_whether_positions_count_up_by_one(start: int, size: int, change: Any) -> None:
+    """Short arrays are compared as lists, long ones as arrays: both against the plain definition."""
+    positions = np.arange(start, start + size, dtype=np.int64)
+    if change is not None and size:
+        at, by = change
+        positions[at % size] += by
+    assert is_run(positions) == all(b - a == 1 for a, b in zip(positions.tolist(), positions[1:].tolist()))
