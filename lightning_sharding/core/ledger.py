@@ -94,6 +94,17 @@ class RunBuffer:
         for start, stop in zip(other.starts, other.stops, strict=True):
             self.add(start, stop)
 
+    def move_to(self, other: RunBuffer) -> None:
+        """Give every run to ``other`` (:meth:`extend`), leaving this buffer empty: an optimizer step's
+        one run, a step's usual case, joined to the last without a loop."""
+        if self._held is None and len(self.starts) == 1:
+            other.add(self.starts[0], self.stops[0])
+            self.starts.clear()
+            self.stops.clear()
+            return
+        other.extend(self)
+        self.starts, self.stops, self._held = [], [], None
+
     def take(self) -> RangeSet:
         """Every run held, as one set; the buffer is left empty."""
         runs = RangeSet(np.asarray(self.starts, dtype=np.int64), np.asarray(self.stops, dtype=np.int64))
@@ -201,8 +212,7 @@ class Ledger:
             self.consumed = self.consumed | self.pending
             self.pending = RangeSet()
         elif self._pending_runs:  # only runs: they move over as runs
-            self._consumed_runs.extend(self._pending_runs)
-            self._pending_runs = RunBuffer()
+            self._pending_runs.move_to(self._consumed_runs)
 
     def merge(self, consumed: RangeSet) -> None:
         """Add positions other ranks consumed (after a gather)."""

@@ -312,18 +312,20 @@ class ConcatRun:
             labels = take(size)
             labels[:-1] = tokens[1:]
             labels[-1] = flat[size] if goes else IGNORE_INDEX
-            last = doc_end[doc_end <= hi] - (lo + 1)  # the last token of each document that ends here
+            last = doc_end[: d1 - d0 - goes] - (lo + 1)  # the last token of each document that ends here
             if packing.labels_across_documents:  # only where a sequence ends too
                 last = last[(last + 1) % seq_len == 0]
             labels[last] = IGNORE_INDEX
             self.labels = labels
-        # Pieces start where a document or a sequence starts: both lists sorted, merged, a start shared once.
-        cuts = np.concatenate((doc_start[1:] - lo, counting(size)[::seq_len]))
+        # np.repeat's arrays are the fields themselves: a copy into a pooled array cost more than it saved.
+        if "document_ids" in fields:
+            self.documents = np.repeat(docs, n)
+        if "position_ids" not in fields and "cu_seqlens" not in fields:
+            return
+        # Pieces start where a sequence starts or a document starts inside one (each sorted: merged by a sort).
+        inner = doc_start[1:] - lo
+        cuts = np.concatenate((inner[inner % seq_len != 0], counting(size)[::seq_len]))
         cuts.sort()
-        keep = np.empty(cuts.size, dtype=bool)
-        keep[0] = True
-        np.not_equal(cuts[1:], cuts[:-1], out=keep[1:])
-        cuts = cuts[keep]
         self.pieces = pieces = np.empty_like(cuts)
         np.subtract(cuts[1:], cuts[:-1], out=pieces[:-1])
         pieces[-1] = size - cuts[-1]
@@ -333,12 +335,9 @@ class ConcatRun:
             self.bounds[-1] = size
             self.sequence_cut = cuts.searchsorted(counting(size + 1)[::seq_len]).tolist()
             self.piece_lengths = pieces.tolist()  # a batch's longest: max() of a short list beats an array's
-        # np.repeat's arrays are the fields themselves: a copy into a pooled array cost more than it saved.
         if "position_ids" in fields:  # the count since the piece's start
             self.positions = np.repeat(cuts, pieces)
             np.subtract(counting(size), self.positions, out=self.positions)
-        if "document_ids" in fields:
-            self.documents = np.repeat(docs, n)
 
     def holds(self, order: Any, first: int, rows: int) -> bool:
         """Whether the sequences ``[first, first + rows)`` of ``order`` are built here and not

@@ -235,4 +235,5 @@ def test_is_run_says_whether_positions_count_up_by_one(start: int, size: int, ch
     if change is not None and size:
         at, by = change
         positions[at % size] += by
-    assert is_run(positions) == all(b - a == 1 for a, b in zip(positions.tolist(), positions[1:].tolist()))
+    listed = positions.tolist()
+    assert is_run(positions) == all(b - a == 1 for a, b in zip(listed[:-1], listed[1:], strict=True))
