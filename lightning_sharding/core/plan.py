@@ -58,7 +58,7 @@ WORKER_LAYOUTS: tuple[str, ...] = ("runs", "interleaved")
 Int64Array = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BatchTask:
     """One batch to produce: ``positions`` (int64, shape ``(n,)``) of which the last ``num_padding``
     repeat a real position and must never count as consumed. ``worker`` is the worker it is planned for.
@@ -66,7 +66,8 @@ class BatchTask:
     A pass planned again mid-way (a mixture decision changed the epoch's order) numbers its plans:
     ``generation`` is the plan's, and ``change`` what changed the manifest's epochs since (``None``:
     nothing; else ``change.apply(epochs)`` gives the epochs to order by), so a worker started before
-    the change reads by the new order. It is small: it travels with every task."""
+    the change reads by the new order. It is small: it travels with every task. Not frozen: one is made
+    for every batch, in 0.2 us against a frozen dataclass's 0.85; nothing changes a task once made."""
 
     epoch: int
     index: int

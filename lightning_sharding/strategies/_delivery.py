@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -72,8 +71,7 @@ def _delivered(
     return Delivery(batch, epoch, _array(positions), num_padding, _array(skipped), _array(used), end, stats, generation)
 
 
-@dataclass(frozen=True)
-class Provenance:
+class Provenance(NamedTuple):
     """Where a delivered batch came from: epoch positions (int64, shape ``(n,)``), the last
     ``num_padding`` of which are padding, and the positions ``skipped`` (shape ``(k,)``) because
     they failed to read under ``on_error="skip"``; those are consumed but not in the batch."""
@@ -81,7 +79,7 @@ class Provenance:
     epoch: int
     positions: Int64Array
     num_padding: int
-    skipped: Int64Array = field(default_factory=lambda: NO_POSITIONS)
+    skipped: Int64Array = NO_POSITIONS
 
     @property
     def real_positions(self) -> Int64Array:
