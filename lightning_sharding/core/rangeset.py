@@ -31,8 +31,8 @@ def _merge(starts: Int64Array, ends: Int64Array) -> tuple[Int64Array, Int64Array
 
 
 def is_run(positions: Int64Array) -> bool:
-    """Whether ``positions`` (shape ``(n,)``) are ``p, p + 1, ...``: a batch's few compared as Python
-    lists (about 1 us for 8, against 2-3 for the same test on arrays), more as arrays."""
+    """Whether ``positions`` (integers, shape ``(n,)``) are ``p, p + 1, ...``: a batch's few compared
+    as Python lists (about 1 us for 8, against 2-3 for the same test on arrays), more as arrays."""
     if positions.size <= 64:
         listed = positions.tolist()
         return not listed or listed == list(range(listed[0], listed[0] + len(listed)))

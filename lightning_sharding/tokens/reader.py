@@ -148,7 +148,6 @@ class PackedReader(Reader):
         item's token array each (:meth:`DocumentReader.token_array`), or gathered where it has none."""
         first, base, documents = epochs.first_document, epochs.token_start_in_item, self.documents
         read = self._spans(items, epochs)
-        arrays: dict[int, Any] = {}  # the items' token arrays asked so far (a reader keeps its maps too)
 
         def fill(
             docs: npt.NDArray[np.int64],
@@ -158,7 +157,10 @@ class PackedReader(Reader):
         ) -> None:
             item = first.searchsorted(docs, side="right")  # counted from 1
             keys = item.tolist()
-            for k in set(keys).difference(arrays):
+            # Asked again every stretch, not kept: a store keeps a few maps and drops the rest, so
+            # that the shard cache's evicted copies give their disk space back.
+            arrays: dict[int, Any] = {}
+            for k in set(keys):
                 array = documents.token_array(items[k - 1])
                 if array is None:  # read by range for now (a remote file not yet copied): gathered
                     got = np.asarray(read(docs, starts, stops))

@@ -145,3 +145,23 @@ def test_local_files_are_known_alike_as_paths_as_file_urls_and_with_options(tmp_
         assert [it.identity for it in make(tmp_path, cache_dir=tmp_path / f"c-{name}").items()] == local, name
     other = [it.identity for it in TokenFiles(f"file://{tmp_path}/t.npy", eos_id=9).items()]
     assert other != [it.identity for it in TokenFiles(f"{tmp_path}/t.npy", eos_id=0).items()]  # eos_id makes documents
+
+
+@pytest.mark.needs("fsspec")
+def test_packed_stretches_keep_no_more_maps_of_a_store_than_the_store_does(tmp_path: Path) -> None:
+    """A store maps a few files and drops the rest, so that copies the shard cache evicted give their
+    disk space back: the stretches of packed sequences read through it hold no map of their own."""
+    from lightning_sharding.tokens import write_indexed
+
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        write_indexed(str(tmp_path / f"part{i}"), [rng.integers(0, 100, 50) for _ in range(20)])
+    documents = IndexedTokens([f"file://{tmp_path}/part{i}" for i in range(12)])
+    reader = PackedReader(documents, Packing(seq_len=64))
+    manifest = reader.manifest()
+    order = manifest.order(0, 0)
+    for start in range(0, order.total - 1, 2):
+        batch = reader.read_sequences(order, np.arange(start, start + 2), manifest.items)
+        assert batch["input_ids"].shape == (2, 64)
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) in line}
+    assert 0 < len(mapped) <= 4, sorted(mapped)
