@@ -4,7 +4,9 @@
 
 WebDataset tar shards (``webdataset.ShardWriter``) of 4 small JPEGs and labels each: ``--shards``
 in a local directory, and the first ``--s3-shards`` of them in a bucket of a real S3-protocol
-server (moto) on loopback, behind a proxy that adds ``--latency-ms`` to every request. Each system
+server (moto) on loopback, behind a proxy that adds ``--latency-ms`` to every request, both in a
+process of their own, as a real store is (in the benchmark's process, until 2026-11-27, they
+answered every request under the GIL of the process whose loader is timed). Each system
 starts from where the data is, as a new job does, and the clock runs to the first batch of 64
 decoded images at 1 rank x 2 workers, their start counted:
 
@@ -44,10 +46,13 @@ from __future__ import annotations
 import argparse
 import glob
 import io
+import json
 import logging
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -148,6 +153,40 @@ def ours(where: Where, cache: Path, data_index: bool = False) -> Any:
     SPLIT["first batch"] = time.perf_counter() - start - SPLIT["setup"]
     dm.teardown("fit")
     return batch["jpg"]
+
+
+# The S3 server (moto) and the proxy that adds latency, in a process of their own, as a real store
+# is: in the benchmark's process their threads would answer every request under the GIL of the
+# process whose loader is timed. The process prints their endpoints, then serves until its stdin closes.
+_SERVE_S3 = """
+import json, logging, sys
+sys.path.insert(0, sys.argv[2])
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+from moto.server import ThreadedMotoServer
+from tests.support.fault_proxy import FaultProxy
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+proxy = FaultProxy(f"http://{host}:{port}", delay=float(sys.argv[1]))
+print(json.dumps({"server": f"http://{host}:{port}", "proxy": proxy.endpoint}), flush=True)
+sys.stdin.read()
+proxy.close()
+server.stop()
+"""
+
+
+def serve_s3(latency: float) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """Start the process that serves the bucket (:data:`_SERVE_S3`): it and the endpoints of the
+    server and of the proxy that adds ``latency`` seconds to every request."""
+    repo = str(Path(__file__).resolve().parents[1])
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_S3, str(latency), repo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the S3 server's process exited ({process.wait()}) before serving")
+    return process, json.loads(line)
 
 
 def new_job() -> None:
@@ -316,7 +355,7 @@ def main() -> None:
     from tests.support.s3 import S3Server
 
     root = Path(tempfile.mkdtemp(prefix="first-batch-"))
-    server = proxy = None
+    server = None
     one_off: list[str] = []
     try:
         data = Path(args.data) if args.data else root
@@ -346,10 +385,6 @@ def main() -> None:
             )
         ]
         if not args.local_only:
-            from moto.server import ThreadedMotoServer
-
-            from tests.support.fault_proxy import FaultProxy
-
             remote = data / "s3data"
             if (remote / "tar").is_dir():
                 took = {
@@ -360,25 +395,21 @@ def main() -> None:
                 for tar in tars[: args.s3_shards]:
                     shutil.copy(tar, remote / "tar")
                 took = prepare(sorted(glob.glob(str(remote / "tar" / "*.tar"))), remote, args.per_shard)
-            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-            server.start()
-            host, port = server.get_host_and_port()
-            s3 = S3Server(f"http://{host}:{port}")
+            server, endpoints = serve_s3(args.latency_ms / 1000)
+            s3 = S3Server(endpoints["server"])  # the server itself: the untimed upload and index
             s3.bucket(BUCKET)
             start = time.perf_counter()
             upload(s3, remote, "data")
             print(f"(uploaded to the loopback S3 server in {time.perf_counter() - start:.0f} s)")
-            proxy = FaultProxy(s3.endpoint)
-            via = S3Server(proxy.endpoint)  # every system reaches the bucket through the proxy
+            via = S3Server(endpoints["proxy"])  # every system reaches the bucket through the proxy
             start = time.perf_counter()
             s3_tars = f"s3://{BUCKET}/data/tar/*.tar"
-            write_data_index(TarReader(s3_tars, storage_options=via.storage_options, cache_dir=root / "index-cache"))
+            write_data_index(TarReader(s3_tars, storage_options=s3.storage_options, cache_dir=root / "index-cache"))
             one_off.append(
                 f"lightning-sharding index ({args.s3_shards} S3 shards): {time.perf_counter() - start:.1f} s"
             )
-            proxy.delay = args.latency_ms / 1000
             os.environ.update(  # MosaicML Streaming's S3 client reads these
-                S3_ENDPOINT_URL=proxy.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"
+                S3_ENDPOINT_URL=via.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"
             )
 
             def listed() -> list[str]:
@@ -401,7 +432,7 @@ def main() -> None:
                     via.storage_options,
                     {
                         "storage_options": {
-                            "endpoint_url": proxy.endpoint,
+                            "endpoint_url": via.endpoint,
                             "aws_access_key_id": "testing",
                             "aws_secret_access_key": "testing",
                             "region_name": "us-east-1",
@@ -472,10 +503,9 @@ def main() -> None:
         print("\n".join(status))
         print("\none-off conversions: " + "; ".join(one_off))
     finally:
-        if proxy is not None:
-            proxy.close()
         if server is not None:
-            server.stop()
+            server.stdin.close()  # the serving process stops its proxy and server, and exits
+            server.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)
 
 
