@@ -215,7 +215,7 @@ class Buffers:
     on, and where ``labels`` started 16 bytes past the tokens in its page (two arrays one after the
     other from ``malloc``) the copy's target ran 8 bytes ahead of its source, modulo a page, which
     ``memcpy`` on this project's machine (AMD EPYC) copies 14x slower: 200 us for 512 KiB against 14
-    (``benchmarks.packing``'s notes).
+    (docs/performance.md, packed token sequences).
 
     Whether an array is free is read from its reference count, compared with the count of an array
     nothing else holds, measured the same way when the pool is made: how many references the
@@ -326,7 +326,7 @@ class ConcatRun:
         inner = doc_start[1:] - lo
         cuts = np.concatenate((inner[inner % seq_len != 0], counting(size)[::seq_len]))
         cuts.sort()
-        self.pieces = pieces = np.empty_like(cuts)
+        pieces = np.empty_like(cuts)
         np.subtract(cuts[1:], cuts[:-1], out=pieces[:-1])
         pieces[-1] = size - cuts[-1]
         if "cu_seqlens" in fields:  # the cuts and the stretch's end, int32, and where each sequence's cuts begin
