@@ -88,8 +88,7 @@ class FaultProxy:
         class Handler(_Forwarder):
             owner = proxy
 
-        server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        server.daemon_threads = True
+        server = _Server(("127.0.0.1", self.port), Handler)
         self.port = int(server.server_address[1])
         self._server = server
         threading.Thread(target=server.serve_forever, name="fault-proxy", daemon=True).start()
@@ -141,6 +140,14 @@ class FaultProxy:
 
     def close(self) -> None:
         self.down()
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5: 32 connections opened at once (2 workers reading 16
+    # shards each) overflow it, and each dropped connection waits out TCP's 1-second retransmission,
+    # which no object store or load balancer makes its clients do.
+    request_queue_size = 128
+    daemon_threads = True
 
 
 class _Forwarder(BaseHTTPRequestHandler):
