@@ -61,6 +61,18 @@ class Reader(ABC):
         first (from the next ``fetch_ahead`` on): a reader may start fetching them. Nothing by default."""
         return None
 
+    def first_reads(self, reads: Sequence[tuple[Item, npt.NDArray[np.int64]]]) -> int:
+        """Called in the training process before its DataLoader workers start, with the reads
+        ``(item, sample indices)`` of each worker's first batch: a reader whose reads wait on storage
+        may fetch their bytes now, while the workers start, and keep them in its state, which is
+        pickled into each worker; a worker's read of those samples then asks the store for nothing.
+        Returns how many reads it fetched; none by default. See :meth:`drop_first_reads`."""
+        return 0
+
+    def drop_first_reads(self) -> None:
+        """Forget what :meth:`first_reads` fetched (the training process, once its workers started)."""
+        return None
+
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call, sent with each batch and logged by the callback: a file
         reader counts ``cache_hits``, ``cache_misses`` and ``fetch_wait_s``. None by default."""

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import override
 
 from lightning_sharding.core.manifest import Item
 from lightning_sharding.core.private import URL_CREDENTIALS, check_mode, hide_credentials, scrub
@@ -62,6 +63,9 @@ from lightning_sharding.readers.storage import (
 Indexed = tuple[FileIndex, str, bool]  # a file's index, its content id, and whether it was scanned now
 REMOTE_SCAN_THREADS = 16  # indexing remote files waits on the store: threads overlap the waits
 REMOTE_READ_THREADS = 16  # a batch's remote files, read at once: their waits overlap (Reader.read_threads)
+# The most bytes of the workers' first batches the training process fetches while they start
+# (FileReader.first_reads): they travel to every worker with the reader's pickled state.
+FIRST_READ_BYTES = 16 << 20
 BATCH_BYTES = 32 << 20  # bytes of local files read into one buffer for one scan_batch
 _SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row groups)
 
@@ -160,6 +164,8 @@ class FileReader(Reader):
         # This process's last listing: its items and files (for _attach_listing), and its files' JSON.
         self._listed: tuple[Sequence[Item], Sequence[FileInfo]] | None = None
         self._listing_memo: tuple[Sequence[FileInfo], str] | None = None
+        # What first_reads fetched: (url, starts, ends) -> the bytes of those ranges.
+        self._first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[bytes]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -175,6 +181,7 @@ class FileReader(Reader):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_first", {})  # a reader pickled before first_reads existed
         self._lock = threading.Lock()
 
     @property
@@ -594,6 +601,10 @@ class FileReader(Reader):
         from lightning_sharding.readers.storage import read_ranges
 
         s, e = np.asarray(starts).tolist(), np.asarray(ends).tolist()
+        if self._first:  # fetched by the training process while this worker started (first_reads)
+            got = self._first.pop((self.split_key(item)[0], tuple(s), tuple(e)), None)
+            if got is not None:
+                return got
         with self.local_copy(item) as local:
             if local is not None:
                 return read_ranges(local, s, e)
@@ -628,6 +639,59 @@ class FileReader(Reader):
                 self._stats["cache_hits" if present else "cache_misses"] += 1
                 self._stats["fetch_wait_s"] += 0.0 if present else time.perf_counter() - asked
             yield local
+
+    def byte_ranges(
+        self, item: Item, indices: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+        """The byte ranges ``(starts, ends)`` of its file that a read of samples ``indices`` of ``item``
+        asks :meth:`read_ranges` for, where the reader knows them without reading (``None``: it does
+        not, and :meth:`first_reads` leaves such reads to the workers)."""
+        return None
+
+    @override
+    def first_reads(self, reads: Sequence[tuple[Item, npt.NDArray[np.int64]]]) -> int:
+        """Fetch the byte ranges of ``reads`` (the workers' first batches, :meth:`byte_ranges`) here,
+        in the training process, while the workers start: a forkserver's workers wait for its imports
+        (about a second and a half), a spawned worker for its own, and a fresh worker makes a new
+        store client (0.1-0.3 s) before it asks for anything. The bytes go to the workers with the
+        reader, and a worker's first read of each range takes them instead of asking the store.
+
+        Only for remote files read straight from the store (no ``cache_limit``), in the order given,
+        up to :data:`FIRST_READ_BYTES` in all; one try each, with no retry: a failed fetch is dropped,
+        and the worker reads that range itself, retrying and raising as it always does."""
+        if self.cache_limit is not None or self.read_threads < 2:
+            return 0
+        wanted: list[tuple[str, list[int], list[int]]] = []
+        total = 0
+        for item, indices in reads:
+            ranges = self.byte_ranges(item, indices)
+            if ranges is None:
+                continue
+            s, e = np.asarray(ranges[0]).tolist(), np.asarray(ranges[1]).tolist()
+            total += sum(e) - sum(s)
+            if total > FIRST_READ_BYTES:
+                break
+            wanted.append((self.split_key(item)[0], s, e))
+        if not wanted:
+            return 0
+        from lightning_sharding.readers.storage import read_ranges
+
+        once = RetryPolicy(attempts=1)
+
+        def fetch(read: tuple[str, list[int], list[int]]) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], Any]:
+            url, s, e = read
+            try:
+                return (url, tuple(s), tuple(e)), read_ranges(url, s, e, self.storage_options, once)
+            except Exception:  # noqa: BLE001 - the worker's own read of it retries and raises, named
+                return (url, tuple(s), tuple(e)), None
+
+        with ThreadPoolExecutor(min(len(wanted), self.read_threads), thread_name_prefix="lsh-first") as pool:
+            self._first = {key: got for key, got in pool.map(fetch, wanted) if got is not None}
+        return len(self._first)
+
+    @override
+    def drop_first_reads(self) -> None:
+        self._first = {}
 
     def take_stats(self) -> dict[str, float]:
         """This process's shard-cache reads since the last call: hits, misses, seconds waited."""

@@ -270,11 +270,18 @@ class TarReader(FileReader):
         )
         return FileIndex([""], [len(arrays["key"])], [arrays]), content
 
+    def byte_ranges(
+        self, item: Item, indices: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Each sample's byte run in its tar, from its first header to its last member's end."""
+        idx = self.index_of(item)
+        return idx["start"][indices], idx["end"][indices]
+
     def read_batch(self, item: Item, indices: npt.NDArray[np.int64], ctx: WorkerContext) -> list[Any]:
         """Fetch each sample's byte run (concurrently on object stores) and parse its members."""
         url, _ = self.split_key(item)
         idx = self.index_of(item)
-        blobs = self.read_ranges(item, idx["start"][indices], idx["end"][indices])
+        blobs = self.read_ranges(item, *self.byte_ranges(item, indices))
         return [self._sample(url, idx, int(i), blob) for i, blob in zip(indices, blobs, strict=True)]
 
     def _sample(self, url: str, idx: Mapping[str, npt.NDArray[Any]], index: int, blob: bytes) -> dict[str, Any]:

@@ -138,6 +138,22 @@ class PlannedBatches(Dataset[Delivery]):
             self._order = self.manifest.order(self.seed, epoch, shuffle=self.shuffle)
         return self._order
 
+    def fetch_first(self, tasks: Sequence[BatchTask]) -> None:
+        """In the training process, before its workers start: hand the reader the reads of ``tasks``
+        (each worker's first), which it may fetch while the workers start (:meth:`Reader.first_reads`).
+        Not for packed sequences or columns, whose reads the reader plans itself, nor for a task of
+        changed epochs (a mixture decision, which a worker applies to its manifest first)."""
+        if not tasks or self.reader.reads_sequences or self.columnar or any(t.change is not None for t in tasks):
+            return
+        reads = []
+        order = None
+        for task in tasks:
+            if order is None or order.epoch != task.epoch:  # not kept: the workers make their own
+                order = self.manifest.order(self.seed, task.epoch, shuffle=self.shuffle)
+            item_ids, indices = order.locate(task.positions)
+            reads += [(self.items[int(item_ids[lo])], indices[lo:hi]) for lo, hi in _runs(item_ids)]
+        self.reader.first_reads(reads)
+
     def __getstate__(self) -> dict[str, Any]:
         # A worker maps its own slots; a large state (a long manifest) goes to a new worker through a
         # file, so that the DataLoader starts its workers at once, not one after the other (_shipped.py).
@@ -175,10 +191,7 @@ class PlannedBatches(Dataset[Delivery]):
         item_ids, indices = order.locate(task.positions)
         if self.reader.fetch_ahead:
             self._tell_ahead(task, item_ids)
-        # Read runs of consecutive positions that fall in the same item with one call.
-        cuts = np.flatnonzero(np.diff(item_ids)) + 1
-        starts, ends = np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(item_ids)])).tolist()
-        runs = list(zip(starts, ends, strict=True))
+        runs = _runs(item_ids)  # each run of positions in the same item is read with one call
         if self.columnar:
             batch = self._read_columns(runs, item_ids, indices, ctx)
             if batch is not None:
@@ -457,3 +470,10 @@ def join_columns(parts: list[Any], n: int) -> Any:
         batch = {k: join([p[k] for p in parts]) for k in keys}
         return None if any(v is None for v in batch.values()) else batch
     return join(parts)
+
+
+def _runs(item_ids: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of consecutive positions in the same item: read with one call."""
+    cuts = np.flatnonzero(np.diff(item_ids)) + 1
+    starts, ends = np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(item_ids)])).tolist()
+    return list(zip(starts, ends, strict=True))

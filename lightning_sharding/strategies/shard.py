@@ -22,6 +22,7 @@ the batch and keeps in order for the ledger.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
@@ -83,6 +84,9 @@ class PlanSampler(Sampler[BatchTask]):
         self.generation = 0  # the plans of a pass planned again are numbered; the tasks carry it
         self.change: Any = None  # what decisions changed of the epochs, which tasks carry to workers started before
         self.dealt = -1  # the generation whose every task the DataLoader has taken (-1: none yet)
+        # Called with each worker's first task when a pass is planned, before the workers start (the
+        # loader sets it only for a pass that starts workers): PlannedBatches.fetch_first.
+        self.on_plan: Callable[[list[BatchTask]], None] | None = None
 
     @classmethod
     def of(
@@ -138,7 +142,15 @@ class PlanSampler(Sampler[BatchTask]):
     def __iter__(self) -> Iterator[BatchTask]:
         self.epoch_plan = self.plan()
         self.rank_plan = self.epoch_plan.rank(self.world.data_rank)
-        return self._tasks()
+        tasks = self._tasks()
+        # Once a pass: PyTorch's iterator asks for the sampler's iterator again once its workers started.
+        on_plan, self.on_plan = self.on_plan, None
+        if on_plan is None or not self.num_workers:
+            return tasks
+        # The DataLoader deals the first tasks one to each worker, in order.
+        first = list(itertools.islice(tasks, self.num_workers))
+        on_plan(first)
+        return itertools.chain(first, tasks)
 
     def _tasks(self) -> Iterator[BatchTask]:
         """The plan's tasks; after :meth:`switch` mid-pass, the new plan's (the DataLoader asks for
@@ -305,7 +317,15 @@ class ShardedLoader(TrainLoader):
         self.delivered.clear()
         self.sampler.delivered = RangeSet()
         while True:
-            for delivery in self._guarded(passes(self._loader)):
+            loader = self._loader  # a pass that starts workers: the reader may fetch their first reads meanwhile
+            starts = loader.num_workers > 0 and not (loader.persistent_workers and loader._iterator is not None)
+            self.sampler.on_plan = self._dataset.fetch_first if starts else None
+            try:
+                batches = passes(loader)  # the workers start here, each with the reader's state
+            finally:
+                self.sampler.on_plan = None
+                self._dataset.reader.drop_first_reads()
+            for delivery in self._guarded(batches):
                 if self._pool is not None:
                     delivery = delivery._replace(batch=self._pool.unpack(delivery.batch))
                 if delivery.generation < self.sampler.generation:

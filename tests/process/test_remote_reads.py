@@ -10,13 +10,14 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from lightning_sharding.core.ledger import Ledger
 from lightning_sharding.core.manifest import Manifest
-from lightning_sharding.core.world import World
+from lightning_sharding.core.world import WorkerContext, World
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.storage import cut_ranges, merged_ranges
 from lightning_sharding.recipes.synthetic_files import to_regression, write_regression
@@ -112,3 +113,71 @@ def test_a_megatron_index_is_read_once_a_job_and_a_batch_reads_each_bin_with_one
     assert asked == {"part-0.bin": 1, "part-1.bin": 1}, f"a second start and a batch of every sequence read: {asked}"
     tokens = batch["input_ids"].numpy()
     assert sorted(tokens[tokens != 0].tolist()) == list(range(1, int(tokens.max()) + 1))
+
+
+def _epoch(
+    reader: TarReader, manifest: Manifest, proxy: FaultProxy
+) -> tuple[list[list[int]], Counter[tuple[str, str]]]:
+    """One shuffled epoch at 1 rank x 2 DataLoader workers (a forkserver's): each batch's sample ids,
+    and the shard requests the proxy saw meanwhile."""
+    ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
+    options = LoaderOptions(batch_size=4, num_workers=2, shuffle=True, transform=to_regression)
+    loader = ShardedLoader.build(reader, manifest, ledger, world=World(), options=options)
+    since = len(proxy.log)
+    try:
+        ids = [batch["id"].tolist() for batch in loader]
+    finally:
+        loader.close()
+    return ids, shard_requests(proxy, since)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_the_workers_first_batches_are_fetched_while_they_start_and_no_worker_asks_for_them_again(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training process fetches each worker's first batch while the workers start (FileReader.first_reads);
+    the bytes reach the workers with the reader, which then ask the store for none of them: the epoch makes
+    the same requests, shard by shard, as with nothing fetched ahead, and serves the same batches."""
+    from lightning_sharding.readers import files
+
+    bucket = s3_server.bucket("first-reads")
+    write_regression(f"{bucket}/wds", "tar", SIZES, storage_options=s3_server.storage_options)
+    reader = TarReader("s3://first-reads/wds/*.tar", storage_options=proxy.storage_options(), cache_dir=tmp_path)
+    manifest = Manifest.from_items(reader.items())
+    fetched: list[int] = []
+    real = files.FileReader.first_reads
+
+    def counted(self: files.FileReader, reads: Any) -> int:
+        fetched.append(real(self, reads))
+        return fetched[-1]
+
+    monkeypatch.setattr(files.FileReader, "first_reads", counted)
+    ahead, asked = _epoch(reader, manifest, proxy)
+    assert len(fetched) == 1 and fetched[0] >= 2, f"each worker's first batch is fetched ahead: {fetched}"
+    assert reader._first == {}, "the training process keeps none of those bytes once its workers started"
+    monkeypatch.setattr(files, "FIRST_READ_BYTES", 0)  # the same epoch, nothing fetched ahead
+    plain, asked_plain = _epoch(reader, manifest, proxy)
+    assert fetched[1] == 0
+    assert ahead == plain, "the same batches, with or without the first reads fetched ahead"
+    assert sorted(i for batch in ahead for i in batch) == list(range(manifest.total)), "every sample once"
+    assert asked == asked_plain, "a worker asked again for bytes fetched for it (or fewer requests were made)"
+
+
+def test_a_first_read_that_fails_is_tried_once_and_left_to_the_worker(
+    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    """A store that fails the reads fetched ahead delays no worker by a retry budget: each is tried once
+    and dropped, and the worker's own read (with its retries) gets the bytes once the store is back."""
+    bucket = s3_server.bucket("first-fails")
+    write_regression(f"{bucket}/wds", "tar", SIZES, storage_options=s3_server.storage_options)
+    reader = TarReader("s3://first-fails/wds/*.tar", storage_options=proxy.storage_options(), cache_dir=tmp_path)
+    items = list(reader.items())
+    reads = [(item, np.arange(item.num_samples)) for item in items[:3]]
+    proxy.fault_rate, proxy.drop_share = 1.0, 0.0  # every GET answered 503
+    assert reader.first_reads(reads) == 0
+    assert proxy.counts["503"] == 3 and proxy.counts["retried"] == 0, f"one try each: {dict(proxy.counts)}"
+    proxy.fault_rate = 0.0
+    since = len(proxy.log)
+    samples = reader.read_batch(items[0], np.arange(items[0].num_samples), WorkerContext(0, 1, 0, 0, 0, 0))
+    assert len(samples) == SIZES[0] and len(shard_requests(proxy, since)) == 1, "the worker read it itself"
