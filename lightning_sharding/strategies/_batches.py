@@ -141,9 +141,12 @@ class PlannedBatches(Dataset[Delivery]):
     def fetch_first(self, tasks: Sequence[BatchTask]) -> None:
         """In the training process, before its workers start: hand the reader the reads of ``tasks``
         (each worker's first), which it may fetch while the workers start (:meth:`Reader.first_reads`).
-        Not for packed sequences or columns, whose reads the reader plans itself, nor for a task of
-        changed epochs (a mixture decision, which a worker applies to its manifest first)."""
-        if not tasks or self.reader.reads_sequences or self.columnar or any(t.change is not None for t in tasks):
+        Only for a reader whose reads wait on storage (``read_threads`` > 1); not for packed sequences or
+        columns, whose reads the reader plans itself, nor for a task of changed epochs (a mixture
+        decision, which a worker applies to its manifest first)."""
+        if not tasks or self.reader.read_threads < 2 or self.reader.reads_sequences or self.columnar:
+            return
+        if any(t.change is not None for t in tasks):
             return
         reads = []
         order = None
