@@ -150,12 +150,15 @@ class PlannedBatches(Dataset[Delivery]):
             return
         reads = []
         order = None
-        for task in tasks:
-            if order is None or order.epoch != task.epoch:  # not kept: the workers make their own
-                order = self.manifest.order(self.seed, task.epoch, shuffle=self.shuffle)
-            item_ids, indices = order.locate(task.positions)
-            reads += [(self.items[int(item_ids[lo])], indices[lo:hi]) for lo, hi in _runs(item_ids)]
-        self.reader.first_reads(reads)
+        try:
+            for task in tasks:
+                if order is None or order.epoch != task.epoch:  # not kept: the workers make their own
+                    order = self.manifest.order(self.seed, task.epoch, shuffle=self.shuffle)
+                item_ids, indices = order.locate(task.positions)
+                reads += [(self.items[int(item_ids[lo])], indices[lo:hi]) for lo, hi in _runs(item_ids)]
+            self.reader.first_reads(reads)
+        except Exception:  # noqa: BLE001 - fetching ahead only saves time: the workers read, and raise, themselves
+            self.reader.drop_first_reads()
 
     def __getstate__(self) -> dict[str, Any]:
         # A worker maps its own slots; a large state (a long manifest) goes to a new worker through a
