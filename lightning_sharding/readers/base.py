@@ -61,16 +61,18 @@ class Reader(ABC):
         first (from the next ``fetch_ahead`` on): a reader may start fetching them. Nothing by default."""
         return None
 
-    def first_reads(self, reads: Sequence[tuple[Item, npt.NDArray[np.int64]]]) -> int:
-        """Called in the training process before its DataLoader workers start, with the reads
+    def first_reads(self, reads: Sequence[tuple[Item, npt.NDArray[np.int64]]], workers: int) -> int:
+        """Called in the training process just before it starts ``workers`` DataLoader workers that
+        wait on imports before they run (spawned ones, or a forkserver's first), with the reads
         ``(item, sample indices)`` of each worker's first batch: a reader whose reads wait on storage
-        may fetch their bytes now, while the workers start, and keep them in its state, which is
-        pickled into each worker; a worker's read of those samples then asks the store for nothing.
-        Returns how many reads it fetched; none by default. See :meth:`drop_first_reads`."""
+        may fetch their bytes meanwhile and keep them in its state, which is pickled into every
+        worker; a worker's read of those samples then asks the store for nothing. Returns how many
+        reads it fetched; none by default. See :meth:`drop_first_reads`."""
         return 0
 
     def drop_first_reads(self) -> None:
-        """Forget what :meth:`first_reads` fetched (the training process, once its workers started)."""
+        """Forget what :meth:`first_reads` fetched: in the training process once its workers started,
+        in a worker once its first batch is read."""
         return None
 
     def take_stats(self) -> dict[str, float]:

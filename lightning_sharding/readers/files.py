@@ -18,7 +18,7 @@ import warnings
 from abc import abstractmethod
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -63,9 +63,11 @@ from lightning_sharding.readers.storage import (
 Indexed = tuple[FileIndex, str, bool]  # a file's index, its content id, and whether it was scanned now
 REMOTE_SCAN_THREADS = 16  # indexing remote files waits on the store: threads overlap the waits
 REMOTE_READ_THREADS = 16  # a batch's remote files, read at once: their waits overlap (Reader.read_threads)
-# The most bytes of the workers' first batches the training process fetches while they start
-# (FileReader.first_reads): they travel to every worker with the reader's pickled state.
-FIRST_READ_BYTES = 16 << 20
+# The bytes of the workers' first batches the training process fetches while they start
+# (FileReader.first_reads), counted in every copy: each worker is sent them all with the reader.
+FIRST_READ_BYTES = 32 << 20
+# How long the training process waits for those fetches: what is not in by then, each worker reads.
+FIRST_READ_SECONDS = 1.0
 BATCH_BYTES = 32 << 20  # bytes of local files read into one buffer for one scan_batch
 _SUB = "#"  # item key = url, or url#suffix for items inside a file (Parquet row groups)
 
@@ -649,29 +651,33 @@ class FileReader(Reader):
         return None
 
     @override
-    def first_reads(self, reads: Sequence[tuple[Item, npt.NDArray[np.int64]]]) -> int:
+    def first_reads(self, reads: Sequence[tuple[Item, npt.NDArray[np.int64]]], workers: int) -> int:
         """Fetch the byte ranges of ``reads`` (the workers' first batches, :meth:`byte_ranges`) here,
-        in the training process, while the workers start: a forkserver's workers wait for its imports
-        (about a second and a half), a spawned worker for its own, and a fresh worker makes a new
-        store client (0.1-0.3 s) before it asks for anything. The bytes go to the workers with the
-        reader, and a worker's first read of each range takes them instead of asking the store.
+        in the training process, while its ``workers`` start: a forkserver's first workers wait for
+        its imports (about a second and a half), spawned ones for their own, and a fresh worker makes
+        a new store client (0.1-0.3 s) before it asks for anything. The bytes go to every worker
+        with the reader, and a worker's first read of each range takes them instead of asking the store.
 
-        Only for remote files read straight from the store (no ``cache_limit``), in the order given,
-        up to :data:`FIRST_READ_BYTES` in all; one try each, with no retry: a failed fetch is dropped,
-        and the worker reads that range itself, retrying and raising as it always does."""
-        if self.cache_limit is not None or self.read_threads < 2:
+        Only remote files read straight from the store (no ``cache_limit``), in the order given (the
+        first worker's first), while the copies sent to the workers add up to at most
+        :data:`FIRST_READ_BYTES`. Each fetch is tried once by this reader's retries (the store client's
+        own still apply), and what is not fetched within :data:`FIRST_READ_SECONDS` is left, as a
+        failed fetch is, to the worker's own read, which retries and raises as it always does."""
+        if self.cache_limit is not None:
             return 0
+        budget = FIRST_READ_BYTES // max(1, workers)
         wanted: list[tuple[str, list[int], list[int]]] = []
         total = 0
         for item, indices in reads:
-            ranges = self.byte_ranges(item, indices)
+            url = self.split_key(item)[0]
+            ranges = self.byte_ranges(item, indices) if scheme_of(url) != "file" else None
             if ranges is None:
                 continue
             s, e = np.asarray(ranges[0]).tolist(), np.asarray(ranges[1]).tolist()
             total += sum(e) - sum(s)
-            if total > FIRST_READ_BYTES:
+            if total > budget:
                 break
-            wanted.append((self.split_key(item)[0], s, e))
+            wanted.append((url, s, e))
         if not wanted:
             return 0
         from lightning_sharding.readers.storage import read_ranges
@@ -685,8 +691,12 @@ class FileReader(Reader):
             except Exception:  # noqa: BLE001 - the worker's own read of it retries and raises, named
                 return (url, tuple(s), tuple(e)), None
 
-        with ThreadPoolExecutor(min(len(wanted), self.read_threads), thread_name_prefix="lsh-first") as pool:
-            self._first = {key: got for key, got in pool.map(fetch, wanted) if got is not None}
+        pool = ThreadPoolExecutor(min(len(wanted), self.read_threads), thread_name_prefix="lsh-first")
+        futures = [pool.submit(fetch, read) for read in wanted]
+        done, _ = wait(futures, timeout=FIRST_READ_SECONDS)
+        pool.shutdown(wait=False, cancel_futures=True)  # a fetch still under way ends on its own, unused
+        self._first = dict(f.result() for f in done)
+        self._first = {key: got for key, got in self._first.items() if got is not None}
         return len(self._first)
 
     @override

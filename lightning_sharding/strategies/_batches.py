@@ -103,6 +103,7 @@ class PlannedBatches(Dataset[Delivery]):
         self.slot_states: SlotStates | None = None
         self._slots: WorkerSlots | None = None
         self._readers: tuple[int, ThreadPoolExecutor] | None = None  # the threads reading a batch's items (pid, pool)
+        self._first_task = False  # in a worker until its first batch is read (see __setstate__)
         self.context = WorkerContexts(world, options.num_workers, seed, worker_id=worker_id)
         self._order: Order | None = None
         self._change: Any = None  # the last change of the epochs a task brought (a mixture decision)
@@ -156,7 +157,7 @@ class PlannedBatches(Dataset[Delivery]):
                     order = self.manifest.order(self.seed, task.epoch, shuffle=self.shuffle)
                 item_ids, indices = order.locate(task.positions)
                 reads += [(self.items[int(item_ids[lo])], indices[lo:hi]) for lo, hi in _runs(item_ids)]
-            self.reader.first_reads(reads)
+            self.reader.first_reads(reads, len(tasks))
         except Exception:  # noqa: BLE001 - fetching ahead only saves time: the workers read, and raise, themselves
             self.reader.drop_first_reads()
 
@@ -167,12 +168,17 @@ class PlannedBatches(Dataset[Delivery]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(unship(state))
+        # A worker: what the training process fetched for its first batch goes once that is read.
+        self._first_task = True
 
     def __getitem__(self, task: BatchTask) -> Delivery:
         slots = self._worker_slots()
         if slots is not None:
             slots.reset()
         delivery = self._batch(task)
+        if self._first_task:  # the bytes fetched for other workers' first batches are of no use here
+            self._first_task = False
+            self.reader.drop_first_reads()
         if slots is None:
             return delivery
         return delivery._replace(batch=slots.pack(delivery.batch))

@@ -53,6 +53,7 @@ SAFE_TO_PRELOAD = frozenset(
 )
 
 _started_by: int | None = None  # the pid of the process whose loader started the forkserver
+_served: int | None = None  # the pid of the forkserver that started a helper process of this process
 
 
 def start_method(requested: str | BaseContext | None) -> str:
@@ -121,6 +122,25 @@ def _interactive() -> bool:
     return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "get_ipython" in vars(main)
 
 
+def slow_to_start(method: str) -> bool:
+    """Whether helper processes started now with ``method`` wait on imports before they run: spawned
+    ones always (each imports torch); a forkserver's until it has started one for this process (its
+    preload is done by then); forked ones never."""
+    if method == "spawn":
+        return True
+    if method != "forkserver":
+        return False
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid is None or pid != _served
+
+
+def note_started(method: str) -> None:
+    """Helper processes were just started with ``method``: a forkserver's preload is done from now on."""
+    global _served
+    if method == "forkserver":
+        _served = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+
+
 def leave_forkserver(_worker_id: int | None = None) -> None:
     """Run first in a helper process (a DataLoader's ``worker_init_fn``): close the forkserver's "alive"
     pipe that multiprocessing hands every process the server starts. A server lives while anyone
@@ -179,7 +199,7 @@ def _forget_inherited_forkserver() -> None:
     """In a child forked from a process with a forkserver (Lightning's ``ddp_fork`` ranks), forget
     the parent's server: multiprocessing would ask ``waitpid`` about a process that is not the
     child's own and fail with ``ChildProcessError`` at the first worker. The child starts its own."""
-    global _started_by
+    global _started_by, _served
     server: Any = getattr(forkserver, "_forkserver", None)
     if server is None or getattr(server, "_forkserver_pid", None) is None:
         return
@@ -190,7 +210,7 @@ def _forget_inherited_forkserver() -> None:
         except OSError:
             pass
     server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
-    _started_by = None
+    _started_by = _served = None
 
 
 if hasattr(os, "register_at_fork"):

@@ -45,7 +45,13 @@ from lightning_sharding.strategies._batches import PlannedBatches
 from lightning_sharding.strategies._delivery import DeliveredLog, Delivery
 from lightning_sharding.strategies._helper_deaths import reraise_if_dead, stop_workers, watch, worker_processes
 from lightning_sharding.strategies._slots import SlotPool
-from lightning_sharding.strategies._start import leave_forkserver, start_method, worker_context
+from lightning_sharding.strategies._start import (
+    leave_forkserver,
+    note_started,
+    slow_to_start,
+    start_method,
+    worker_context,
+)
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
@@ -317,14 +323,20 @@ class ShardedLoader(TrainLoader):
         self.delivered.clear()
         self.sampler.delivered = RangeSet()
         while True:
-            loader = self._loader  # a pass that starts workers: the reader may fetch their first reads meanwhile
+            loader = self._loader
             starts = loader.num_workers > 0 and not (loader.persistent_workers and loader._iterator is not None)
-            self.sampler.on_plan = self._dataset.fetch_first if starts else None
+            method = start_method(self._options.multiprocessing_context)
+            # Workers that wait on imports before they run (spawned, or a forkserver's first): the reader
+            # may fetch their first batches in the meantime (Reader.first_reads).
+            ahead = starts and slow_to_start(method)
+            self.sampler.on_plan = self._dataset.fetch_first if ahead else None
             try:
                 batches = passes(loader)  # the workers start here, each with the reader's state
             finally:
                 self.sampler.on_plan = None
                 self._dataset.reader.drop_first_reads()
+            if starts:
+                note_started(method)
             for delivery in self._guarded(batches):
                 if self._pool is not None:
                     delivery = delivery._replace(batch=self._pool.unpack(delivery.batch))

@@ -118,10 +118,13 @@ def test_a_megatron_index_is_read_once_a_job_and_a_batch_reads_each_bin_with_one
 def _epoch(
     reader: TarReader, manifest: Manifest, proxy: FaultProxy
 ) -> tuple[list[list[int]], Counter[tuple[str, str]]]:
-    """One shuffled epoch at 1 rank x 2 DataLoader workers (a forkserver's): each batch's sample ids,
-    and the shard requests the proxy saw meanwhile."""
+    """One shuffled epoch at 1 rank x 2 spawned DataLoader workers (they wait on their imports, as a
+    forkserver's first do, whatever ran before in this process): each batch's sample ids, and the
+    shard requests the proxy saw meanwhile."""
     ledger = Ledger(seed=0, total=manifest.total, manifest=manifest.summary())
-    options = LoaderOptions(batch_size=4, num_workers=2, shuffle=True, transform=to_regression)
+    options = LoaderOptions(
+        batch_size=4, num_workers=2, shuffle=True, transform=to_regression, multiprocessing_context="spawn"
+    )
     loader = ShardedLoader.build(reader, manifest, ledger, world=World(), options=options)
     since = len(proxy.log)
     try:
@@ -148,8 +151,8 @@ def test_the_workers_first_batches_are_fetched_while_they_start_and_no_worker_as
     fetched: list[int] = []
     real = files.FileReader.first_reads
 
-    def counted(self: files.FileReader, reads: Any) -> int:
-        fetched.append(real(self, reads))
+    def counted(self: files.FileReader, reads: Any, workers: int) -> int:
+        fetched.append(real(self, reads, workers))
         return fetched[-1]
 
     monkeypatch.setattr(files.FileReader, "first_reads", counted)
@@ -175,7 +178,7 @@ def test_a_first_read_that_fails_is_tried_once_and_left_to_the_worker(
     items = list(reader.items())
     reads = [(item, np.arange(item.num_samples)) for item in items[:3]]
     proxy.fault_rate, proxy.drop_share = 1.0, 0.0  # every GET answered 503
-    assert reader.first_reads(reads) == 0
+    assert reader.first_reads(reads, 2) == 0
     assert proxy.counts["503"] == 3 and proxy.counts["retried"] == 0, f"one try each: {dict(proxy.counts)}"
     proxy.fault_rate = 0.0
     since = len(proxy.log)

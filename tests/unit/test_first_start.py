@@ -36,3 +36,27 @@ def test_a_local_glob_matches_what_fnmatch_matches(tmp_path: Path, pattern: str)
     found = _local_glob(fsspec.filesystem("file"), f"{tmp_path}/{pattern}")
     assert found is not None
     assert sorted(Path(p).name for p in found) == sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
+
+
+def test_workers_wait_on_imports_when_spawned_or_a_forkserver_has_not_served_yet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loader fetches the workers' first batches ahead only for workers that wait on imports
+    (FileReader.first_reads): spawned ones always, a forkserver's until it started workers for this
+    process, forked ones never. Only the server's pid is given here; the bookkeeping is the code's."""
+    from multiprocessing import forkserver
+
+    from lightning_sharding.strategies import _start
+
+    server = forkserver._forkserver
+    monkeypatch.setattr(_start, "_served", None)
+    monkeypatch.setattr(server, "_forkserver_pid", 4242)
+    assert _start.slow_to_start("spawn") and not _start.slow_to_start("fork")
+    assert _start.slow_to_start("forkserver"), "a server that started nothing yet is importing"
+    _start.note_started("forkserver")
+    assert not _start.slow_to_start("forkserver"), "its preload is done once it started workers"
+    assert _start.slow_to_start("spawn")
+    monkeypatch.setattr(server, "_forkserver_pid", 4343)  # a new server (a new job in this process)
+    assert _start.slow_to_start("forkserver")
+    monkeypatch.setattr(server, "_forkserver_pid", None)  # none started yet
+    assert _start.slow_to_start("forkserver")
