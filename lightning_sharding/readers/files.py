@@ -695,8 +695,7 @@ class FileReader(Reader):
         futures = [pool.submit(fetch, read) for read in wanted]
         done, _ = wait(futures, timeout=FIRST_READ_SECONDS)
         pool.shutdown(wait=False, cancel_futures=True)  # a fetch still under way ends on its own, unused
-        self._first = dict(f.result() for f in done)
-        self._first = {key: got for key, got in self._first.items() if got is not None}
+        self._first = {key: got for key, got in (f.result() for f in done) if got is not None}
         return len(self._first)
 
     @override

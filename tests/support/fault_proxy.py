@@ -147,7 +147,6 @@ class _Server(ThreadingHTTPServer):
     # shards each) overflow it, and each dropped connection waits out TCP's 1-second retransmission,
     # which no object store or load balancer makes its clients do.
     request_queue_size = 128
-    daemon_threads = True
 
 
 class _Forwarder(BaseHTTPRequestHandler):
