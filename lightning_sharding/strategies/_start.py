@@ -17,7 +17,9 @@ A spawned or forkserver worker runs the training script's top level again (as ``
 the well-known heavy packages that top level imported (``import lightning.pytorch as pl``) are
 preloaded too: the server pays for them once instead of every worker. Other modules of the script
 are not (one that starts a thread at import would put it into every worker); add yours with
-``multiprocessing.set_forkserver_preload``, whose list is kept.
+``multiprocessing.set_forkserver_preload``, whose list is kept. The garbage collector pauses while
+the server imports, and what it imported is frozen (:func:`gc.freeze`) before it forks a worker
+(``lightning_sharding.preload.pause`` and ``resume``, first and last in the list).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ SAFE_TO_PRELOAD = frozenset(
         "pyarrow",
     )
 )
+
+# First and last in a forkserver's preload list: the collector pauses while the server imports.
+_PRELOAD_FRAME = ("lightning_sharding.preload.pause", "lightning_sharding.preload.resume")
 
 _started_by: int | None = None  # the pid of the process whose loader started the forkserver
 _served: int | None = None  # the pid of the forkserver that started a helper process of this process
@@ -164,11 +169,19 @@ def _start_forkserver(modules: list[str]) -> None:
     global _started_by
     if _started_by == os.getpid():
         return
-    # What the user asked multiprocessing.set_forkserver_preload for stays asked for.
+    # What the user asked multiprocessing.set_forkserver_preload for stays asked for; the garbage
+    # collector pauses while the server imports them all (lightning_sharding.preload).
     asked = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or []
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*asked, *modules])))
+    multiprocessing.get_context("forkserver").set_forkserver_preload(framed_preload(asked, modules))
     forkserver.ensure_running()
     _started_by = os.getpid()
+
+
+def framed_preload(asked: list[str], modules: list[str]) -> list[str]:
+    """A forkserver's preload list: what was ``asked`` before (the user's, or a previous server's list),
+    then ``modules``, each once, between :data:`_PRELOAD_FRAME`'s two modules."""
+    wanted = [m for m in dict.fromkeys([*asked, *modules]) if m not in _PRELOAD_FRAME]
+    return [_PRELOAD_FRAME[0], *wanted, _PRELOAD_FRAME[1]]
 
 
 def _module_of(obj: Any) -> str:

@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent(
         loader = ShardedLoader.build(reader, manifest, ledger, world=World(0, 1), options=options)
         out = []
         for batch in loader:
-            keys = ("id", "pid", "ppid", "lock_free")
+            keys = ("id", "pid", "ppid", "lock_free", "gc_enabled", "gc_frozen")
             for i in range(len(batch["id"])):
                 out.append({k: int(batch[k][i]) for k in keys} | {"marker": batch["marker"][i]})
         loader.close()
@@ -92,6 +92,13 @@ def test_default_workers_come_from_a_preloaded_forkserver_that_shares_no_memory_
     for module in ("torch", "lightning_sharding.strategies.shard", "tests.support.data.worker_probe", "numpy"):
         assert f"'{module}'" in server, f"{module} is not preloaded: {server}"
     assert "'colorsys'" not in server, "a module of the script outside the known-safe packages was preloaded"
+    # The collector paused while the server imported, then froze what the imports made and ran again:
+    # a worker collects, and its collections skip torch's objects (about a million).
+    preload = server[server.index("[") : server.index("]") + 1]
+    assert preload.startswith("['lightning_sharding.preload.pause'"), preload
+    assert preload.endswith("'lightning_sharding.preload.resume']"), preload
+    assert all(r["gc_enabled"] for r in rows)
+    assert min(r["gc_frozen"] for r in rows) > 100_000, {r["gc_frozen"] for r in rows}
     # Nothing of the training process's memory: the global as imported, the lock free.
     assert {r["marker"] for r in rows} == {"as imported"}
     assert all(r["lock_free"] for r in rows)
@@ -107,6 +114,7 @@ def test_fork_workers_inherit_the_training_process_memory(tmp_path: Path) -> Non
     assert {r["ppid"] for r in rows} == {probe["me"]} and probe["preloaded"] == []
     assert {r["marker"] for r in rows} == {"changed by the training process"}
     assert not any(r["lock_free"] for r in rows)
+    assert all(r["gc_enabled"] for r in rows) and {r["gc_frozen"] for r in rows} == {0}, "only a server freezes"
     assert probe["forked_child"] == 0
 
 

@@ -1,9 +1,10 @@
 """A reader whose samples tell what its worker process sees of the training process's memory: the
 value of a module global and the state of a lock that the training process changed after importing
-this module (tests/process/test_worker_start.py)."""
+this module, and the state of its garbage collector (tests/process/test_worker_start.py)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections.abc import Sequence
@@ -18,8 +19,9 @@ LOCK = threading.Lock()
 
 
 class ProbeReader(Reader):
-    """Two items of 8 samples; each sample: its id, its worker's pid and parent's pid, and what the
-    worker sees of :data:`MARKER` and :data:`LOCK`."""
+    """Two items of 8 samples; each sample: its id, its worker's pid and parent's pid, what the
+    worker sees of :data:`MARKER` and :data:`LOCK`, whether its collector runs, and how many objects
+    it holds frozen (:func:`gc.get_freeze_count`)."""
 
     def items(self) -> Sequence[Item]:
         return [Item("a", 8), Item("b", 8)]
@@ -34,4 +36,6 @@ class ProbeReader(Reader):
             "ppid": os.getppid(),
             "marker": MARKER,
             "lock_free": free,
+            "gc_enabled": gc.isenabled(),
+            "gc_frozen": gc.get_freeze_count(),
         }
