@@ -21,7 +21,7 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -284,7 +284,7 @@ def list_files(
     entries = [urls] if isinstance(urls, str) else list(urls)
     if not entries:
         raise ValueError("no data URLs were given: pass a path, a glob or a list of URLs")
-    files: list[FileInfo] = []
+    listed: list[tuple[str, int, str, str]] = []  # each file's URL, size, fingerprint and content id
     seen: dict[tuple[int, str], str] = {}  # (filesystem, canonical URL) -> how it was named first
     hidden = (storage_options or {}).get(URL_CREDENTIALS) or {}
     for url in entries:
@@ -308,14 +308,15 @@ def list_files(
         else:
             found_files = [(url if "://" in url else path, path, _info(fs, path, url, retry))]
         for display, p, i in found_files:
-            canonical = (id(fs), str(fs.unstrip_protocol(p)))
-            if canonical in seen:  # its samples would be read twice an epoch
-                also = "" if seen[canonical] == display else f" (also as {seen[canonical]!r})"
-                raise ValueError(f"{display!r} is named twice in the URLs{also}: name each file once")
-            seen[canonical] = display
-            files.append(FileInfo(display, int(i["size"]), fingerprint_of(i), content=content_of(i)))
-    root = common_root([f.url for f in files])
-    return [replace(f, name=f.url[len(root) :]) for f in files]
+            if len(entries) > 1:  # one glob matches each file once (10,000 canonical names: 0.05 s)
+                canonical = (id(fs), str(fs.unstrip_protocol(p)))
+                if canonical in seen:  # its samples would be read twice an epoch
+                    also = "" if seen[canonical] == display else f" (also as {seen[canonical]!r})"
+                    raise ValueError(f"{display!r} is named twice in the URLs{also}: name each file once")
+                seen[canonical] = display
+            listed.append((display, int(i["size"]), fingerprint_of(i), content_of(i)))
+    root = len(common_root([url for url, _, _, _ in listed]))
+    return [FileInfo(url, size, fingerprint, url[root:], content) for url, size, fingerprint, content in listed]
 
 
 def _followed(fs: Any, path: str) -> Any:
