@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import threading
 import time
 import warnings
@@ -19,6 +20,7 @@ from abc import abstractmethod
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -61,6 +63,10 @@ from lightning_sharding.readers.storage import (
 )
 
 Indexed = tuple[FileIndex, str, bool]  # a file's index, its content id, and whether it was scanned now
+# How much lower than the training process's the indexing threads run while its forkserver imports
+# (``nice``): both want the cores, and the workers wait on the imports, not on the rest of the index.
+INDEXING_NICENESS = 5
+_YIELDING: ContextVar[bool] = ContextVar("lightning_sharding_indexing_yields", default=False)
 REMOTE_SCAN_THREADS = 16  # indexing remote files waits on the store: threads overlap the waits
 REMOTE_READ_THREADS = 16  # a batch's remote files, read at once: their waits overlap (Reader.read_threads)
 # The bytes of the workers' first batches the training process fetches while they start
@@ -424,7 +430,8 @@ class FileReader(Reader):
         alone = [
             i for i, idx in enumerate(known) if indexed[i] is None and (idx is not None or i in maybe or not batches)
         ]
-        with ThreadPoolExecutor(max_workers=threads) as pool:
+        yielding = _yield_to_imports if _YIELDING.get() else None
+        with ThreadPoolExecutor(max_workers=threads, initializer=yielding) as pool:
             scanned = [(batch, pool.submit(many, batch)) for batch in batches]
             for i, result in zip(alone, pool.map(one, alone), strict=False):
                 indexed[i] = result
@@ -727,3 +734,28 @@ class FileReader(Reader):
             return
         with self.local_copy(item, count=False):
             pass
+
+
+@contextlib.contextmanager
+def indexing_yields(yields: bool = True) -> Iterator[None]:
+    """The indexing threads that start in the block run :data:`INDEXING_NICENESS` lower, when
+    ``yields`` (the loader's setup asks it while its forkserver imports)."""
+    token = _YIELDING.set(yields)
+    try:
+        yield
+    finally:
+        _YIELDING.reset(token)
+
+
+def _yield_to_imports() -> None:
+    """An indexing thread's first call while the forkserver imports: the thread runs
+    :data:`INDEXING_NICENESS` lower (Linux gives each thread its own). With 2 cores, the listing's 2
+    indexing threads held the server's import of torch to two thirds of a core, and the workers
+    started 0.2-0.3 s after the index was done; lowered, the import finishes first
+    (docs/performance.md, the first batch). The threads end with the indexing, and a lower priority
+    only matters while something else wants the cores."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(
+                os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + INDEXING_NICENESS
+            )

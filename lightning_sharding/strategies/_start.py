@@ -139,6 +139,14 @@ def slow_to_start(method: str) -> bool:
     return pid is None or pid != _served
 
 
+def forkserver_importing() -> bool:
+    """Whether this process started a forkserver that has started no helper process for it yet: its
+    preload (torch: about a second of one core) may be under way, and work that can wait should let
+    it run first (the setup's indexing threads: :func:`~lightning_sharding.readers.files.indexing_yields`)."""
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return _started_by == os.getpid() and pid is not None and pid != _served
+
+
 def note_started(method: str) -> None:
     """Helper processes were just started with ``method``: a forkserver's preload is done from now on."""
     global _served

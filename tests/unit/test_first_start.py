@@ -5,11 +5,15 @@ suffix glob without a regular expression per name (docs/performance.md, the firs
 from __future__ import annotations
 
 import fnmatch
+import gc
+import os
+import sys
 from pathlib import Path
 
 import fsspec
 import pytest
 
+from lightning_sharding.loading.engine import older_objects_frozen
 from lightning_sharding.readers import TarReader
 from lightning_sharding.readers.storage import _local_glob
 from lightning_sharding.recipes.synthetic_files import write_regression
@@ -60,3 +64,104 @@ def test_workers_wait_on_imports_when_spawned_or_a_forkserver_has_not_served_yet
     assert _start.slow_to_start("forkserver")
     monkeypatch.setattr(server, "_forkserver_pid", None)  # none started yet
     assert _start.slow_to_start("forkserver")
+
+
+class _RecordingReader(TarReader):
+    """A TarReader that records what its listing sees: the collector's frozen objects in ``items``,
+    the priority of each indexing thread in ``scan_batch``."""
+
+    frozen: list[int] = []
+    niceness: list[int] = []
+
+    def items(self):  # type: ignore[no-untyped-def]
+        _RecordingReader.frozen.append(gc.get_freeze_count())
+        return super().items()
+
+    def scan_batch(self, files):  # type: ignore[no-untyped-def]
+        _RecordingReader.niceness.append(os.getpriority(os.PRIO_PROCESS, 0))  # this thread's, on Linux
+        return super().scan_batch(files)
+
+
+def test_setup_freezes_the_objects_made_before_it_and_leaves_the_collector_as_it_was(tmp_path: Path) -> None:
+    """A setup's collections skip the objects that were there before it (gc.freeze, undone after):
+    seen from inside a real setup's listing. A collector that is off, or objects the user froze, are
+    left as they are."""
+    from lightning_sharding import ShardedDataModule
+
+    write_regression(str(tmp_path / "data"), "tar", [5, 3, 7])
+    _RecordingReader.frozen = []
+    reader = _RecordingReader(str(tmp_path / "data" / "*.tar"), cache_dir=tmp_path / "cache")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    ShardedDataModule(reader, batch_size=2, num_workers=0, seed=0).setup("fit")
+    assert _RecordingReader.frozen[0] > 10_000, "the objects made before the setup were not frozen in it"
+    assert gc.isenabled() and gc.get_freeze_count() == 0, "the setup left objects frozen"
+
+    with older_objects_frozen():
+        assert gc.get_freeze_count() > 10_000
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the user's, before the setup
+    try:
+        theirs = gc.get_freeze_count()
+        with older_objects_frozen():
+            assert gc.get_freeze_count() == theirs
+        assert gc.get_freeze_count() == theirs, "the user's frozen objects were unfrozen"
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with older_objects_frozen():
+            assert gc.get_freeze_count() == 0 and not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority is Linux's")
+def test_indexing_threads_yield_to_the_forkservers_imports_until_it_has_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While this process's forkserver imports (it started none of the workers yet), a setup's
+    indexing threads run INDEXING_NICENESS lower than the training process; once it has served, and
+    without one, at the training process's priority. Real setups; only the server's pid is given."""
+    from multiprocessing import forkserver
+
+    from lightning_sharding import ShardedDataModule
+    from lightning_sharding.readers.files import INDEXING_NICENESS
+    from lightning_sharding.strategies import _start
+
+    write_regression(str(tmp_path / "data"), "tar", [5, 3, 7])
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def niceness_of_a_first_start(name: str) -> set[int]:
+        _RecordingReader.niceness = []
+        reader = _RecordingReader(str(tmp_path / "data" / "*.tar"), cache_dir=tmp_path / name)
+        ShardedDataModule(reader, batch_size=2, num_workers=0, seed=0).setup("fit")
+        assert _RecordingReader.niceness, "no file was scanned in a batch"
+        return set(_RecordingReader.niceness)
+
+    monkeypatch.setattr(_start, "_served", None)
+    monkeypatch.setattr(_start, "_started_by", None)
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", 4242)
+    assert niceness_of_a_first_start("none") == {mine}, "no server of this process: nothing to yield to"
+    monkeypatch.setattr(_start, "_started_by", os.getpid())
+    assert _start.forkserver_importing()
+    assert niceness_of_a_first_start("importing") == {min(19, mine + INDEXING_NICENESS)}
+    _start.note_started("forkserver")
+    assert not _start.forkserver_importing()
+    assert niceness_of_a_first_start("served") == {mine}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine, "the training process's own priority changed"
+
+
+def test_a_forkservers_preload_list_keeps_what_was_asked_between_the_collectors_pause_and_resume() -> None:
+    from lightning_sharding.strategies._start import framed_preload
+
+    first = framed_preload(["mine"], ["torch", "mine", "lightning_sharding.strategies._worker"])
+    assert first == [
+        "lightning_sharding.preload.pause",
+        "mine",
+        "torch",
+        "lightning_sharding.strategies._worker",
+        "lightning_sharding.preload.resume",
+    ]
+    # A new server of the same process is asked the previous list again, with a module more.
+    assert framed_preload(first, ["torch", "s3fs"]) == [*first[:-1], "s3fs", first[-1]]
