@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sysconfig
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -424,8 +425,9 @@ def older_objects_frozen() -> Iterator[None]:
     (:func:`gc.freeze`, undone after). In a process that imported Lightning they are about a million,
     and listing and indexing 10,000 files sets off a full collection or two that walk them all: 0.2 s
     of a 1.3 s setup (docs/performance.md). Nothing is frozen when the collector is off, or when some
-    objects are frozen already (the user's, kept so)."""
-    if not gc.isenabled() or gc.get_freeze_count():
+    objects are frozen already (the user's, kept so), nor without the interpreter's lock, where each
+    of these calls stops every thread to walk the whole heap."""
+    if not gc.isenabled() or sysconfig.get_config_var("Py_GIL_DISABLED") or gc.get_freeze_count():
         yield
         return
     gc.freeze()

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 import threading
 import time
 import warnings
@@ -63,9 +62,7 @@ from lightning_sharding.readers.storage import (
 )
 
 Indexed = tuple[FileIndex, str, bool]  # a file's index, its content id, and whether it was scanned now
-# How much lower than the training process's the indexing threads run while its forkserver imports
-# (``nice``): both want the cores, and the workers wait on the imports, not on the rest of the index.
-INDEXING_NICENESS = 5
+# Whether local files are indexed leaving a core to the forkserver's imports (indexing_yields).
 _YIELDING: ContextVar[bool] = ContextVar("lightning_sharding_indexing_yields", default=False)
 REMOTE_SCAN_THREADS = 16  # indexing remote files waits on the store: threads overlap the waits
 REMOTE_READ_THREADS = 16  # a batch's remote files, read at once: their waits overlap (Reader.read_threads)
@@ -430,8 +427,7 @@ class FileReader(Reader):
         alone = [
             i for i, idx in enumerate(known) if indexed[i] is None and (idx is not None or i in maybe or not batches)
         ]
-        yielding = _yield_to_imports if _YIELDING.get() else None
-        with ThreadPoolExecutor(max_workers=threads, initializer=yielding) as pool:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
             scanned = [(batch, pool.submit(many, batch)) for batch in batches]
             for i, result in zip(alone, pool.map(one, alone), strict=False):
                 indexed[i] = result
@@ -494,12 +490,14 @@ class FileReader(Reader):
         on the store overlap); for local files, one per core when the reader scans them in batches of
         array operations (reads, hashes and array loops leave the interpreter's lock: 2 threads took
         0.79 s where 1 took 1.50 s on 2,000 shards here), else 1 (a walk in Python holds the lock).
-        ``ranks_here`` ranks of this machine indexing at once share its cores."""
+        ``ranks_here`` ranks of this machine indexing at once share its cores, less one while this
+        rank's forkserver imports (:func:`indexing_yields`)."""
         if self.scan_threads is not None:
             return max(1, min(self.scan_threads, len(files)))
         if any(scheme_of(f.url) != "file" for f in files):
             return max(1, min(REMOTE_SCAN_THREADS, len(files)))
-        cores = max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here))  # this rank's share of them
+        left = 1 if _YIELDING.get() else 0  # a core for the forkserver's imports
+        cores = max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here) - left)  # this rank's share of them
         return max(1, min(cores if self.batch_files else 1, len(files)))
 
     def _digest(self, info: FileInfo) -> str:
@@ -738,24 +736,13 @@ class FileReader(Reader):
 
 @contextlib.contextmanager
 def indexing_yields(yields: bool = True) -> Iterator[None]:
-    """The indexing threads that start in the block run :data:`INDEXING_NICENESS` lower, when
-    ``yields`` (the loader's setup asks it while its forkserver imports)."""
+    """When ``yields``, local files indexed in the block leave one of the rank's cores to other work:
+    the loader's setup asks it while its forkserver imports torch (about a second of one core), which
+    the workers, and so the first batch, wait for. With 2 cores, 2 indexing threads held that import
+    to two thirds of a core, and the workers started 0.2-0.3 s after the index was done
+    (docs/performance.md, the first batch)."""
     token = _YIELDING.set(yields)
     try:
         yield
     finally:
         _YIELDING.reset(token)
-
-
-def _yield_to_imports() -> None:
-    """An indexing thread's first call while the forkserver imports: the thread runs
-    :data:`INDEXING_NICENESS` lower (Linux gives each thread its own). With 2 cores, the listing's 2
-    indexing threads held the server's import of torch to two thirds of a core, and the workers
-    started 0.2-0.3 s after the index was done; lowered, the import finishes first
-    (docs/performance.md, the first batch). The threads end with the indexing, and a lower priority
-    only matters while something else wants the cores."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(
-                os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + INDEXING_NICENESS
-            )

@@ -59,6 +59,7 @@ _PRELOAD_FRAME = ("lightning_sharding.preload.pause", "lightning_sharding.preloa
 
 _started_by: int | None = None  # the pid of the process whose loader started the forkserver
 _served: int | None = None  # the pid of the forkserver that started a helper process of this process
+_importing: int | None = None  # the pid of the forkserver this process started, while it may still import
 
 
 def start_method(requested: str | BaseContext | None) -> str:
@@ -144,7 +145,7 @@ def forkserver_importing() -> bool:
     preload (torch: about a second of one core) may be under way, and work that can wait should let
     it run first (the setup's indexing threads: :func:`~lightning_sharding.readers.files.indexing_yields`)."""
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    return _started_by == os.getpid() and pid is not None and pid != _served
+    return pid is not None and pid == _importing and pid != _served
 
 
 def note_started(method: str) -> None:
@@ -174,15 +175,18 @@ def leave_forkserver(_worker_id: int | None = None) -> None:
 def _start_forkserver(modules: list[str]) -> None:
     """Start this process's forkserver with ``modules`` preloaded, unless it runs already (then the
     modules it lacks are imported by each worker)."""
-    global _started_by
+    global _started_by, _importing
     if _started_by == os.getpid():
         return
+    running = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     # What the user asked multiprocessing.set_forkserver_preload for stays asked for; the garbage
     # collector pauses while the server imports them all (lightning_sharding.preload).
     asked = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or []
     multiprocessing.get_context("forkserver").set_forkserver_preload(framed_preload(asked, modules))
     forkserver.ensure_running()
     _started_by = os.getpid()
+    started = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    _importing = started if started != running else None  # a server that ran already imported before
 
 
 def framed_preload(asked: list[str], modules: list[str]) -> list[str]:
@@ -220,7 +224,7 @@ def _forget_inherited_forkserver() -> None:
     """In a child forked from a process with a forkserver (Lightning's ``ddp_fork`` ranks), forget
     the parent's server: multiprocessing would ask ``waitpid`` about a process that is not the
     child's own and fail with ``ChildProcessError`` at the first worker. The child starts its own."""
-    global _started_by, _served
+    global _started_by, _served, _importing
     server: Any = getattr(forkserver, "_forkserver", None)
     if server is None or getattr(server, "_forkserver_pid", None) is None:
         return
@@ -231,7 +235,7 @@ def _forget_inherited_forkserver() -> None:
         except OSError:
             pass
     server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
-    _started_by = _served = None
+    _started_by = _served = _importing = None
 
 
 if hasattr(os, "register_at_fork"):

@@ -41,7 +41,7 @@ from lightning_sharding.strategies._dispatch_worker import (
     make_batch,
 )
 from lightning_sharding.strategies._helper_deaths import how_it_ended, reraise_if_dead, watch, worker_processes
-from lightning_sharding.strategies._start import leave_forkserver, worker_context
+from lightning_sharding.strategies._start import leave_forkserver, note_started, start_method, worker_context
 from lightning_sharding.strategies._worker import check_picklable, pass_through
 from lightning_sharding.strategies.base import Strategy, TrainLoader, register_strategy
 from lightning_sharding.strategies.options import DEFAULT_OPTIONS, LoaderOptions
@@ -219,6 +219,7 @@ class DispatchLoader(TrainLoader[DispatchSampler]):
             name=f"lightning_sharding-dispatcher-rank{self.world.rank}",
         )
         self._process.start()
+        note_started(start_method(self._start_method))  # a forkserver's imports are done from now on
         alive_w.close()  # only the dispatcher holds it now: its exit is end-of-file for the workers
         dataset = DispatchedBatches(
             queues,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import fnmatch
 import gc
 import os
-import sys
 from pathlib import Path
 
 import fsspec
@@ -68,18 +67,18 @@ def test_workers_wait_on_imports_when_spawned_or_a_forkserver_has_not_served_yet
 
 class _RecordingReader(TarReader):
     """A TarReader that records what its listing sees: the collector's frozen objects in ``items``,
-    the priority of each indexing thread in ``scan_batch``."""
+    and the threads it indexes with."""
 
     frozen: list[int] = []
-    niceness: list[int] = []
+    threads: list[int] = []
 
     def items(self):  # type: ignore[no-untyped-def]
         _RecordingReader.frozen.append(gc.get_freeze_count())
         return super().items()
 
-    def scan_batch(self, files):  # type: ignore[no-untyped-def]
-        _RecordingReader.niceness.append(os.getpriority(os.PRIO_PROCESS, 0))  # this thread's, on Linux
-        return super().scan_batch(files)
+    def indexing_threads(self, files, ranks_here=1):  # type: ignore[no-untyped-def]
+        _RecordingReader.threads.append(super().indexing_threads(files, ranks_here))
+        return _RecordingReader.threads[-1]
 
 
 def test_setup_freezes_the_objects_made_before_it_and_leaves_the_collector_as_it_was(tmp_path: Path) -> None:
@@ -116,40 +115,37 @@ def test_setup_freezes_the_objects_made_before_it_and_leaves_the_collector_as_it
         gc.enable()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority is Linux's")
-def test_indexing_threads_yield_to_the_forkservers_imports_until_it_has_served(
+def test_indexing_leaves_a_core_to_the_forkservers_imports_until_it_has_served(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While this process's forkserver imports (it started none of the workers yet), a setup's
-    indexing threads run INDEXING_NICENESS lower than the training process; once it has served, and
-    without one, at the training process's priority. Real setups; only the server's pid is given."""
+    """While this process's forkserver imports (it started none of the workers yet), a setup indexes
+    local files with one thread fewer than the rank's cores (at least one); once it has served, and
+    without one, with a thread per core. Real setups; only the server's pid is given."""
     from multiprocessing import forkserver
 
     from lightning_sharding import ShardedDataModule
-    from lightning_sharding.readers.files import INDEXING_NICENESS
     from lightning_sharding.strategies import _start
 
     write_regression(str(tmp_path / "data"), "tar", [5, 3, 7])
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    cores = len(os.sched_getaffinity(0))
 
-    def niceness_of_a_first_start(name: str) -> set[int]:
-        _RecordingReader.niceness = []
+    def threads_of_a_first_start(name: str) -> int:
+        _RecordingReader.threads = []
         reader = _RecordingReader(str(tmp_path / "data" / "*.tar"), cache_dir=tmp_path / name)
         ShardedDataModule(reader, batch_size=2, num_workers=0, seed=0).setup("fit")
-        assert _RecordingReader.niceness, "no file was scanned in a batch"
-        return set(_RecordingReader.niceness)
+        assert len(_RecordingReader.threads) == 1, _RecordingReader.threads
+        return _RecordingReader.threads[0]
 
     monkeypatch.setattr(_start, "_served", None)
-    monkeypatch.setattr(_start, "_started_by", None)
+    monkeypatch.setattr(_start, "_importing", None)
     monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", 4242)
-    assert niceness_of_a_first_start("none") == {mine}, "no server of this process: nothing to yield to"
-    monkeypatch.setattr(_start, "_started_by", os.getpid())
+    assert threads_of_a_first_start("none") == min(cores, 3), "no server started by this process: a core each"
+    monkeypatch.setattr(_start, "_importing", 4242)  # as _start_forkserver notes a server it started
     assert _start.forkserver_importing()
-    assert niceness_of_a_first_start("importing") == {min(19, mine + INDEXING_NICENESS)}
+    assert threads_of_a_first_start("importing") == min(max(1, cores - 1), 3)
     _start.note_started("forkserver")
     assert not _start.forkserver_importing()
-    assert niceness_of_a_first_start("served") == {mine}
-    assert os.getpriority(os.PRIO_PROCESS, 0) == mine, "the training process's own priority changed"
+    assert threads_of_a_first_start("served") == min(cores, 3)
 
 
 def test_a_forkservers_preload_list_keeps_what_was_asked_between_the_collectors_pause_and_resume() -> None:
@@ -165,3 +161,28 @@ def test_a_forkservers_preload_list_keeps_what_was_asked_between_the_collectors_
     ]
     # A new server of the same process is asked the previous list again, with a module more.
     assert framed_preload(first, ["torch", "s3fs"]) == [*first[:-1], "s3fs", first[-1]]
+
+
+def test_only_a_forkserver_this_process_started_counts_as_importing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that ran before the loader asked for one (the user's, or a previous loader's in a
+    forked rank) imported before: nothing waits for it. One that the loader started imports until it
+    serves a helper process. Only ensure_running's effect on the server's pid is given here."""
+    from multiprocessing import forkserver
+
+    from lightning_sharding.strategies import _start
+
+    server = forkserver._forkserver
+    monkeypatch.setattr(server, "_preload_modules", [])
+    monkeypatch.setattr(server, "_forkserver_pid", 4242)
+    monkeypatch.setattr(_start, "_started_by", None)
+    monkeypatch.setattr(_start, "_served", None)
+    monkeypatch.setattr(_start, "_importing", None)
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: None)  # running already: nothing to start
+    _start._start_forkserver(["json"])
+    assert not _start.forkserver_importing()
+    monkeypatch.setattr(_start, "_started_by", None)
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: setattr(server, "_forkserver_pid", 4343))
+    _start._start_forkserver(["json"])
+    assert _start.forkserver_importing()
+    _start.note_started("forkserver")
+    assert not _start.forkserver_importing()
