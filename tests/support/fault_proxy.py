@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import random
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -147,6 +148,12 @@ class _Server(ThreadingHTTPServer):
     # shards each) overflow it, and each dropped connection waits out TCP's 1-second retransmission,
     # which no object store or load balancer makes its clients do.
     request_queue_size = 128
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hung up mid-answer (a benchmark stops its peers' workers, and their curl,
+        # after the first batch) is no error of the proxy's: only other errors are printed.
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
 
 
 class _Forwarder(BaseHTTPRequestHandler):
