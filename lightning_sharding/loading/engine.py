@@ -234,7 +234,7 @@ class LoadingEngine:
             options = self.options
             used = (self.strategy, data, options.transform, options.batch_transform, options.collate_fn)
             worker_context(options.multiprocessing_context, *used)
-        # The indexing threads yield the cores to the forkserver's imports, which the workers wait on.
+        # Local files are indexed leaving a core to the forkserver's imports, which the workers wait on.
         with older_objects_frozen(), indexing_yields(forkserver_importing()):
             with collective(self.world):  # the leaders list and index, the other ranks receive the items
                 manifest = self.strategy.manifest(data, self.options.batch_size)
